@@ -1,0 +1,89 @@
+"""Make the student files from the reference solutions: ``python -m course.student``.
+
+solutions/ is the single source of truth. Every region between ``### BEGIN SOLUTION`` and
+``### END SOLUTION`` (nbgrader's markers) becomes a stub that raises NotImplementedError naming the
+exercise, the function and the handout. The exercise comes from the nearest ``TODO(exercise N)``
+comment above the region, which the student keeps as the instruction.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOLUTIONS = os.path.join(ROOT, "solutions")
+STUDENT_FILES = ("mlp.py", "dist.py", "mydp.py")
+
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+_TODO = re.compile(r"TODO\(exercise (\d+)\)")
+_DEF = re.compile(r"^(\s*)(?:async\s+)?(def|class)\s+(\w+)")
+
+HEADER = (
+    "# Your copy of exercise code: fill in every TODO. Made from solutions/{name} by `make student`.\n"
+)
+
+
+def handout(exercise: int) -> str:
+    """The handout of an exercise, as a path from the repository root."""
+    found = sorted(glob.glob(os.path.join(ROOT, "exercises", f"{exercise:02d}_*.md")))
+    if not found:
+        raise FileNotFoundError(f"no handout exercises/{exercise:02d}_*.md for exercise {exercise}")
+    return os.path.relpath(found[0], ROOT)
+
+
+def _enclosing_name(lines: list, index: int) -> str:
+    """Qualified name (Class.method) of the def that contains line `index`."""
+    indent = len(lines[index]) - len(lines[index].lstrip())
+    names = []
+    for line in reversed(lines[:index]):
+        m = _DEF.match(line)
+        if m and len(m.group(1)) < indent:
+            names.append(m.group(3))
+            indent = len(m.group(1))
+    return ".".join(reversed(names)) or "<module>"
+
+
+def stub_source(source: str, name: str) -> str:
+    """The student version of one solution file."""
+    lines = source.splitlines(keepends=True)
+    out, exercise, i = [HEADER.format(name=name)], None, 0
+    while i < len(lines):
+        line = lines[i]
+        todo = _TODO.search(line)
+        if todo:
+            exercise = int(todo.group(1))
+        if line.strip() != BEGIN:
+            out.append(line)
+            i += 1
+            continue
+        if exercise is None:
+            raise ValueError(f"{name}:{i + 1}: solution region without a TODO(exercise N) comment above it")
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == END), None)
+        if end is None:
+            raise ValueError(f"{name}:{i + 1}: {BEGIN} without {END}")
+        indent = line[: len(line) - len(line.lstrip())]
+        message = f"Exercise {exercise}: {_enclosing_name(lines, i)} is not written yet, see {handout(exercise)}"
+        out.append(f'{indent}raise NotImplementedError("{message}")\n')
+        i = end + 1
+    return "".join(out)
+
+
+def generate(dest: str = ROOT) -> list:
+    """Write the student files into dest; return their paths."""
+    written = []
+    for name in STUDENT_FILES:
+        with open(os.path.join(SOLUTIONS, name)) as f:
+            text = stub_source(f.read(), name)
+        path = os.path.join(dest, name)
+        with open(path, "w") as f:
+            f.write(text)
+        written.append(path)
+    return written
+
+
+if __name__ == "__main__":
+    for path in generate(sys.argv[1] if len(sys.argv) > 1 else ROOT):
+        print(f"wrote {os.path.relpath(path)}")

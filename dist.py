@@ -1,0 +1,97 @@
+# Your copy of exercise code: fill in every TODO. Made from solutions/dist.py by `make student`.
+"""Exercise 2: multiply matrices across workers with collectives.
+
+    python dist.py                   # two workers
+    python dist.py --world-size 3
+
+Both functions are called on every rank of a process group. A (m x k) and B (k x n) exist on rank
+0 only; the other ranks are passed None and learn everything, shapes included, by communication.
+Handout: exercises/02_dist.md.
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from course.launch import launch
+
+
+def block_sizes(total, parts):
+    """Split `total` rows into `parts` blocks as even as possible: block_sizes(7, 3) == [3, 2, 2]."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def share_shapes(A, B):
+    """Rank 0 tells every rank the shapes (m, k, n) and the dtype; returns them on every rank."""
+    meta = [(A.shape[0], A.shape[1], B.shape[1], A.dtype) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(meta, src=0)
+    return meta[0]
+
+
+def padded_blocks(matrix, sizes, dim):
+    """Cut matrix along dim into blocks of the given sizes, each zero-padded to the largest size.
+
+    gloo's scatter and gather move equal-sized tensors only, and they read each tensor's memory
+    as it lies: every block must be contiguous, or a rank silently receives the wrong numbers.
+    """
+    largest = max(sizes)
+    blocks = []
+    for block in torch.split(matrix, sizes, dim=dim):
+        pad = list(block.shape)
+        pad[dim] = largest - block.shape[dim]
+        blocks.append(torch.cat([block, block.new_zeros(pad)], dim=dim).contiguous())
+    return blocks
+
+
+def par_matmul_by_row(A, B):
+    """Return A @ B on rank 0 and None on the other ranks, computed by rows.
+
+    Broadcast B to every rank, scatter row blocks of A (dist.scatter), multiply locally, and
+    gather the row blocks of C back to rank 0 (dist.gather). m need not divide by the world size.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    m, k, n, dtype = share_shapes(A, B)
+    # TODO(exercise 2): broadcast B, scatter A's row blocks, multiply, gather C's row blocks.
+    raise NotImplementedError("Exercise 2: par_matmul_by_row is not written yet, see exercises/02_dist.md")
+
+
+def par_matmul_by_reduction(A, B):
+    """Return A @ B on every rank, computed by splitting the reduction dimension k.
+
+    Scatter column blocks of A and row blocks of B, multiply locally into a full m x n partial
+    product, and sum the partial products on every rank with dist.all_reduce.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    m, k, n, dtype = share_shapes(A, B)
+    # TODO(exercise 2): scatter A's column blocks and B's row blocks, multiply, all_reduce.
+    raise NotImplementedError("Exercise 2: par_matmul_by_reduction is not written yet, see exercises/02_dist.md")
+
+
+def do_work(m, k, n):
+    """Run on every rank: say who we are, multiply both ways, and check the results on rank 0."""
+    rank = dist.get_rank()
+    print(f"My rank is {os.environ['RANK']}, same as {rank}", flush=True)
+    A = B = None
+    if rank == 0:
+        g = torch.Generator().manual_seed(0)
+        A, B = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    results = {"by row": par_matmul_by_row(A, B), "by reduction": par_matmul_by_reduction(A, B)}
+    if rank != 0:
+        return True
+    ok = True
+    for method, C in results.items():
+        right = C is not None and C.shape == (m, n) and torch.allclose(C, A @ B, atol=1e-5)
+        print(f"{method}: {'matches' if right else 'does NOT match'} A @ B ({m}x{k} @ {k}x{n})")
+        ok = ok and right
+    return ok
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--shape", type=int, nargs=3, default=(7, 5, 3), metavar=("M", "K", "N"))
+    args = parser.parse_args()
+    results = launch(do_work, args.world_size, *args.shape)
+    raise SystemExit(0 if all(results) else 1)

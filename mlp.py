@@ -1,0 +1,187 @@
+# Your copy of exercise code: fill in every TODO. Made from solutions/mlp.py by `make student`.
+"""Exercises 1 and 3: train a toy MLP on one process, then data-parallel with built-in DDP.
+
+    python mlp.py                    # exercise 1: one process
+    python mlp.py --world-size 2     # exercise 3: two workers, DistributedDataParallel
+
+Handouts: exercises/01_mlp.md and exercises/03_ddp.md.
+"""
+
+import argparse
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from course.launch import launch
+
+
+@dataclass
+class ModelConfig:
+    n_layers: int = 4
+    d_in: int = 1024
+    n_classes: int = 32
+    d_hidden: int = 256
+    batch_size: int = 64
+    train_size: int = 10000
+    niters: int = 1000
+    lr: float = 0.1
+    seed: int = 0
+
+
+def gen_dataset(config, rand_state):
+    """A learnable classification task: each class is a cloud of points around its own centre.
+
+    Returns (X float32 [train_size, d_in], Y int64 [train_size]); the same rand_state gives the
+    same data on every rank, so no rank has to send data to another.
+    """
+    g = torch.Generator().manual_seed(rand_state)
+    centres = torch.randn(config.n_classes, config.d_in, generator=g) * 0.15
+    Y = torch.randint(0, config.n_classes, (config.train_size,), generator=g)
+    X = centres[Y] + torch.randn(config.train_size, config.d_in, generator=g)
+    return X, Y
+
+
+def split_dataset(X, Y, train_fraction=0.9):
+    """The first 90% of the rows to train on, the last 10% held out to measure test loss."""
+    n_train = int(len(X) * train_fraction)
+    return (X[:n_train], Y[:n_train]), (X[n_train:], Y[n_train:])
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        # TODO(exercise 1): n_layers bias-free nn.Linear layers in an nn.ModuleList named
+        # self.layers: d_in -> d_hidden -> ... -> d_hidden -> n_classes.
+        raise NotImplementedError("Exercise 1: MLP.__init__ is not written yet, see exercises/01_mlp.md")
+
+    def forward(self, data, targets=None):
+        """Return (logits, loss): tanh between layers, none after the last; loss only with targets."""
+        # TODO(exercise 1): run data through the layers.
+        raise NotImplementedError("Exercise 1: MLP.forward is not written yet, see exercises/01_mlp.md")
+        loss = F.cross_entropy(logits, targets) if targets is not None else None
+        return logits, loss
+
+
+@torch.no_grad()
+def evaluate(model, dataset, batch_size=50, max_batches=None):
+    """Mean loss of model over dataset = (X, Y), in batches; the model is left in training mode."""
+    # TODO(exercise 1): switch to eval mode, average the loss over the batches, switch back.
+    raise NotImplementedError("Exercise 1: evaluate is not written yet, see exercises/01_mlp.md")
+
+
+def batches(X, Y, batch_size, seed):
+    """Yield (index, x, y) for every batch, for ever: a new shuffle each epoch, the same on all ranks."""
+    index, epoch = 0, 0
+    while True:
+        order = torch.randperm(len(X), generator=torch.Generator().manual_seed(seed + epoch))
+        for start in range(0, len(X) - batch_size + 1, batch_size):
+            rows = order[start : start + batch_size]
+            yield index, X[rows], Y[rows]
+            index += 1
+        epoch += 1
+
+
+def wrap_ddp(model):
+    """Exercise 3: return the model wrapped in PyTorch's DistributedDataParallel."""
+    # TODO(exercise 3): one line. DDP broadcasts rank 0's weights and averages the gradients.
+    raise NotImplementedError("Exercise 3: wrap_ddp is not written yet, see exercises/03_ddp.md")
+
+
+def check_parameter_closeness(model):
+    """True on every rank when every rank holds the same parameters (torch.allclose).
+
+    Rank 0 collects the parameters of all ranks with dist.gather, compares them, and sends its
+    verdict to the others with dist.broadcast. With no process group there is nothing to compare.
+    """
+    if not dist.is_initialized():
+        return True
+    # TODO(exercise 3): gather to rank 0, compare, broadcast the verdict.
+    raise NotImplementedError("Exercise 3: check_parameter_closeness is not written yet, see exercises/03_ddp.md")
+
+
+def train(config, check=False, wrap=wrap_ddp):
+    """Train an MLP; in a process group, data-parallel with wrap(model). Returns final figures.
+
+    Every rank builds the same data. Batch i belongs to rank i % world_size, so one step of the
+    world covers world_size batches. Only rank 0 prints.
+    """
+    distributed = dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    torch.manual_seed(config.seed)
+    train_set, test_set = split_dataset(*gen_dataset(config, rand_state=config.seed))
+    model = MLP(config)
+    if distributed:
+        model = wrap(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+
+    step = 0
+    for i, x, y in batches(*train_set, config.batch_size, config.seed):
+        if step == config.niters:
+            break
+        if distributed:
+            # TODO(exercise 3): skip the batches that belong to the other ranks.
+            raise NotImplementedError("Exercise 3: train is not written yet, see exercises/03_ddp.md")
+        t0 = time.perf_counter()
+        _, loss = model(x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        step_ms = (time.perf_counter() - t0) * 1000
+        if check and not check_parameter_closeness(model):
+            raise RuntimeError(f"ranks hold different parameters after step {step}")
+        if rank == 0 and step % 100 == 0:
+            test_loss = evaluate(model, test_set, max_batches=20)
+            print(f"step {step} | train_loss {loss.item():.4f} | test_loss {test_loss:.4f} | step time {step_ms:.2f}ms")
+        step += 1
+
+    closeness = check_parameter_closeness(model)
+    plain = model.module if distributed else model
+    return {
+        "train_loss": loss.item(),
+        "test_loss": evaluate(model, test_set),
+        "parameters_close": closeness,
+        "state": {k: v.detach().clone() for k, v in plain.state_dict().items()},
+    }
+
+
+def make_parser(description=__doc__):
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n-layers", type=int, default=ModelConfig.n_layers)
+    p.add_argument("--dim-in", type=int, default=ModelConfig.d_in)
+    p.add_argument("--n-classes", type=int, default=ModelConfig.n_classes)
+    p.add_argument("--dim-hidden", type=int, default=ModelConfig.d_hidden)
+    p.add_argument("--train-size", type=int, default=ModelConfig.train_size)
+    p.add_argument("--batch-size", type=int, default=ModelConfig.batch_size)
+    p.add_argument("--learning-rate", type=float, default=ModelConfig.lr)
+    p.add_argument("--niters", type=int, default=ModelConfig.niters)
+    p.add_argument("--seed", type=int, default=ModelConfig.seed)
+    p.add_argument("--world-size", type=int, default=1, help="number of worker processes")
+    p.add_argument("--port", type=int, default=None, help="rendezvous on this TCP port (default: a private file, no port)")
+    p.add_argument("--check", action="store_true", help="check after every step that all ranks hold the same parameters")
+    return p
+
+
+def config_from(args):
+    return ModelConfig(
+        n_layers=args.n_layers, d_in=args.dim_in, n_classes=args.n_classes, d_hidden=args.dim_hidden,
+        batch_size=args.batch_size, train_size=args.train_size, niters=args.niters,
+        lr=args.learning_rate, seed=args.seed,
+    )
+
+
+def report(result):
+    print(f"final | train_loss {result['train_loss']:.4f} | test_loss {result['test_loss']:.4f}"
+          f" | parameters close across ranks: {result['parameters_close']}")
+
+
+if __name__ == "__main__":
+    args = make_parser().parse_args()
+    config = config_from(args)
+    print(asdict(config) | {"world_size": args.world_size})
+    # A world of one trains right here, without a process group: exercise 1 needs no DDP.
+    report(launch(train, args.world_size, config, args.check, port=args.port, single_process=True)[0])
