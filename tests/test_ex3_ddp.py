@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from course import impl
 from tests.helpers import check_equivalence, small_config, world
@@ -34,10 +35,10 @@ def check_train_shares_batches(folder):
 def closeness_verdict(folder, perturbed_rank):
     mlp = impl.load(folder).mlp
     torch.manual_seed(0)
-    model = mlp.MLP(small_config(mlp))
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
     if dist.get_rank() == perturbed_rank:
         with torch.no_grad():
-            model.layers[-1].weight[0, 0] += 1e-3
+            model[2].weight[0, 0] += 1e-3
     return mlp.check_parameter_closeness(model)
 
 

@@ -1,0 +1,24 @@
+"""Small mutants of the reference: one copy of solutions/ with one mistake in it.
+
+Each mutant is a text substitution; the original text must occur exactly once, so a mutant
+cannot silently stop applying when the reference changes.
+"""
+
+import os
+import shutil
+
+from course.student import SOLUTIONS, STUDENT_FILES
+
+
+def make_mutant(dest, file, old, new):
+    """Copy the reference into dest with `old` replaced by `new` in `file`; return dest."""
+    os.makedirs(dest, exist_ok=True)
+    for name in STUDENT_FILES:
+        shutil.copy(os.path.join(SOLUTIONS, name), dest)
+    path = os.path.join(dest, file)
+    with open(path) as f:
+        text = f.read()
+    assert text.count(old) == 1, f"mutant text must occur once in solutions/{file}: {old!r}"
+    with open(path, "w") as f:
+        f.write(text.replace(old, new))
+    return str(dest)

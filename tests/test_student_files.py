@@ -1,0 +1,65 @@
+"""The student files: generated from solutions/, importable, and stopping at the first TODO."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from course import impl
+from course.launch import WorldFailed
+from course.student import BEGIN, ROOT, SOLUTIONS, STUDENT_FILES, stub_source
+from tests.test_ex1_mlp import check_layers
+from tests.test_ex2_dist import check_matmul
+from tests.test_ex3_ddp import check_closeness
+from tests.test_ex4_mydp import check_start_sync
+
+STUB = re.compile(r'raise NotImplementedError\("(Exercise (\d+): \S+ is not written yet, see (\S+))"\)')
+
+
+@pytest.mark.parametrize("name", STUDENT_FILES)
+def test_student_file_is_generated_from_solution(name):
+    with open(os.path.join(SOLUTIONS, name)) as f:
+        expected = stub_source(f.read(), name)
+    with open(os.path.join(ROOT, name)) as f:
+        assert f.read() == expected, f"{name} differs from what `make student` makes of solutions/{name}: run `make student`"
+
+
+@pytest.mark.parametrize("name", STUDENT_FILES)
+def test_stubs_name_exercise_and_existing_handout(name):
+    with open(os.path.join(ROOT, name)) as f:
+        text = f.read()
+    stubs = STUB.findall(text)
+    assert stubs and BEGIN not in text
+    for _, exercise, handout in stubs:
+        assert os.path.exists(os.path.join(ROOT, handout)), f"the stub points at {handout}, which does not exist"
+        assert os.path.basename(handout).startswith(f"{int(exercise):02d}_")
+
+
+def test_student_files_import():
+    ex = impl.load(ROOT)
+    assert ex.mlp.ModelConfig().d_in == 1024 and callable(ex.mydp.MyDP)
+
+
+@pytest.mark.parametrize(
+    "check, exercise", [(check_layers, 1), (lambda f: check_matmul(f, 2), 2), (lambda f: check_closeness(f, 2), 3), (lambda f: check_start_sync(f, 2), 4)]
+)
+def test_untouched_stubs_fail_fast_with_their_message(check, exercise):
+    with pytest.raises((NotImplementedError, WorldFailed)) as caught:
+        check(ROOT)
+    assert str(caught.value).startswith(f"Exercise {exercise}: "), str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "command, message",
+    [
+        (["mlp.py", "--niters", "5"], "Exercise 1: MLP.__init__ is not written yet, see exercises/01_mlp.md"),
+        (["dist.py", "--world-size", "2"], "Exercise 2: par_matmul_by_row is not written yet, see exercises/02_dist.md"),
+        (["mydp.py", "--world-size", "2", "--niters", "5"], "Exercise 1: MLP.__init__ is not written yet, see exercises/01_mlp.md"),
+    ],
+)
+def test_cli_stops_at_first_stub_with_one_line(command, message):
+    done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip() == message, done.stderr
