@@ -91,6 +91,49 @@ def par_matmul_by_reduction(A, B):
     ### END SOLUTION
 
 
+def exchange(outgoing, incoming, right, left):
+    """Send `outgoing` to rank `right` while receiving `incoming` from rank `left`, and wait for both.
+
+    Start both before waiting for either (dist.isend, dist.irecv, then .wait() on each): if every
+    rank first sent with the blocking dist.send and only then received, a large message could
+    leave all of them waiting for a receiver that never comes.
+    """
+    # TODO(exercise 5): isend to the right, irecv from the left, wait for both.
+    ### BEGIN SOLUTION
+    requests = [dist.isend(outgoing, right), dist.irecv(incoming, left)]
+    for request in requests:
+        request.wait()
+    ### END SOLUTION
+
+
+def ring_all_reduce(tensor):
+    """Sum a contiguous tensor over all ranks, in place, with point-to-point messages only.
+
+    Rank r talks only to its neighbours on a ring: it sends to r + 1 and receives from r - 1
+    (modulo the world size). Cut the tensor into one chunk per rank (torch.tensor_split of a flat
+    view; chunks may be empty). Reduce-scatter: in W - 1 steps every rank passes one chunk on and
+    adds the chunk that arrives to its own, until each rank holds one chunk summed over all
+    ranks. All-gather: in W - 1 more steps the summed chunks travel around the ring, overwriting
+    the partial ones. No collective (dist.all_reduce and the like) may be used.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    chunks = tensor.view(-1).tensor_split(world_size)
+    # TODO(exercise 5): reduce-scatter then all-gather, one chunk each way per step (exchange).
+    ### BEGIN SOLUTION
+    for step in range(world_size - 1):
+        # The chunk sent on is the one this rank added to in the step before.
+        send, recv = (rank - step) % world_size, (rank - step - 1) % world_size
+        incoming = torch.empty_like(chunks[recv])
+        exchange(chunks[send], incoming, right, left)
+        chunks[recv].add_(incoming)
+    # Rank r now holds the complete sum of chunk (r + 1) % W; pass the complete chunks around.
+    for step in range(world_size - 1):
+        send, recv = (rank + 1 - step) % world_size, (rank - step) % world_size
+        exchange(chunks[send], chunks[recv], right, left)
+    ### END SOLUTION
+
+
 def do_work(m, k, n):
     """Run on every rank: say who we are, multiply both ways, and check the results on rank 0."""
     rank = dist.get_rank()
