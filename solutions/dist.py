@@ -1,11 +1,12 @@
-"""Exercise 2: multiply matrices across workers with collectives.
+"""Exercises 2 and 5: multiply matrices across workers with collectives; all-reduce around a ring.
 
     python dist.py                   # two workers
     python dist.py --world-size 3
+    python dist.py --world-size 3 --ring 10   # exercise 5: ring all-reduce of 10 numbers
 
-Both functions are called on every rank of a process group. A (m x k) and B (k x n) exist on rank
+The matrix products run on every rank of a process group. A (m x k) and B (k x n) exist on rank
 0 only; the other ranks are passed None and learn everything, shapes included, by communication.
-Handout: exercises/02_dist.md.
+Handouts: exercises/02_dist.md, exercises/05_ring.md.
 """
 
 import argparse
@@ -153,10 +154,27 @@ def do_work(m, k, n):
     return ok
 
 
+def ring_work(length):
+    """Run on every rank: ring_all_reduce `length` numbers and compare with dist.all_reduce."""
+    rank = dist.get_rank()
+    mine = torch.arange(length, dtype=torch.float32) * (rank + 1)  # whole numbers: sums are exact
+    expected = mine.clone()
+    dist.all_reduce(expected)
+    ring_all_reduce(mine)
+    same = torch.equal(mine, expected)
+    if rank == 0:
+        print(f"ring_all_reduce of {length} numbers on {dist.get_world_size()} ranks:"
+              f" {'matches' if same else 'does NOT match'} dist.all_reduce")
+    return same
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--shape", type=int, nargs=3, default=(7, 5, 3), metavar=("M", "K", "N"))
+    parser.add_argument("--ring", type=int, default=None, metavar="N", help="instead, check ring_all_reduce on N numbers (exercise 5)")
     args = parser.parse_args()
+    if args.ring is not None:
+        raise SystemExit(0 if all(launch(ring_work, args.world_size, args.ring)) else 1)
     results = launch(do_work, args.world_size, *args.shape)
     raise SystemExit(0 if all(results) else 1)
