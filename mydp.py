@@ -59,7 +59,9 @@ class Bucket:
     def __init__(self, params):
         self.params = params
         self.ready = 0  # how many of them have their gradient in this backward pass
-        self.buffer = None  # their gradients, flattened into one tensor, while it is all-reduced
+        # Their gradients, flat, for the all-reduce: made once, since a fresh tensor of many MiB
+        # at every step costs the operating system's time to hand out its pages again.
+        self.buffer = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
         self.work = None  # the handle that dist.all_reduce(..., async_op=True) returned
 
 
@@ -99,8 +101,9 @@ class OverlappedDP(nn.Module):
 
     def _launch(self, bucket):
         """Start the all-reduce of a bucket's averaged gradients in the background."""
-        # TODO(exercise 6): flatten the gradients into one tensor (torch.cat of p.grad.reshape(-1)),
-        # divide by the world size, start dist.all_reduce(..., async_op=True); keep both in bucket.
+        # TODO(exercise 6): copy the gradients into bucket.buffer (torch.cat of p.grad.reshape(-1),
+        # out=bucket.buffer), divide it by the world size in place, start
+        # dist.all_reduce(..., async_op=True) on it, and keep the handle in bucket.work.
         raise NotImplementedError("Exercise 6: OverlappedDP._launch is not written yet, see exercises/06_overlap.md")
 
     def finish_gradient_synchronization(self):

@@ -80,7 +80,9 @@ class Bucket:
     def __init__(self, params):
         self.params = params
         self.ready = 0  # how many of them have their gradient in this backward pass
-        self.buffer = None  # their gradients, flattened into one tensor, while it is all-reduced
+        # Their gradients, flat, for the all-reduce: made once, since a fresh tensor of many MiB
+        # at every step costs the operating system's time to hand out its pages again.
+        self.buffer = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
         self.work = None  # the handle that dist.all_reduce(..., async_op=True) returned
 
 
@@ -138,11 +140,12 @@ class OverlappedDP(nn.Module):
 
     def _launch(self, bucket):
         """Start the all-reduce of a bucket's averaged gradients in the background."""
-        # TODO(exercise 6): flatten the gradients into one tensor (torch.cat of p.grad.reshape(-1)),
-        # divide by the world size, start dist.all_reduce(..., async_op=True); keep both in bucket.
+        # TODO(exercise 6): copy the gradients into bucket.buffer (torch.cat of p.grad.reshape(-1),
+        # out=bucket.buffer), divide it by the world size in place, start
+        # dist.all_reduce(..., async_op=True) on it, and keep the handle in bucket.work.
         ### BEGIN SOLUTION
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket.params])
-        bucket.buffer = flat / dist.get_world_size()
+        torch.cat([p.grad.reshape(-1) for p in bucket.params], out=bucket.buffer)
+        bucket.buffer.div_(dist.get_world_size())
         bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
         ### END SOLUTION
 
@@ -156,7 +159,7 @@ class OverlappedDP(nn.Module):
             averages = bucket.buffer.split([p.numel() for p in bucket.params])
             for param, average in zip(bucket.params, averages):
                 param.grad.copy_(average.view_as(param.grad))
-            bucket.ready, bucket.buffer, bucket.work = 0, None, None
+            bucket.ready, bucket.work = 0, None
         self.launched, self.finish_queued = 0, False
         ### END SOLUTION
 
