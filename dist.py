@@ -85,11 +85,11 @@ def ring_all_reduce(tensor):
     """Sum a contiguous tensor over all ranks, in place, with point-to-point messages only.
 
     Rank r talks only to its neighbours on a ring: it sends to r + 1 and receives from r - 1
-    (modulo the world size). Cut the tensor into one chunk per rank (torch.tensor_split of a flat
-    view; chunks may be empty). Reduce-scatter: in W - 1 steps every rank passes one chunk on and
-    adds the chunk that arrives to its own, until each rank holds one chunk summed over all
-    ranks. All-gather: in W - 1 more steps the summed chunks travel around the ring, overwriting
-    the partial ones. No collective (dist.all_reduce and the like) may be used.
+    (modulo the world size). `chunks` cuts the tensor into one view per rank (some are empty
+    when the tensor is shorter than the world). Reduce-scatter: in W - 1 steps every rank passes
+    one chunk on and adds the chunk that arrives to its own, until each rank holds one chunk
+    summed over all ranks. All-gather: in W - 1 more steps the summed chunks travel around the
+    ring, overwriting the partial ones. No collective (dist.all_reduce and the like) may be used.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
