@@ -56,7 +56,7 @@ class RankReport:
 
     rank: int
     when: float
-    kind: str  # exception class name, "exit" (died without a word) or "timeout"
+    kind: str  # the exception's class name, or "exit" for a rank that died without a word
     message: str
     traceback: str = ""
 
