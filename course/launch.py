@@ -291,7 +291,8 @@ def run(
             writer.close()  # the child holds the only write end: its exit reads as EOF here
             procs.append(proc)
             conns.append(reader)
-        return _collect(procs, conns, timeout, workdir)
+        checked = child_env.get("TORCH_DISTRIBUTED_DEBUG", os.environ.get("TORCH_DISTRIBUTED_DEBUG")) == "DETAIL"
+        return _collect(procs, conns, timeout, workdir, checked)
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -301,7 +302,14 @@ def run(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _collect(procs: list, conns: list, timeout: float, stack_dir: str) -> list:
+_DDP_FILE = os.path.join("nn", "parallel", "distributed.py")
+_DDP_UNDER_DETAIL = (
+    "Built-in DistributedDataParallel crashes when collectives are checked (COURSE_DEBUG or "
+    "TORCH_DISTRIBUTED_DEBUG=DETAIL) in torch 2.13: run it without them."
+)
+
+
+def _collect(procs: list, conns: list, timeout: float, stack_dir: str, checked: bool) -> list:
     world_size = len(procs)
     results: dict[int, Any] = {}
     reports: list[RankReport] = []
@@ -323,9 +331,12 @@ def _collect(procs: list, conns: list, timeout: float, stack_dir: str) -> list:
             except EOFError:
                 procs[rank].join(timeout=1)
                 code = procs[rank].exitcode
-                frames = "\n".join("  " + f for f in _stack_of(stack_dir, rank))
-                where = f", at (innermost first):\n{frames}" if frames else ""
-                reports.append(RankReport(rank, time.time(), "exit", f"rank {rank} died with exit code {code} without reporting{where}"))
+                frames = _stack_of(stack_dir, rank)
+                where = ", at (innermost first):\n" + "\n".join("  " + f for f in frames) if frames else ""
+                message = f"rank {rank} died with exit code {code} without reporting{where}"
+                if checked and any(_DDP_FILE in f for f in frames):
+                    message += "\n" + _DDP_UNDER_DETAIL
+                reports.append(RankReport(rank, time.time(), "exit", message))
                 continue
             if status == "ok":
                 results[rank] = payload
