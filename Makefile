@@ -5,13 +5,14 @@ PY := $(VENV)/bin/python
 # Workers share the cores: see course/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help demo test grade student bench-launch
+.PHONY: help demo test grade student bench bench-launch
 
 help:
 	@echo "make demo     run every reference solution on CPU"
 	@echo "make test     the test suite: the reference solutions and the repository's own checks"
 	@echo "make grade    grade your mlp.py, dist.py and mydp.py (EX=2 for one exercise)"
 	@echo "make student  regenerate mlp.py, dist.py, mydp.py from solutions/"
+	@echo "make bench   step time of DDP and MyDP variants, ring all-reduce against gloo (bench/)"
 	@echo "make bench-launch  what starting a world of workers costs, per start method"
 
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -34,6 +35,9 @@ grade: $(VENV)/.installed
 
 student: $(VENV)/.installed
 	$(PY) -m course.student
+
+bench: $(VENV)/.installed
+	$(PY) bench/overlap.py
 
 bench-launch: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) bench/launch_cost.py

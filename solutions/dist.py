@@ -1,11 +1,12 @@
-"""Exercise 2: multiply matrices across workers with collectives.
+"""Exercises 2 and 5: multiply matrices across workers with collectives; all-reduce around a ring.
 
     python dist.py                   # two workers
     python dist.py --world-size 3
+    python dist.py --world-size 3 --ring 10   # exercise 5: ring all-reduce of 10 numbers
 
-Both functions are called on every rank of a process group. A (m x k) and B (k x n) exist on rank
+The matrix products run on every rank of a process group. A (m x k) and B (k x n) exist on rank
 0 only; the other ranks are passed None and learn everything, shapes included, by communication.
-Handout: exercises/02_dist.md.
+Handouts: exercises/02_dist.md, exercises/05_ring.md.
 """
 
 import argparse
@@ -91,6 +92,49 @@ def par_matmul_by_reduction(A, B):
     ### END SOLUTION
 
 
+def exchange(outgoing, incoming, right, left):
+    """Send `outgoing` to rank `right` while receiving `incoming` from rank `left`, and wait for both.
+
+    Start both before waiting for either (dist.isend, dist.irecv, then .wait() on each): if every
+    rank first sent with the blocking dist.send and only then received, a large message could
+    leave all of them waiting for a receiver that never comes.
+    """
+    # TODO(exercise 5): isend to the right, irecv from the left, wait for both.
+    ### BEGIN SOLUTION
+    requests = [dist.isend(outgoing, right), dist.irecv(incoming, left)]
+    for request in requests:
+        request.wait()
+    ### END SOLUTION
+
+
+def ring_all_reduce(tensor):
+    """Sum a contiguous tensor over all ranks, in place, with point-to-point messages only.
+
+    Rank r talks only to its neighbours on a ring: it sends to r + 1 and receives from r - 1
+    (modulo the world size). `chunks` cuts the tensor into one view per rank (some are empty
+    when the tensor is shorter than the world). Reduce-scatter: in W - 1 steps every rank passes
+    one chunk on and adds the chunk that arrives to its own, until each rank holds one chunk
+    summed over all ranks. All-gather: in W - 1 more steps the summed chunks travel around the
+    ring, overwriting the partial ones. No collective (dist.all_reduce and the like) may be used.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    chunks = tensor.view(-1).tensor_split(world_size)
+    # TODO(exercise 5): reduce-scatter then all-gather, one chunk each way per step (exchange).
+    ### BEGIN SOLUTION
+    for step in range(world_size - 1):
+        # The chunk sent on is the one this rank added to in the step before.
+        send, recv = (rank - step) % world_size, (rank - step - 1) % world_size
+        incoming = torch.empty_like(chunks[recv])
+        exchange(chunks[send], incoming, right, left)
+        chunks[recv].add_(incoming)
+    # Rank r now holds the complete sum of chunk (r + 1) % W; pass the complete chunks around.
+    for step in range(world_size - 1):
+        send, recv = (rank + 1 - step) % world_size, (rank - step) % world_size
+        exchange(chunks[send], chunks[recv], right, left)
+    ### END SOLUTION
+
+
 def do_work(m, k, n):
     """Run on every rank: say who we are, multiply both ways, and check the results on rank 0."""
     rank = dist.get_rank()
@@ -110,10 +154,27 @@ def do_work(m, k, n):
     return ok
 
 
+def ring_work(length):
+    """Run on every rank: ring_all_reduce `length` numbers and compare with dist.all_reduce."""
+    rank = dist.get_rank()
+    mine = torch.arange(length, dtype=torch.float32) * (rank + 1)  # whole numbers: sums are exact
+    expected = mine.clone()
+    dist.all_reduce(expected)
+    ring_all_reduce(mine)
+    same = torch.equal(mine, expected)
+    if rank == 0:
+        print(f"ring_all_reduce of {length} numbers on {dist.get_world_size()} ranks:"
+              f" {'matches' if same else 'does NOT match'} dist.all_reduce")
+    return same
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--shape", type=int, nargs=3, default=(7, 5, 3), metavar=("M", "K", "N"))
+    parser.add_argument("--ring", type=int, default=None, metavar="N", help="instead, check ring_all_reduce on N numbers (exercise 5)")
     args = parser.parse_args()
+    if args.ring is not None:
+        raise SystemExit(0 if all(launch(ring_work, args.world_size, args.ring)) else 1)
     results = launch(do_work, args.world_size, *args.shape)
     raise SystemExit(0 if all(results) else 1)

@@ -1,14 +1,19 @@
-"""Exercise 4: data parallelism by hand, in a wrapper as easy to use as the built-in DDP.
+"""Exercises 4, 6 and 7: data parallelism by hand, in a wrapper as easy to use as the built-in DDP.
 
     python mydp.py --world-size 2
     python mydp.py --world-size 2 --compare    # also train with built-in DDP and compare
+    python mydp.py --world-size 2 --bucket-cap-mb 1   # exercises 6-7: OverlappedDP, 1 MiB buckets
 
-Handout: exercises/04_mydp.md.
+Handouts: exercises/04_mydp.md, exercises/06_overlap.md, exercises/07_accumulation.md.
 """
+
+from contextlib import contextmanager, nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd import Variable
 
 from course.launch import launch
 from mlp import config_from, make_parser, report, train, wrap_ddp
@@ -46,6 +51,157 @@ class MyDP(nn.Module):
         return self.module(*args, **kwargs)
 
 
+def bucket_parameters(params, cap_bytes):
+    """Group parameters into buckets of at most cap_bytes of gradients; returns a list of lists.
+
+    Backward produces gradients roughly in reverse order of registration (the last layer's
+    first), so walk the parameters from last to first. A bucket takes parameters until the next
+    one would make it larger than cap_bytes; that one starts a new bucket. A parameter larger
+    than cap_bytes gets a bucket of its own, so cap_bytes=0 means one bucket per parameter.
+    """
+    # TODO(exercise 6): a gradient takes p.numel() * p.element_size() bytes.
+    ### BEGIN SOLUTION
+    buckets, size = [], 0
+    for param in reversed(params):
+        nbytes = param.numel() * param.element_size()
+        if buckets and size + nbytes <= cap_bytes:
+            buckets[-1].append(param)
+            size += nbytes
+        else:
+            buckets.append([param])
+            size = nbytes
+    return buckets
+    ### END SOLUTION
+
+
+class Bucket:
+    """Parameters whose gradients travel together in one all-reduce, and that all-reduce's state."""
+
+    def __init__(self, params):
+        self.params = params
+        self.ready = 0  # how many of them have their gradient in this backward pass
+        # Their gradients, flat, for the all-reduce: made once, since a fresh tensor of many MiB
+        # at every step costs the operating system's time to hand out its pages again.
+        self.buffer = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+        self.work = None  # the handle that dist.all_reduce(..., async_op=True) returned
+
+
+class OverlappedDP(nn.Module):
+    """MyDP that communicates while the backward pass computes: exercises 6 and 7.
+
+    Gradients travel in buckets of about bucket_cap_mb MiB. As soon as the backward pass has
+    produced every gradient of a bucket, that bucket's all-reduce starts in the background while
+    autograd computes the rest. When the backward pass ends, a callback waits for every
+    all-reduce and writes the averages into .grad, so optimizer.step() sees averaged gradients
+    as with MyDP. bucket_cap_mb=0 all-reduces each parameter on its own.
+    """
+
+    def __init__(self, model, bucket_cap_mb=25):
+        super().__init__()
+        self.module = model
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.buckets = [Bucket(group) for group in bucket_parameters(params, int(bucket_cap_mb * 2**20))]
+        self.launched = 0  # buckets whose all-reduce has started in this backward pass
+        self.finish_queued = False
+        self.require_sync = True  # no_sync() turns it off (exercise 7)
+        # TODO(exercise 6): 1. broadcast rank 0's parameters and buffers, as MyDP does;
+        # 2. on every parameter of every bucket, register_post_accumulate_grad_hook a function of
+        #    the parameter that calls self._gradient_ready(bucket): functools.partial binds bucket.
+        ### BEGIN SOLUTION
+        with torch.no_grad():
+            for state in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(state, src=0)
+        for bucket in self.buckets:
+            for param in bucket.params:
+                param.register_post_accumulate_grad_hook(partial(self._gradient_ready, bucket))
+        ### END SOLUTION
+
+    def _gradient_ready(self, bucket, param):
+        """Autograd calls this once param.grad holds its gradient, accumulated, for this pass."""
+        if not self.require_sync:
+            return  # inside no_sync(): the gradient stays in param.grad, on this rank only
+        # TODO(exercise 6): 1. on the first call of a backward pass, queue
+        #    self.finish_gradient_synchronization to run when the pass ends
+        #    (Variable._execution_engine.queue_callback); 2. count the bucket's ready gradients;
+        # 3. launch (self._launch), in bucket order, every bucket whose gradients are all ready,
+        #    stopping at the first one that is not: every rank must start them in the same order.
+        ### BEGIN SOLUTION
+        if not self.finish_queued:
+            Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
+            self.finish_queued = True
+        bucket.ready += 1
+        while self.launched < len(self.buckets):
+            waiting = self.buckets[self.launched]
+            if waiting.ready < len(waiting.params):
+                break
+            self._launch(waiting)
+            self.launched += 1
+        ### END SOLUTION
+
+    def _launch(self, bucket):
+        """Start the all-reduce of a bucket's averaged gradients in the background."""
+        # TODO(exercise 6): copy the gradients into bucket.buffer (torch.cat of p.grad.reshape(-1),
+        # out=bucket.buffer), divide it by the world size in place, start
+        # dist.all_reduce(..., async_op=True) on it, and keep the handle in bucket.work.
+        ### BEGIN SOLUTION
+        torch.cat([p.grad.reshape(-1) for p in bucket.params], out=bucket.buffer)
+        bucket.buffer.div_(dist.get_world_size())
+        bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
+        ### END SOLUTION
+
+    def finish_gradient_synchronization(self):
+        """Wait for every bucket's all-reduce and copy the averages into .grad; reset for the next pass."""
+        # TODO(exercise 6): wait (bucket.work.wait()), copy each parameter's slice of bucket.buffer
+        # into its .grad (Tensor.split, copy_), then reset the counts for the next backward pass.
+        ### BEGIN SOLUTION
+        for bucket in self.buckets:
+            bucket.work.wait()
+            averages = bucket.buffer.split([p.numel() for p in bucket.params])
+            for param, average in zip(bucket.params, averages):
+                param.grad.copy_(average.view_as(param.grad))
+            bucket.ready, bucket.work = 0, None
+        self.launched, self.finish_queued = 0, False
+        ### END SOLUTION
+
+    @contextmanager
+    def no_sync(self):
+        """Inside `with model.no_sync():` backward passes only accumulate gradients, locally."""
+        # TODO(exercise 7): turn self.require_sync off for the block, and on again after it, even
+        # when the block raises.
+        ### BEGIN SOLUTION
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = True
+        ### END SOLUTION
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def accumulation_step(model, optimizer, x, y, micro_batches):
+    """One optimizer step on the batch (x, y), computed in micro_batches equal pieces; returns its loss.
+
+    Each piece's loss is divided by micro_batches, so the gradients that accumulate in .grad add
+    up to the gradient of the whole batch's mean loss. Every piece but the last runs inside
+    model.no_sync(); the last backward pass averages the accumulated gradients across ranks.
+    """
+    # TODO(exercise 7): zero the gradients, backward every piece (torch.tensor_split), step.
+    ### BEGIN SOLUTION
+    optimizer.zero_grad()
+    pieces = list(zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches)))
+    total = 0.0
+    for i, (x_piece, y_piece) in enumerate(pieces):
+        with model.no_sync() if i < len(pieces) - 1 else nullcontext():
+            _, loss = model(x_piece, y_piece)
+            (loss / micro_batches).backward()
+        total += loss.item() / micro_batches
+    optimizer.step()
+    return total
+    ### END SOLUTION
+
+
 def largest_difference(a, b):
     """The largest absolute difference between two state dicts with the same keys."""
     return max((a[k] - b[k]).abs().max().item() for k in a)
@@ -61,6 +217,7 @@ def train_both(config, check):
 if __name__ == "__main__":
     parser = make_parser(__doc__)
     parser.add_argument("--compare", action="store_true", help="also train with built-in DDP and compare")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None, help="train with OverlappedDP, buckets of this many MiB")
     args = parser.parse_args()
     config = config_from(args)
     if args.compare:
@@ -69,4 +226,5 @@ if __name__ == "__main__":
         gap = largest_difference(mine["state"], builtin["state"])
         print(f"largest parameter difference between MyDP and built-in DDP: {gap:.3g}")
     else:
-        report(launch(train, args.world_size, config, args.check, MyDP, port=args.port)[0])
+        wrap = MyDP if args.bucket_cap_mb is None else partial(OverlappedDP, bucket_cap_mb=args.bucket_cap_mb)
+        report(launch(train, args.world_size, config, args.check, wrap, port=args.port)[0])

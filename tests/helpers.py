@@ -38,8 +38,17 @@ def global_batch(config, step, world_size):
     return torch.randn(rows, config.d_in, generator=g), torch.randint(0, config.n_classes, (rows,), generator=g)
 
 
+# SMALL's gradients are 160, 400 and 480 bytes, last layer first: buckets of 600 B hold [160, 400], [480].
+SMALL_BUCKET_MB = 600 / 2**20
+
+
 def wrapper(ex, name):
-    return {"ddp": ex.mlp.wrap_ddp, "mydp": lambda model: ex.mydp.MyDP(model)}[name]
+    return {
+        "ddp": ex.mlp.wrap_ddp,
+        "mydp": lambda model: ex.mydp.MyDP(model),
+        "overlapped": lambda model: ex.mydp.OverlappedDP(model, bucket_cap_mb=0),
+        "bucketed": lambda model: ex.mydp.OverlappedDP(model, bucket_cap_mb=SMALL_BUCKET_MB),
+    }[name]
 
 
 def parallel_steps(folder, wrap_name, steps):

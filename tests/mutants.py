@@ -22,3 +22,16 @@ def make_mutant(dest, file, old, new):
     with open(path, "w") as f:
         f.write(text.replace(old, new))
     return str(dest)
+
+
+def assert_caught(dest, mistake, file, old, new, check, hint):
+    """Make the mutant, run the check on it, and show it fails with a message containing hint."""
+    from course.launch import WorldFailed
+
+    folder = make_mutant(dest, file, old, new)
+    try:
+        check(folder)
+    except (AssertionError, WorldFailed) as caught:
+        assert hint in str(caught), f"the check caught '{mistake}' but its message does not say so: {caught}"
+        return
+    raise AssertionError(f"the check passed a mutant with '{mistake}'")

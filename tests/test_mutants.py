@@ -6,8 +6,7 @@ known mistake and shows that the check for it fails, with a message that points 
 
 import pytest
 
-from course.launch import WorldFailed
-from tests.mutants import make_mutant
+from tests.mutants import assert_caught
 from tests.test_ex1_mlp import check_training
 from tests.test_ex2_dist import check_matmul
 from tests.test_ex3_ddp import check_train_shares_batches
@@ -50,8 +49,4 @@ MUTANTS = {
 
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
-    file, old, new, check, hint = MUTANTS[mistake]
-    folder = make_mutant(tmp_path / "mutant", file, old, new)
-    with pytest.raises((AssertionError, WorldFailed)) as caught:
-        check(folder)
-    assert hint in str(caught.value), f"the check caught '{mistake}' but its message does not say so: {caught.value}"
+    assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])

@@ -14,6 +14,8 @@ from tests.test_ex1_mlp import check_layers
 from tests.test_ex2_dist import check_matmul
 from tests.test_ex3_ddp import check_closeness
 from tests.test_ex4_mydp import check_start_sync
+from tests.test_ex5_ring import check_ring
+from tests.test_ex6_overlap import check_bucket_parameters
 
 STUB = re.compile(r'raise NotImplementedError\("(Exercise (\d+): \S+ is not written yet, see (\S+))"\)')
 
@@ -43,7 +45,8 @@ def test_student_files_import():
 
 
 @pytest.mark.parametrize(
-    "check, exercise", [(check_layers, 1), (lambda f: check_matmul(f, 2), 2), (lambda f: check_closeness(f, 2), 3), (lambda f: check_start_sync(f, 2), 4)]
+    "check, exercise", [(check_layers, 1), (lambda f: check_matmul(f, 2), 2), (lambda f: check_closeness(f, 2), 3), (lambda f: check_start_sync(f, 2), 4),
+     (lambda f: check_ring(f, 2), 5), (check_bucket_parameters, 6)]
 )
 def test_untouched_stubs_fail_fast_with_their_message(check, exercise):
     with pytest.raises((NotImplementedError, WorldFailed)) as caught:

@@ -1,0 +1,108 @@
+"""What a worker sends and which collectives it starts, in order, and when it waits for them.
+
+The checks of exercises 5 to 7 need more than final numbers: that a ring used point-to-point
+messages only, and how many bytes it sent; that an all-reduce was still running when the
+backward pass produced its last gradient; how many collectives one step started. Every
+torch.distributed call, whichever Python function the code under test chose (send, isend,
+batch_isend_irecv, all_reduce, ...), ends in a method of the process group object, so CommLog
+wraps those methods for the duration of a `with` block, in the worker that uses it.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.distributed import ProcessGroup
+
+POINT_TO_POINT = ("send", "recv", "recv_anysource")
+COLLECTIVES = (
+    "allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
+    "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced", "broadcast", "reduce", "gather", "scatter", "alltoall",
+    "alltoall_base", "barrier", "monitored_barrier",
+)
+
+
+@dataclass
+class Event:
+    kind: str  # "start" (a message or collective begins), "wait" (for a started one) or "mark"
+    what: str  # the process group method, or a mark's label
+    number: int = -1  # which started operation, in order: a wait names the one it waits for
+    nbytes: int = 0
+    peer: Optional[int] = None  # the other rank of a send or receive
+
+
+def _nbytes(first_argument) -> int:
+    tensors = first_argument if isinstance(first_argument, (list, tuple)) else [first_argument]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class _Watched:
+    """A started operation's handle that notes in the log when someone waits for it."""
+
+    def __init__(self, work, log, event):
+        self._work, self._log, self._event = work, log, event
+
+    def wait(self, *args, **kwargs):
+        self._log.events.append(Event("wait", self._event.what, self._event.number))
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class CommLog:
+    """`with CommLog() as log:` records every operation started in the block, and every wait."""
+
+    def __init__(self):
+        self.events = []
+        self._saved = {}
+
+    def __enter__(self):
+        for name in POINT_TO_POINT + COLLECTIVES:
+            # The class's own entry, not getattr's bound form: only it can be put back as it was.
+            if name in vars(ProcessGroup):
+                self._saved[name] = vars(ProcessGroup)[name]
+                setattr(ProcessGroup, name, self._recording(name, getattr(ProcessGroup, name)))
+        return self
+
+    def __exit__(self, *exc):
+        for name, method in self._saved.items():
+            setattr(ProcessGroup, name, method)
+
+    def _recording(self, name, method):
+        def recorded(group, *args, **kwargs):
+            peer = args[1] if name in ("send", "recv") and len(args) > 1 else None
+            event = Event("start", name, len(self.started()), _nbytes(args[0]) if args else 0, peer)
+            self.events.append(event)
+            return _Watched(method(group, *args, **kwargs), self, event)
+
+        return recorded
+
+    def mark(self, label):
+        """Note a moment of the computation (a gradient produced, say) among the messages."""
+        self.events.append(Event("mark", label))
+
+    def started(self, until=None):
+        return [e for e in self.events[:until] if e.kind == "start"]
+
+    def collectives(self):
+        return [e for e in self.started() if e.what not in POINT_TO_POINT]
+
+    def in_flight(self, until=None):
+        """Numbers of the operations started before events[until] and not waited for by then."""
+        waited = {e.number for e in self.events[:until] if e.kind == "wait"}
+        return [e.number for e in self.started(until) if e.number not in waited]
+
+    def summary(self):
+        """Picklable figures for the parent process."""
+        sent = [e for e in self.started() if e.what == "send"]
+        received = [e for e in self.started() if e.what in ("recv", "recv_anysource")]
+        return {
+            "collectives": [e.what for e in self.collectives()],
+            "sent_bytes": sum(e.nbytes for e in sent),
+            "received_bytes": sum(e.nbytes for e in received),
+            "send_peers": sorted({e.peer for e in sent}),
+            "receive_peers": sorted({e.peer for e in received}),
+            "not_waited": self.in_flight(),
+        }

@@ -1,0 +1,65 @@
+"""Exercise 5: ring all-reduce from point-to-point messages."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course import impl
+from tests.comm_log import CommLog
+from tests.helpers import world
+
+# Shapes from empty to long, shorter than the world and not divisible by it; floats and integers.
+CASES = [
+    ((1,), torch.float32), ((2,), torch.int64), ((3,), torch.float64), ((5,), torch.int32),
+    ((0,), torch.float32), ((7, 9), torch.float32), ((1000,), torch.int64), ((4099,), torch.float32),
+]
+
+
+def ring_in_world(folder):
+    """On every rank: ring_all_reduce each case, and note what it sent to whom."""
+    d = impl.load(folder).dist
+    rank = dist.get_rank()
+    out = []
+    for i, (shape, dtype) in enumerate(CASES):
+        g = torch.Generator().manual_seed(10 * i + rank)
+        tensor = (torch.randn(shape, generator=g) * 100).to(dtype)
+        expected = tensor.clone()
+        dist.all_reduce(expected)
+        with CommLog() as log:
+            d.ring_all_reduce(tensor)
+        out.append((tensor, expected, log.summary()))
+    return out
+
+
+def check_ring(folder, world_size):
+    results = world(ring_in_world, world_size, folder)
+    for rank, per_case in enumerate(results):
+        neighbours = {(rank + 1) % world_size, (rank - 1) % world_size} - {rank}
+        for (shape, dtype), (got, expected, log) in zip(CASES, per_case):
+            what = f"with {world_size} ranks, a {dtype} tensor of shape {list(shape)}"
+            assert not log["collectives"], (
+                f"{what}: ring_all_reduce called {log['collectives'][0]}: use only point-to-point messages"
+                " (dist.isend, dist.irecv), no collective"
+            )
+            assert got.dtype == dtype and got.shape == expected.shape, f"{what}: ring_all_reduce should sum in place"
+            same = torch.equal(got, expected) if not dtype.is_floating_point else torch.allclose(got, expected, rtol=1e-5, atol=1e-3)
+            assert same, f"{what}: rank {rank} does not hold the sum over ranks that dist.all_reduce gives"
+            ring_bytes = 2 * (world_size - 1) * math.ceil(got.numel() / world_size) * got.element_size()
+            assert log["sent_bytes"] <= ring_bytes, (
+                f"{what}: rank {rank} sent {log['sent_bytes']} bytes, a ring sends at most {ring_bytes}"
+                f" (2(W-1) chunks of 1/W of the tensor): send one chunk per step, not the whole tensor"
+            )
+            assert len(log["send_peers"]) <= 1 and set(log["send_peers"]) <= neighbours, (
+                f"{what}: rank {rank} sent to ranks {log['send_peers']}: on a ring it sends to one neighbour only"
+            )
+            assert len(log["receive_peers"]) <= 1 and set(log["receive_peers"]) <= neighbours, (
+                f"{what}: rank {rank} received from ranks {log['receive_peers']}: on a ring it receives from one neighbour only"
+            )
+            assert not log["not_waited"], f"{what}: rank {rank} returned before waiting for all its sends and receives"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ring(impl_dir, world_size):
+    check_ring(impl_dir, world_size)

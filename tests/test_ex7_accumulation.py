@@ -1,0 +1,106 @@
+"""Exercise 7: gradient accumulation, no_sync() and accumulation_step."""
+
+import torch
+import torch.distributed as dist
+
+from course import impl
+from tests.comm_log import CommLog
+from tests.helpers import SMALL_BUCKET_MB, global_batch, small_config, world
+
+BUCKETS = 2  # SMALL's three gradients in buckets of SMALL_BUCKET_MB (tests/helpers.py)
+LR = 0.2
+
+
+def rank_rows(config, step, world_size, micro_batches):
+    """This rank's k micro-batches of one step: k * batch_size consecutive rows of the global batch."""
+    x, y = global_batch(config, step, world_size * micro_batches)
+    rank = dist.get_rank()
+    mine = slice(rank * micro_batches * config.batch_size, (rank + 1) * micro_batches * config.batch_size)
+    return x[mine], y[mine]
+
+
+def accumulate_in_world(folder, micro_batches, steps):
+    """On every rank: `steps` steps by hand with no_sync(), then `steps` with accumulation_step."""
+    ex = impl.load(folder)
+    config = small_config(ex.mlp)
+    world_size = dist.get_world_size()
+    torch.manual_seed(100 + dist.get_rank())
+    model = ex.mydp.OverlappedDP(ex.mlp.MLP(config), bucket_cap_mb=SMALL_BUCKET_MB)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    out = []
+    for step in range(steps):
+        x, y = rank_rows(config, step, world_size, micro_batches)
+        optimizer.zero_grad()
+        inside = 0
+        for x_piece, y_piece in list(zip(x.chunk(micro_batches), y.chunk(micro_batches)))[:-1]:
+            with model.no_sync(), CommLog() as log:
+                (model(x_piece, y_piece)[1] / micro_batches).backward()
+            inside += len(log.collectives())
+        with CommLog() as log:
+            (model(x.chunk(micro_batches)[-1], y.chunk(micro_batches)[-1])[1] / micro_batches).backward()
+        grads = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+        optimizer.step()
+        out.append({"inside": inside, "after": len(log.collectives()), "grads": grads, "params": _params(model)})
+    for step in range(steps, 2 * steps):
+        x, y = rank_rows(config, step, world_size, micro_batches)
+        with CommLog() as log:
+            loss = ex.mydp.accumulation_step(model, optimizer, x, y, micro_batches)
+        out.append({"step_collectives": len(log.collectives()), "loss": loss, "params": _params(model)})
+    return out
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+def check_accumulation(folder, world_size=2, micro_batches=3, steps=2):
+    """k micro-batches, all but the last inside no_sync(), equal one step on the whole batch."""
+    ex = impl.load(folder)
+    results = world(accumulate_in_world, world_size, folder, micro_batches, steps)
+    config = small_config(ex.mlp)
+    torch.manual_seed(100)  # rank 0's start
+    model = ex.mlp.MLP(config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(2 * steps):
+        x, y = global_batch(config, step, world_size * micro_batches)
+        rank_losses = [model(xr, yr)[1].item() for xr, yr in zip(x.chunk(world_size), y.chunk(world_size))]
+        optimizer.zero_grad()
+        model(x, y)[1].backward()
+        optimizer.step()
+        for rank, per_step in enumerate(results):
+            got = per_step[step]
+            what = f"rank {rank}, step {step + 1}, {micro_batches} micro-batches"
+            if step < steps:
+                assert got["inside"] == 0, (
+                    f"{what}: the backward passes inside no_sync() started {got['inside']} collectives:"
+                    " inside no_sync() gradients only accumulate, on each rank"
+                )
+                assert got["after"] == BUCKETS, (
+                    f"{what}: the backward pass after no_sync() started {got['after']} collectives, expected"
+                    f" one all-reduce per bucket ({BUCKETS})"
+                )
+                for name, p in model.named_parameters():
+                    grad = got["grads"][name]
+                    assert torch.allclose(grad, p.grad, rtol=1e-4, atol=1e-6), (
+                        f"{what}: the gradient of {name} after the last backward pass is not the gradient of the"
+                        " whole batch's mean loss: does it all-reduce the accumulated .grad"
+                        " (register_post_accumulate_grad_hook)?"
+                    )
+            else:
+                assert got["step_collectives"] == BUCKETS, (
+                    f"{what}: accumulation_step started {got['step_collectives']} collectives, expected {BUCKETS}"
+                    " (one per bucket, in the last backward pass): run the other micro-batches inside model.no_sync()"
+                )
+                assert abs(got["loss"] - rank_losses[rank]) < 1e-4, (
+                    f"{what}: accumulation_step returned {got['loss']:.5f}, the mean loss of the rank's batch is"
+                    f" {rank_losses[rank]:.5f}"
+                )
+            for name, p in model.named_parameters():
+                assert torch.allclose(got["params"][name], p.detach(), rtol=1e-4, atol=1e-5), (
+                    f"{what}: {name} differs from one process trained on the whole batch: is each micro-batch's"
+                    " loss divided by the number of micro-batches?"
+                )
+
+
+def test_accumulation(impl_dir):
+    check_accumulation(impl_dir)
