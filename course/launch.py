@@ -23,6 +23,7 @@ world of a cluster launcher (torchrun, srun, mpiexec) when this process was star
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import multiprocessing as mp
 import os
 import pickle
@@ -56,7 +57,7 @@ class RankReport:
 
     rank: int
     when: float
-    kind: str  # exception class name, "exit" (died without a word) or "timeout"
+    kind: str  # the exception's class name, or "exit" for a rank that died without a word
     message: str
     traceback: str = ""
 
@@ -224,11 +225,18 @@ def _summarize(reports: list, world_size: int) -> str:
     return f"Rank {first.rank} of {world_size} failed first:\n{body}{tail}"
 
 
+# A worker's first optimizer step imports torch._dynamo: 1.4 s on 2 cores, paid by every rank at
+# once. Imported before forking (here, or in the forkserver), every worker starts with it.
+_WORKER_MODULES = ["torch", "torch.distributed", "torch._dynamo", "course.launch"]
+
+
 def _context(method: str):
     ctx = mp.get_context(method)
-    if method == "forkserver":
-        # The server imports these once; every worker forked from it starts with them loaded.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "course.launch"])
+    if method == "fork":
+        for name in _WORKER_MODULES:
+            importlib.import_module(name)
+    elif method == "forkserver":
+        ctx.set_forkserver_preload(_WORKER_MODULES)
     return ctx
 
 
@@ -283,7 +291,8 @@ def run(
             writer.close()  # the child holds the only write end: its exit reads as EOF here
             procs.append(proc)
             conns.append(reader)
-        return _collect(procs, conns, timeout, workdir)
+        checked = child_env.get("TORCH_DISTRIBUTED_DEBUG", os.environ.get("TORCH_DISTRIBUTED_DEBUG")) == "DETAIL"
+        return _collect(procs, conns, timeout, workdir, checked)
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -293,7 +302,14 @@ def run(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _collect(procs: list, conns: list, timeout: float, stack_dir: str) -> list:
+_DDP_FILE = os.path.join("nn", "parallel", "distributed.py")
+_DDP_UNDER_DETAIL = (
+    "Built-in DistributedDataParallel crashes when collectives are checked (COURSE_DEBUG or "
+    "TORCH_DISTRIBUTED_DEBUG=DETAIL) in torch 2.13: run it without them."
+)
+
+
+def _collect(procs: list, conns: list, timeout: float, stack_dir: str, checked: bool) -> list:
     world_size = len(procs)
     results: dict[int, Any] = {}
     reports: list[RankReport] = []
@@ -315,9 +331,12 @@ def _collect(procs: list, conns: list, timeout: float, stack_dir: str) -> list:
             except EOFError:
                 procs[rank].join(timeout=1)
                 code = procs[rank].exitcode
-                frames = "\n".join("  " + f for f in _stack_of(stack_dir, rank))
-                where = f", at (innermost first):\n{frames}" if frames else ""
-                reports.append(RankReport(rank, time.time(), "exit", f"rank {rank} died with exit code {code} without reporting{where}"))
+                frames = _stack_of(stack_dir, rank)
+                where = ", at (innermost first):\n" + "\n".join("  " + f for f in frames) if frames else ""
+                message = f"rank {rank} died with exit code {code} without reporting{where}"
+                if checked and any(_DDP_FILE in f for f in frames):
+                    message += "\n" + _DDP_UNDER_DETAIL
+                reports.append(RankReport(rank, time.time(), "exit", message))
                 continue
             if status == "ok":
                 results[rank] = payload

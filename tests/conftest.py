@@ -10,9 +10,6 @@ os.environ.setdefault("COURSE_TIMEOUT", "60")
 os.environ.setdefault("COURSE_COLLECTIVE_TIMEOUT", "10")
 
 import pytest  # noqa: E402
-# Every optimizer's constructor imports torch._dynamo on first use (seconds). Workers fork from
-# this process: importing it here once spares that import in every worker of every world.
-import torch._dynamo  # noqa: E402,F401
 
 from course import impl  # noqa: E402
 
