@@ -400,8 +400,8 @@ def launch(
     launcher's world size wins; rank 0 notes a difference). Only rank 0 returns, with ``[its
     result]``; the other ranks exit here, so what the script does with the results happens once.
     """
+    outside = env.external_world()
     try:
-        outside = env.external_world()
         if outside is not None:
             return _run_in_external_world(fn, args, outside, world_size, master_addr, port, backend, device)
         where, backend = _choose(device, backend, 0, world_size, speak=True)
@@ -416,7 +416,8 @@ def launch(
         print(failure.summary, file=sys.stderr)
         raise SystemExit(1)
     except KeyboardInterrupt:
-        print(f"\nInterrupted: stopped all {world_size} workers.", file=sys.stderr)
+        if outside is None:  # a cluster launcher stops its own ranks and says so
+            print(f"\nInterrupted: stopped all {world_size} workers.", file=sys.stderr)
         raise SystemExit(130)
 
 

@@ -226,7 +226,7 @@ def config_from(args):
 
 def report(result):
     print(f"final | train_loss {result['train_loss']:.4f} | test_loss {result['test_loss']:.4f}"
-          f" | parameters close across ranks: {result['parameters_close']}")
+          f" | parameters close across ranks: {result['parameters_close']} | median step time {result['step_ms']:.2f}ms")
 
 
 if __name__ == "__main__":
