@@ -12,7 +12,7 @@ import traceback
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401 - every optimizer imports it (seconds): forked ranks inherit it instead
+import torch._dynamo  # noqa: F401 - every optimizer imports it (seconds): the forked ranks below inherit it
 import torch.distributed as dist
 
 from course import env, gpu_check, impl
