@@ -7,6 +7,7 @@ about GPUs (which one, which backend) is decided by ``course.launch``.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -19,6 +20,20 @@ def select(device: str) -> None:
     os.environ[_VARIABLE] = device
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL and new CUDA tensors use the current GPU
+
+
+@contextmanager
+def using(device: str):
+    """select(device) for the duration of a with block, then the previous choice again."""
+    before = os.environ.get(_VARIABLE)
+    select(device)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_VARIABLE, None)
+        else:
+            select(before)
 
 
 def current_device() -> torch.device:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from course import impl
-from course.device import current_device, select
+from course.device import current_device, using
 from course.launch import run
 from course.student import SOLUTIONS
 
@@ -75,13 +75,9 @@ def _matrices(m: int, k: int, n: int) -> tuple:
     return torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
 
 
-def _largest_difference(a: dict, b: dict) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 def _train_here(folder: str, fields: dict, device: str) -> dict:
-    select(device)
-    return _train(folder, fields)
+    with using(device):
+        return _train(folder, fields)
 
 
 def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> list:
@@ -94,7 +90,7 @@ def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> li
 
     fields = asdict(config)
     alone = [_train_here(folder, fields, where) for where in ("cpu", "cuda:0" if device == "cuda" else "cpu")]
-    rows.append(_training_row("1 MLP, one process", 1, config.amp, alone))
+    rows.append(_training_row(folder, "1 MLP, one process", 1, config.amp, alone))
 
     reference = torch.matmul(*_matrices(*MATMUL_SHAPE))
     products = run(matmul_on_rank, world_size, folder, *MATMUL_SHAPE, **on_device)[0]
@@ -105,13 +101,13 @@ def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> li
         for amp in (False, True):
             case = fields | {"amp": amp}
             results = [run(train_on_rank, world_size, folder, case, wrap_name, **where)[0] for where in (on_cpu, on_device)]
-            rows.append(_training_row(label + (" --amp" if amp else ""), world_size, amp, results))
+            rows.append(_training_row(folder, label + (" --amp" if amp else ""), world_size, amp, results))
     return rows
 
 
-def _training_row(case: str, world_size: int, amp: bool, results: list) -> Row:
+def _training_row(folder: str, case: str, world_size: int, amp: bool, results: list) -> Row:
     cpu, other = results
-    difference = _largest_difference(cpu["state"], other["state"])
+    difference = impl.load(folder).mydp.largest_difference(cpu["state"], other["state"])
     return Row(case, world_size, difference, TOLERANCE[amp], (cpu["step_ms"], other["step_ms"]))
 
 

@@ -404,7 +404,8 @@ def launch(
     try:
         if outside is not None:
             return _run_in_external_world(fn, args, outside, world_size, master_addr, port, backend, device)
-        where, backend = _choose(device, backend, 0, world_size, speak=True)
+        # Asked for the highest local rank: when it has a GPU of its own, every rank has.
+        where, backend = _choose(device, backend, world_size - 1, world_size, speak=True)
         if single_process and world_size == 1:
             select_device(where)
             return [fn(*args)]

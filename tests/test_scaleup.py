@@ -38,8 +38,12 @@ def free_port():
 
 
 def run_script(name, *argv):
-    """What `python solutions/NAME.py ARGV...` runs; a clean exit returns."""
-    sys.argv = [SCRIPT[name], *argv]
+    """What `python solutions/NAME.py ARGV... --device cpu` runs; a clean exit returns.
+
+    On the CPU: these run in forked copies of the test process, and CUDA cannot be used in a
+    copy forked after its parent used it (the GPU tests below do, on a machine with a GPU).
+    """
+    sys.argv = [SCRIPT[name], *argv, "--device", "cpu"]
     sys.path.insert(0, SOLUTIONS)  # what python does for a script: mydp.py imports mlp
     try:
         runpy.run_path(SCRIPT[name], run_name="__main__")
@@ -330,6 +334,7 @@ def test_gpu_check_compares_every_case():
     ]
     assert all(row.ok for row in rows), gpu_check.report(rows, "CPU")
     assert "6 of 6 cases agree with the CPU." in gpu_check.report(rows, "CPU")
+    assert "COURSE_DEVICE" not in os.environ, "the check should leave this process's device as it found it"
 
 
 # --- on GPUs (skipped without one) ------------------------------------------------------------
