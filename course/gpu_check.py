@@ -1,10 +1,10 @@
-"""``make gpu-check``: every exercise's reference solution on this machine's GPUs, against the CPU.
+"""``make gpu-check``: the reference solutions on this machine's GPUs, against the CPU.
 
     python -m course.gpu_check                      # the defaults of mlp.py, 300 steps
     python -m course.gpu_check --dim-hidden 2048    # any flag of mlp.py
 
-Each case runs twice from the same seeds: on the CPU with gloo, and on the GPUs with nccl, in a
-world of one rank per GPU (one GPU is enough). The report gives the largest difference between
+Exercises 1 to 6 (7 adds no device-specific code to 6): each case runs on the CPU with gloo and on
+the GPUs with nccl, from the same seeds, in a world of one rank per GPU (one GPU is enough). The report gives the largest difference between
 the two and the median step times, and the exit status says whether every case agreed. Without
 a GPU it says so and exits 0.
 """
@@ -15,6 +15,7 @@ import contextlib
 import io
 import sys
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Optional
 
 import torch
@@ -29,6 +30,7 @@ from course.student import SOLUTIONS
 # in summation order only; bfloat16 keeps 8 bits of mantissa, so a few hundred steps drift further.
 TOLERANCE = {False: 1e-3, True: 5e-2}
 MATMUL_SHAPE = (1000, 700, 500)  # no side divides by a small world size: the padding is exercised
+RING_LENGTH = 100_003  # not a multiple either; its sums over 16 ranks stay below 2**24, exact in float32
 
 
 @dataclass
@@ -53,10 +55,18 @@ def _train(folder: str, fields: dict, wrap=None) -> dict:
 
 
 def train_on_rank(folder: str, fields: dict, wrap_name: str):
-    """Worker: train data-parallel with DDP or MyDP; rank 0 returns its parameters and step time."""
+    """Worker: train data-parallel with DDP, MyDP or OverlappedDP; rank 0 returns its parameters and step time."""
     ex = impl.load(folder)
-    result = _train(folder, fields, {"ddp": ex.mlp.wrap_ddp, "mydp": ex.mydp.MyDP}[wrap_name])
+    wraps = {"ddp": ex.mlp.wrap_ddp, "mydp": ex.mydp.MyDP, "overlapped": partial(ex.mydp.OverlappedDP, bucket_cap_mb=1)}
+    result = _train(folder, fields, wraps[wrap_name])
     return result if dist.get_rank() == 0 else None
+
+
+def ring_on_rank(folder: str, length: int):
+    """Worker: exercise 5's ring_all_reduce of whole numbers (exact sums); rank 0 returns the sum."""
+    ring = torch.arange(length, dtype=torch.float32, device=current_device()) * (dist.get_rank() + 1)
+    impl.load(folder).dist.ring_all_reduce(ring)
+    return ring.cpu() if dist.get_rank() == 0 else None
 
 
 def matmul_on_rank(folder: str, m: int, k: int, n: int):
@@ -97,11 +107,19 @@ def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> li
     difference = max(((C - reference).abs().max() / reference.abs().max()).item() for C in products)
     rows.append(Row("2 matmul, by row and by reduction", world_size, difference, 1e-5))
 
-    for label, wrap_name in (("3 DDP", "ddp"), ("4 MyDP", "mydp")):
-        for amp in (False, True):
-            case = fields | {"amp": amp}
-            results = [run(train_on_rank, world_size, folder, case, wrap_name, **where)[0] for where in (on_cpu, on_device)]
-            rows.append(_training_row(folder, label + (" --amp" if amp else ""), world_size, amp, results))
+    def data_parallel(case, wrap_name, amp=False):
+        fields_here = fields | {"amp": amp}
+        results = [run(train_on_rank, world_size, folder, fields_here, wrap_name, **where)[0] for where in (on_cpu, on_device)]
+        rows.append(_training_row(folder, case, world_size, amp, results))
+
+    data_parallel("3 DDP", "ddp")
+    data_parallel("3 DDP --amp", "ddp", amp=True)
+    data_parallel("4 MyDP", "mydp")
+    data_parallel("4 MyDP --amp", "mydp", amp=True)
+    ring = run(ring_on_rank, world_size, folder, RING_LENGTH, **on_device)[0]
+    exact = torch.arange(RING_LENGTH, dtype=torch.float32) * (world_size * (world_size + 1) // 2)
+    rows.append(Row("5 ring all-reduce", world_size, (ring - exact).abs().max().item(), 0.0))
+    data_parallel("6 OverlappedDP, 1 MiB buckets", "overlapped")
     return rows
 
 

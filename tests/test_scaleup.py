@@ -331,9 +331,10 @@ def test_gpu_check_compares_every_case():
     rows = gpu_check.compare("cpu", 2, small_config(impl.load(SOLUTIONS).mlp))
     assert [row.case for row in rows] == [
         "1 MLP, one process", "2 matmul, by row and by reduction", "3 DDP", "3 DDP --amp", "4 MyDP", "4 MyDP --amp",
+        "5 ring all-reduce", "6 OverlappedDP, 1 MiB buckets",
     ]
     assert all(row.ok for row in rows), gpu_check.report(rows, "CPU")
-    assert "6 of 6 cases agree with the CPU." in gpu_check.report(rows, "CPU")
+    assert "8 of 8 cases agree with the CPU." in gpu_check.report(rows, "CPU")
     assert "COURSE_DEVICE" not in os.environ, "the check should leave this process's device as it found it"
 
 
