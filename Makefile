@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Workers share the cores: see course/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help demo test grade student bench bench-launch
+.PHONY: help demo test grade student bench bench-launch gpu-check
 
 help:
 	@echo "make demo     run every reference solution on CPU"
@@ -14,6 +14,7 @@ help:
 	@echo "make student  regenerate mlp.py, dist.py, mydp.py from solutions/"
 	@echo "make bench   step time of DDP and MyDP variants, ring all-reduce against gloo (bench/)"
 	@echo "make bench-launch  what starting a world of workers costs, per start method"
+	@echo "make gpu-check  every reference solution on this machine's GPUs, compared with the CPU (ARGS=mlp.py flags)"
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,3 +42,6 @@ bench: $(VENV)/.installed
 
 bench-launch: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) bench/launch_cost.py
+
+gpu-check: $(VENV)/.installed
+	$(PY) -m course.gpu_check $(ARGS)

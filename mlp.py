@@ -8,6 +8,7 @@ Handouts: exercises/01_mlp.md and exercises/03_ddp.md.
 """
 
 import argparse
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -17,7 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course.launch import launch
+from course.device import amp_dtype, current_device, ddp_device_ids, synchronize
+from course.launch import add_launch_arguments, launch, launch_options
 
 
 @dataclass
@@ -31,6 +33,7 @@ class ModelConfig:
     niters: int = 1000
     lr: float = 0.1
     seed: int = 0
+    amp: bool = False  # mixed precision: forward and backward matrix products in 16-bit floats
 
 
 def gen_dataset(config, rand_state):
@@ -112,12 +115,17 @@ def train(config, check=False, wrap=wrap_ddp):
     """
     distributed = dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    device = current_device()
     torch.manual_seed(config.seed)
-    train_set, test_set = split_dataset(*gen_dataset(config, rand_state=config.seed))
-    model = MLP(config)
+    train_set, test_set = split_dataset(*(t.to(device) for t in gen_dataset(config, rand_state=config.seed)))
+    model = MLP(config).to(device)
     if distributed:
         model = wrap(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+    # float16 gradients can round to zero: the scaler multiplies the loss first (bfloat16 needs none).
+    precision = amp_dtype(device) if config.amp else None
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == torch.float16)
+    step_times = []
 
     step = 0
     for i, x, y in batches(*train_set, config.batch_size, config.seed):
@@ -126,12 +134,17 @@ def train(config, check=False, wrap=wrap_ddp):
         if distributed:
             # TODO(exercise 3): skip the batches that belong to the other ranks.
             raise NotImplementedError("Exercise 3: train is not written yet, see exercises/03_ddp.md")
+        synchronize(device)  # a GPU runs queued work after the call returns: time the work, not the queueing
         t0 = time.perf_counter()
-        _, loss = model(x, y)
+        with torch.autocast(device.type, dtype=precision, enabled=config.amp):
+            _, loss = model(x, y)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        synchronize(device)
         step_ms = (time.perf_counter() - t0) * 1000
+        step_times.append(step_ms)
         if check and not check_parameter_closeness(model):
             raise RuntimeError(f"ranks hold different parameters after step {step}")
         if rank == 0 and step % 100 == 0:
@@ -145,6 +158,7 @@ def train(config, check=False, wrap=wrap_ddp):
         "train_loss": loss.item(),
         "test_loss": evaluate(model, test_set),
         "parameters_close": closeness,
+        "step_ms": statistics.median(step_times),  # the median: the first steps also set things up
         "state": {k: v.detach().clone() for k, v in plain.state_dict().items()},
     }
 
@@ -161,8 +175,9 @@ def make_parser(description=__doc__):
     p.add_argument("--niters", type=int, default=ModelConfig.niters)
     p.add_argument("--seed", type=int, default=ModelConfig.seed)
     p.add_argument("--world-size", type=int, default=1, help="number of worker processes")
-    p.add_argument("--port", type=int, default=None, help="rendezvous on this TCP port (default: a private file, no port)")
     p.add_argument("--check", action="store_true", help="check after every step that all ranks hold the same parameters")
+    p.add_argument("--amp", action="store_true", help="mixed precision: bfloat16 (float16 on older GPUs) in forward and backward")
+    add_launch_arguments(p)
     return p
 
 
@@ -170,13 +185,13 @@ def config_from(args):
     return ModelConfig(
         n_layers=args.n_layers, d_in=args.dim_in, n_classes=args.n_classes, d_hidden=args.dim_hidden,
         batch_size=args.batch_size, train_size=args.train_size, niters=args.niters,
-        lr=args.learning_rate, seed=args.seed,
+        lr=args.learning_rate, seed=args.seed, amp=args.amp,
     )
 
 
 def report(result):
     print(f"final | train_loss {result['train_loss']:.4f} | test_loss {result['test_loss']:.4f}"
-          f" | parameters close across ranks: {result['parameters_close']}")
+          f" | parameters close across ranks: {result['parameters_close']} | median step time {result['step_ms']:.2f}ms")
 
 
 if __name__ == "__main__":
@@ -184,4 +199,4 @@ if __name__ == "__main__":
     config = config_from(args)
     print(asdict(config) | {"world_size": args.world_size})
     # A world of one trains right here, without a process group: exercise 1 needs no DDP.
-    report(launch(train, args.world_size, config, args.check, port=args.port, single_process=True)[0])
+    report(launch(train, args.world_size, config, args.check, single_process=True, **launch_options(args))[0])

@@ -7,6 +7,7 @@ the caller passes in, and returns a plain value. ``course.launch`` applies them.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -20,35 +21,112 @@ class ExternalWorld:
     rank: int
     world_size: int
     local_rank: int
-    master_addr: Optional[str]
-    master_port: Optional[int]
+    local_world_size: Optional[int]  # ranks on this machine, where the launcher says
 
 
-# (launcher, rank, world size, local rank) variable names, in the order they are tried.
-# torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; srun sets SLURM_*; OpenMPI's mpiexec sets
-# OMPI_COMM_WORLD_*; MPICH and Intel MPI (Hydra) set PMI_* and MPI_LOCALRANKID.
+# (launcher, rank, world size, local rank, ranks on this machine) variable names, in the order
+# they are tried. torchrun sets RANK/WORLD_SIZE/...; OpenMPI's mpiexec OMPI_COMM_WORLD_*; MPICH
+# and Intel MPI (Hydra) PMI_* and MPI_LOCAL*; srun SLURM_*. MPI comes before SLURM because
+# mpiexec inside a SLURM job inherits SLURM_* variables that describe the job, not its own ranks.
+# SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: only srun sets it, whereas an sbatch script itself
+# runs with SLURM_PROCID=0 and SLURM_NTASKS=N and would otherwise wait for N-1 ranks that never come.
 _LAUNCHERS = (
-    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
-    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("slurm", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", None),
 )
+
+# The variables that make a process join a launcher's world (tests clear them: see conftest.py).
+LAUNCHER_VARIABLES = tuple(name for launcher in _LAUNCHERS for name in launcher[1:3])
+
+DEFAULT_PORT = 29500  # torch's customary MASTER_PORT
 
 
 def external_world(environ: Mapping[str, str] = os.environ) -> Optional[ExternalWorld]:
     """The world a cluster launcher put this process in, or None when we must start our own."""
-    for launcher, rank_var, size_var, local_var in _LAUNCHERS:
+    for launcher, rank_var, size_var, local_var, local_size_var in _LAUNCHERS:
         if rank_var in environ and size_var in environ:
-            port = environ.get("MASTER_PORT")
+            local_size = environ.get(local_size_var) if local_size_var else None
             return ExternalWorld(
                 launcher=launcher,
                 rank=int(environ[rank_var]),
                 world_size=int(environ[size_var]),
                 local_rank=int(environ.get(local_var, 0)),
-                master_addr=environ.get("MASTER_ADDR"),
-                master_port=int(port) if port else None,
+                local_world_size=int(local_size) if local_size else None,
             )
     return None
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'gpu[07-09,12],cpu01' gives 'gpu07'."""
+    depth = 0
+    for end, char in enumerate(nodelist):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            nodelist = nodelist[:end]
+            break
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[-,]", m.group(1))[0], nodelist)
+
+
+def rendezvous(
+    world: ExternalWorld, environ: Mapping[str, str] = os.environ, master_addr: Optional[str] = None, port: Optional[int] = None
+) -> tuple[str, int]:
+    """Host and port where rank 0 serves the store that the ranks meet at.
+
+    A flag (``master_addr``, ``port``) wins over MASTER_ADDR and MASTER_PORT, except under
+    torchrun: its agent already serves the store there and nothing would answer elsewhere.
+    Without either, srun's ranks meet on the first node of the step; other launchers on
+    127.0.0.1 when all ranks are on this machine. Raises ValueError when no host can be known.
+    """
+    env_addr, env_port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
+    if world.launcher == "torchrun" and env_addr and env_port:
+        return env_addr, int(env_port)
+    addr = master_addr or env_addr
+    if not addr and world.launcher == "slurm":
+        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+        addr = first_host(nodelist) if nodelist else None
+    if not addr and world.local_world_size == world.world_size:
+        addr = "127.0.0.1"
+    if not addr:
+        raise ValueError(
+            f"{world.launcher} started ranks on more than one machine and MASTER_ADDR is not set:"
+            " pass --master-addr with the host name of rank 0's machine"
+        )
+    return addr, port or (int(env_port) if env_port else DEFAULT_PORT)
+
+
+def choose_device(requested: Optional[str], backend: Optional[str], local_rank: int, gpus: int, ranks_here: Optional[int]) -> str:
+    """The device one rank computes on: 'cpu' or 'cuda:N'.
+
+    ``requested`` is --device (None: choose), ``backend`` --backend (None: choose), ``gpus`` the
+    GPUs this process sees, ``ranks_here`` the ranks on this machine (None: unknown). Chosen: a
+    GPU of its own for every rank when there are enough (rank r of a machine takes cuda:r), the CPU
+    otherwise; with backend gloo the CPU. Raises ValueError for a GPU that is not there.
+    """
+    if requested is None:
+        enough = gpus > 0 and (ranks_here is None or ranks_here <= gpus)
+        requested = "cuda" if backend == "nccl" or (backend is None and enough) else "cpu"
+    if requested != "cuda":
+        return requested
+    if gpus == 0:
+        raise ValueError("no GPU is visible here (torch.cuda.device_count() is 0): leave out --device cuda and --backend nccl")
+    if local_rank < gpus:
+        return f"cuda:{local_rank}"
+    if gpus == 1:
+        return "cuda:0"  # the launcher showed each rank only its own GPU (srun --gpus-per-task=1)
+    raise ValueError(
+        f"the rank with local rank {local_rank} has no GPU of its own: this machine shows {gpus} GPU(s);"
+        " start at most one rank per GPU, or pass --device cpu"
+    )
+
+
+def choose_backend(requested: Optional[str], device: str) -> str:
+    """nccl for GPU tensors, gloo for CPU ones, unless --backend says otherwise."""
+    backend = requested or ("nccl" if device.startswith("cuda") else "gloo")
+    if backend == "nccl" and not device.startswith("cuda"):
+        raise ValueError(f"the nccl backend moves GPU tensors only, and this rank computes on {device}: use --backend gloo")
+    return backend
 
 
 def usable_cores() -> int:

@@ -16,8 +16,12 @@ list of their return values, indexed by rank. It never hangs and never leaves a 
 - On a timeout, the report says which ranks were still running and where (their Python stacks).
 - Workers ignore Ctrl-C (the parent stops them) and die with their parent (Linux).
 
-``launch`` is the same for scripts: it prints the diagnosis instead of raising, and joins the
-world of a cluster launcher (torchrun, srun, mpiexec) when this process was started by one.
+``run`` starts CPU workers with gloo unless told otherwise; with ``backend="nccl",
+device="cuda"`` rank r computes on cuda:r.
+
+``launch`` is the same for scripts: it prints the diagnosis instead of raising, chooses the device
+and backend (a GPU per rank and nccl where there are enough GPUs, else the CPU and gloo), and joins
+the world of a cluster launcher (torchrun, srun, mpiexec) when this process was started by one.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import sys
 import tempfile
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -43,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from course import env
+from course.device import select as select_device
 
 MISMATCH_MARKER = "Detected mismatch between collectives"
 
@@ -80,6 +86,7 @@ class _WorkerSettings:
     world_size: int
     threads: int
     backend: str
+    device: str  # "cpu", or "cuda": rank r takes cuda:r
     store_path: str
     port: Optional[int]
     stack_dir: str
@@ -111,6 +118,8 @@ def _worker(fn: Callable, args: tuple, rank: int, settings: _WorkerSettings, con
     dist.set_debug_level_from_env()  # torch read TORCH_DISTRIBUTED_DEBUG when it was imported
     torch.set_num_threads(settings.threads)
     try:
+        gpus = torch.cuda.device_count() if settings.device == "cuda" else 0
+        select_device(env.choose_device(settings.device, settings.backend, rank, gpus, settings.world_size))
         dist.init_process_group(
             settings.backend,
             store=_store(settings, rank),
@@ -247,6 +256,7 @@ def run(
     timeout: Optional[float] = None,
     collective_timeout: Optional[float] = None,
     backend: str = "gloo",
+    device: str = "cpu",
     start_method: Optional[str] = None,
     debug: Optional[bool] = None,
     port: Optional[int] = None,
@@ -255,17 +265,19 @@ def run(
 
     Raises WorldFailed when any rank fails, when the world runs past ``timeout`` seconds, or when
     ranks call mismatched collectives (with ``debug``). Defaults come from COURSE_TIMEOUT (600 s),
-    COURSE_COLLECTIVE_TIMEOUT (60 s) and COURSE_DEBUG (set: check collectives).
+    COURSE_COLLECTIVE_TIMEOUT (60 s) and COURSE_DEBUG (set: check collectives). ``device`` is
+    "cpu" or "cuda" (rank r on cuda:r); course.device.current_device() tells each rank its own.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    env.choose_backend(backend, device)  # refuses nccl for CPU tensors before any worker starts
     timeout = timeout if timeout is not None else _seconds_from_env("COURSE_TIMEOUT", 600)
     collective_timeout = (
         collective_timeout if collective_timeout is not None else _seconds_from_env("COURSE_COLLECTIVE_TIMEOUT", 60)
     )
     debug = debug if debug is not None else bool(os.environ.get("COURSE_DEBUG"))
     threads = env.threads_per_worker(world_size, env.usable_cores())
-    method = start_method or env.default_start_method(sys.platform, threads, torch.cuda.is_initialized())
+    method = start_method or env.default_start_method(sys.platform, threads, torch.cuda.is_initialized(), device)
     ctx = _context(method)
     # Fork would accept anything; pickling here first makes every start method accept the same
     # functions: ones defined at the top level of an importable module (not in a notebook cell).
@@ -279,7 +291,7 @@ def run(
     if debug:
         child_env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     settings = _WorkerSettings(
-        world_size, threads, backend, os.path.join(workdir, "store"), port, workdir, collective_timeout, child_env
+        world_size, threads, backend, device, os.path.join(workdir, "store"), port, workdir, collective_timeout, child_env
     )
 
     procs, conns = [], []
@@ -366,19 +378,38 @@ def _timed_out(procs: list, running: list, timeout: float, stack_dir: str) -> Wo
     return WorldFailed("\n".join(lines), None, [], running)
 
 
-def launch(fn: Callable, world_size: int, *args: Any, single_process: bool = False, **kwargs: Any) -> list:
+def launch(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    single_process: bool = False,
+    port: Optional[int] = None,
+    master_addr: Optional[str] = None,
+    backend: Optional[str] = None,
+    device: Optional[str] = None,
+    **kwargs: Any,
+) -> list:
     """``run`` for scripts: print the diagnosis and exit non-zero instead of raising.
 
-    Under torchrun, srun or mpiexec this process is already one rank of a world: join it and run
-    ``fn`` here. With ``single_process``, a world of one runs ``fn`` here without a process group.
+    ``device`` and ``backend`` (--device, --backend) default to a GPU of its own for every rank
+    and nccl where this machine has enough GPUs, else the CPU and gloo. With ``single_process``,
+    a world of one runs ``fn`` here without a process group.
+
+    Under torchrun, srun or mpiexec this process is already one rank of a world: it joins that
+    world and runs ``fn`` here, whatever ``world_size`` and ``single_process`` say (the
+    launcher's world size wins; rank 0 notes a difference). Only rank 0 returns, with ``[its
+    result]``; the other ranks exit here, so what the script does with the results happens once.
     """
     outside = env.external_world()
-    if outside is not None:
-        return [_run_in_external_world(fn, args, outside, kwargs.get("backend", "gloo"))]
     try:
+        if outside is not None:
+            return _run_in_external_world(fn, args, outside, world_size, master_addr, port, backend, device)
+        # Asked for the highest local rank: when it has a GPU of its own, every rank has.
+        where, backend = _choose(device, backend, world_size - 1, world_size, speak=True)
         if single_process and world_size == 1:
+            select_device(where)
             return [fn(*args)]
-        return run(fn, world_size, *args, **kwargs)
+        return run(fn, world_size, *args, port=port, backend=backend, device=where.partition(":")[0], **kwargs)
     except NotImplementedError as stub:  # a TODO not done yet: its message says which and where
         print(stub, file=sys.stderr)
         raise SystemExit(1)
@@ -386,18 +417,76 @@ def launch(fn: Callable, world_size: int, *args: Any, single_process: bool = Fal
         print(failure.summary, file=sys.stderr)
         raise SystemExit(1)
     except KeyboardInterrupt:
-        print(f"\nInterrupted: stopped all {world_size} workers.", file=sys.stderr)
+        if outside is None:  # a cluster launcher stops its own ranks and says so
+            print(f"\nInterrupted: stopped all {world_size} workers.", file=sys.stderr)
         raise SystemExit(130)
 
 
-def _run_in_external_world(fn: Callable, args: tuple, world: env.ExternalWorld, backend: str) -> Any:
-    os.environ.setdefault("RANK", str(world.rank))
-    os.environ.setdefault("WORLD_SIZE", str(world.world_size))
-    os.environ.setdefault("LOCAL_RANK", str(world.local_rank))
-    os.environ.setdefault("MASTER_ADDR", world.master_addr or "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(world.master_port or 29500))
-    dist.init_process_group(backend, init_method="env://", rank=world.rank, world_size=world.world_size)
+def add_launch_arguments(parser) -> None:
+    """The command-line flags of ``launch``: where the ranks meet and what they compute on."""
+    group = parser.add_argument_group("where the ranks run (see docs/instructors.md)")
+    group.add_argument("--port", type=int, default=None,
+                       help="TCP port where the ranks meet (default: a private file for a local world;"
+                       f" MASTER_PORT or {env.DEFAULT_PORT} under srun or mpiexec)")
+    group.add_argument("--master-addr", default=None,
+                       help="host of rank 0 under srun or mpiexec (default: MASTER_ADDR, else srun's first node,"
+                       " else 127.0.0.1 when all ranks are on this machine)")
+    group.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                       help="default: nccl when every rank has a GPU of its own, else gloo")
+    group.add_argument("--device", default=None,
+                       help="cpu, cuda or cuda:N (default: GPU r for local rank r when there are enough GPUs, else cpu)")
+
+
+def launch_options(args) -> dict:
+    """The keyword arguments of ``launch`` from flags parsed with add_launch_arguments."""
+    return dict(port=args.port, master_addr=args.master_addr, backend=args.backend, device=args.device)
+
+
+@contextmanager
+def _settings_or_exit():
+    """A setting that cannot work (course.env raises ValueError) stops the script with its reason."""
     try:
-        return fn(*args)
-    finally:
-        dist.destroy_process_group()
+        yield
+    except ValueError as reason:
+        print(f"Cannot start: {reason}.", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _choose(device: Optional[str], backend: Optional[str], local_rank: int, ranks_here: Optional[int], speak: bool) -> tuple:
+    """This rank's device and the world's backend; ``speak``: say why visible GPUs go unused."""
+    gpus = torch.cuda.device_count()
+    with _settings_or_exit():
+        where = env.choose_device(device, backend, local_rank, gpus, ranks_here)
+        chosen = env.choose_backend(backend, where)
+    if speak and gpus and where == "cpu" and device is None and backend is None:
+        print(f"note: {ranks_here} ranks on this machine and {gpus} GPU(s): every rank computes on the CPU"
+              " (each needs a GPU of its own; --device cuda insists)", file=sys.stderr)
+    return where, chosen
+
+
+def _run_in_external_world(
+    fn: Callable, args: tuple, world: env.ExternalWorld, world_size: int,
+    master_addr: Optional[str], port: Optional[int], backend: Optional[str], device: Optional[str],
+) -> list:
+    with _settings_or_exit():
+        addr, port = env.rendezvous(world, os.environ, master_addr, port)
+    speak = world.rank == 0
+    where, backend = _choose(device, backend, world.local_rank, world.local_world_size, speak)
+    if speak and world_size != world.world_size:
+        print(f"note: {world.launcher} started {world.world_size} ranks; --world-size {world_size} does not apply",
+              file=sys.stderr)
+    # The names torchrun sets, for env:// below and for code that reads os.environ["RANK"].
+    os.environ.update(RANK=str(world.rank), WORLD_SIZE=str(world.world_size), LOCAL_RANK=str(world.local_rank),
+                      MASTER_ADDR=addr, MASTER_PORT=str(port))
+    if addr in ("127.0.0.1", "localhost"):
+        os.environ.update(env.loopback_settings(sys.platform))  # all ranks are here: loopback works everywhere
+    select_device(where)
+    limit = os.environ.get("COURSE_COLLECTIVE_TIMEOUT")
+    dist.init_process_group(backend, init_method="env://", rank=world.rank, world_size=world.world_size,
+                            timeout=timedelta(seconds=float(limit)) if limit else None)
+    result = fn(*args)
+    dist.barrier()  # as in a local world: a skipped collective shows up here, not as a hang
+    dist.destroy_process_group()
+    if world.rank != 0:
+        raise SystemExit(0)
+    return [result]

@@ -15,7 +15,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from course.launch import launch
+from course.device import current_device
+from course.launch import add_launch_arguments, launch, launch_options
 
 
 def block_sizes(total, parts):
@@ -137,13 +138,14 @@ def ring_all_reduce(tensor):
 
 def do_work(m, k, n):
     """Run on every rank: say who we are, multiply both ways, and check the results on rank 0."""
-    rank = dist.get_rank()
+    rank, device = dist.get_rank(), current_device()
     print(f"My rank is {os.environ['RANK']}, same as {rank}", flush=True)
     A = B = None
     if rank == 0:
         g = torch.Generator().manual_seed(0)
-        A, B = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
-    results = {"by row": par_matmul_by_row(A, B), "by reduction": par_matmul_by_reduction(A, B)}
+        A, B = torch.randn(m, k, generator=g).to(device), torch.randn(k, n, generator=g).to(device)
+    with device:  # tensors made inside (torch.empty) land on this rank's device: nccl moves GPU tensors only
+        results = {"by row": par_matmul_by_row(A, B), "by reduction": par_matmul_by_reduction(A, B)}
     if rank != 0:
         return True
     ok = True
@@ -157,7 +159,7 @@ def do_work(m, k, n):
 def ring_work(length):
     """Run on every rank: ring_all_reduce `length` numbers and compare with dist.all_reduce."""
     rank = dist.get_rank()
-    mine = torch.arange(length, dtype=torch.float32) * (rank + 1)  # whole numbers: sums are exact
+    mine = torch.arange(length, dtype=torch.float32, device=current_device()) * (rank + 1)  # whole numbers: sums are exact
     expected = mine.clone()
     dist.all_reduce(expected)
     ring_all_reduce(mine)
@@ -173,8 +175,9 @@ if __name__ == "__main__":
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--shape", type=int, nargs=3, default=(7, 5, 3), metavar=("M", "K", "N"))
     parser.add_argument("--ring", type=int, default=None, metavar="N", help="instead, check ring_all_reduce on N numbers (exercise 5)")
+    add_launch_arguments(parser)
     args = parser.parse_args()
     if args.ring is not None:
-        raise SystemExit(0 if all(launch(ring_work, args.world_size, args.ring)) else 1)
-    results = launch(do_work, args.world_size, *args.shape)
+        raise SystemExit(0 if all(launch(ring_work, args.world_size, args.ring, **launch_options(args))) else 1)
+    results = launch(do_work, args.world_size, *args.shape, **launch_options(args))
     raise SystemExit(0 if all(results) else 1)

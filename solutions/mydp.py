@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 
-from course.launch import launch
+from course.launch import launch, launch_options
 from mlp import config_from, make_parser, report, train, wrap_ddp
 
 
@@ -82,7 +82,7 @@ class Bucket:
         self.ready = 0  # how many of them have their gradient in this backward pass
         # Their gradients, flat, for the all-reduce: made once, since a fresh tensor of many MiB
         # at every step costs the operating system's time to hand out its pages again.
-        self.buffer = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+        self.buffer = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         self.work = None  # the handle that dist.all_reduce(..., async_op=True) returned
 
 
@@ -221,10 +221,10 @@ if __name__ == "__main__":
     args = parser.parse_args()
     config = config_from(args)
     if args.compare:
-        mine, builtin = launch(train_both, args.world_size, config, args.check, port=args.port)[0]
+        mine, builtin = launch(train_both, args.world_size, config, args.check, **launch_options(args))[0]
         report(mine)
         gap = largest_difference(mine["state"], builtin["state"])
         print(f"largest parameter difference between MyDP and built-in DDP: {gap:.3g}")
     else:
         wrap = MyDP if args.bucket_cap_mb is None else partial(OverlappedDP, bucket_cap_mb=args.bucket_cap_mb)
-        report(launch(train, args.world_size, config, args.check, wrap, port=args.port)[0])
+        report(launch(train, args.world_size, config, args.check, wrap, **launch_options(args))[0])

@@ -11,7 +11,12 @@ os.environ.setdefault("COURSE_COLLECTIVE_TIMEOUT", "10")
 
 import pytest  # noqa: E402
 
-from course import impl  # noqa: E402
+from course import env, impl  # noqa: E402
+
+# The suite starts its own worlds. Under srun or mpiexec (a CI job on a cluster) the launcher's
+# variables would make every script the tests start join the launcher's world instead.
+for name in env.LAUNCHER_VARIABLES:
+    os.environ.pop(name, None)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,360 @@
+"""The instructors' scale-up path: the same scripts under torchrun, srun and mpiexec, on GPUs, with --amp."""
+
+import contextlib
+import os
+import re
+import runpy
+import signal
+import socket
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401 - every optimizer imports it (seconds): the forked ranks below inherit it
+import torch.distributed as dist
+
+from course import env, gpu_check, impl
+from course.device import amp_dtype, current_device, ddp_device_ids
+from course.launch import launch, run
+from course.student import SOLUTIONS
+from tests.helpers import small_config, world
+from tests.test_launch import descendants, rank_sum
+
+# A script's own work takes a fraction of a second at these sizes: starting processes dominates.
+TINY = ["--niters", "20", "--dim-in", "32", "--dim-hidden", "32", "--train-size", "1000"]
+SCRIPT = {name: os.path.join(SOLUTIONS, f"{name}.py") for name in ("mlp", "dist", "mydp")}
+no_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+# --- processes started the way a launcher starts them ---------------------------------------
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_script(name, *argv):
+    """What `python solutions/NAME.py ARGV... --device cpu` runs; a clean exit returns.
+
+    On the CPU: these run in forked copies of the test process, and CUDA cannot be used in a
+    copy forked after its parent used it (the GPU tests below do, on a machine with a GPU).
+    """
+    sys.argv = [SCRIPT[name], *argv, "--device", "cpu"]
+    sys.path.insert(0, SOLUTIONS)  # what python does for a script: mydp.py imports mlp
+    try:
+        runpy.run_path(SCRIPT[name], run_name="__main__")
+    except SystemExit as stop:
+        if stop.code:
+            raise
+
+
+def script(name, *argv):
+    return lambda: run_script(name, *argv)
+
+
+def torchrun(*argv):
+    """The entry point of the `torchrun ARGV...` command, as a function."""
+
+    def main():
+        from torch.distributed.run import main as torchrun_main
+
+        torchrun_main(list(argv))
+
+    return main
+
+
+def torchrun_forked_workers(name, *argv):
+    """torchrun's own agent, rendezvous and variables for 2 workers, each a forked copy of this process.
+
+    `torchrun script.py` starts fresh interpreters: 5 s of CPU each for a script that trains
+    (torch, then torch._dynamo on the first optimizer). Forked workers skip only that.
+    """
+
+    def main():
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
+                              rdzv_endpoint="localhost:0", run_id=name, max_restarts=0, start_method="fork")
+        elastic_launch(config, run_script)(name, *argv)
+
+    return main
+
+
+def _forked(main, variables, log):
+    """Run main() in a forked copy of this process with extra environment variables, output to log.
+
+    torch is imported here already, so the copy starts in milliseconds where a fresh interpreter
+    spends seconds importing it; what it runs is the launcher's or the script's own entry point.
+    """
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)  # not pytest's capture
+        os.environ.update(variables)
+        main()
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    except BaseException:  # noqa: BLE001 - the log must say what went wrong
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        os._exit(code)
+
+
+def processes(tmp_path, *started, seconds=60):
+    """Start every (main, variables) pair at once; return [(exit code, output)] in the same order.
+
+    Whatever is still running after `seconds` is killed with everything it started.
+    """
+    logs = [str(tmp_path / f"process{i}.log") for i in range(len(started))]
+    pids = [_forked(main, variables, log) for (main, variables), log in zip(started, logs)]
+    codes, deadline = {}, time.monotonic() + seconds
+    while len(codes) < len(pids) and time.monotonic() < deadline:
+        for pid in set(pids) - set(codes):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    stuck = [pid for pid in pids if pid not in codes]
+    for pid in stuck:
+        for p in descendants(pid) + [pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    outputs = []
+    for log in logs:
+        with open(log) as f:
+            outputs.append(f.read())
+    assert not stuck, f"still running after {seconds} s:\n" + "\n---\n".join(outputs)
+    return [(codes[pid], out) for pid, out in zip(pids, outputs)]
+
+
+# --- what each script prints when it ran as one world of two ranks ---------------------------
+
+
+def check_mlp_output(code, out, launcher):
+    assert code == 0, out
+    # Two 'final' lines would mean each process trained alone (the world-size-1 shortcut).
+    assert out.count("final |") == 1 and "parameters close across ranks: True" in out, out
+    assert f"note: {launcher} started 2 ranks; --world-size 1 does not apply" in out, out
+
+
+def check_dist_output(code, out):
+    assert code == 0, out
+    assert "My rank is 0, same as 0" in out and "My rank is 1, same as 1" in out, out
+    assert out.count("by row: matches") == 1 and out.count("by reduction: matches") == 1, out
+
+
+def check_mydp_output(code, out):
+    assert code == 0, out
+    assert out.count("final |") == 1, out
+    gap = float(re.search(r"between MyDP and built-in DDP: (\S+)", out).group(1))
+    assert gap < 1e-5, out
+
+
+def test_torchrun_runs_each_script(tmp_path):
+    """`torchrun --nproc-per-node=2 solutions/X.py`: each script joins torchrun's world of 2.
+
+    mlp.py and dist.py run in fresh interpreters, as torchrun starts them. mydp.py, which trains
+    like mlp.py, runs in forked workers under the same agent to keep the suite's time down.
+    """
+    ranks = ["--standalone", "--nproc-per-node=2"]  # --standalone: torchrun picks a free port
+    (mlp, dist_, mydp) = processes(
+        tmp_path,
+        (torchrun(*ranks, SCRIPT["mlp"], *TINY), {}),
+        (torchrun(*ranks, SCRIPT["dist"]), {}),
+        (torchrun_forked_workers("mydp", "--world-size", "2", "--compare", *TINY), {}),
+    )
+    check_mlp_output(*mlp, "torchrun")
+    check_dist_output(*dist_)
+    check_mydp_output(*mydp)
+
+
+def mpi_variables(rank, kind):
+    names = {
+        "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    }[kind]
+    return dict(zip(names, (str(rank), "2", str(rank), "2")))
+
+
+def test_mpiexec_openmpi_ranks_join(tmp_path):
+    """`mpiexec -n 2 python solutions/dist.py` with OpenMPI: rank and size from OMPI_COMM_WORLD_*."""
+    port = str(free_port())
+    rank0, rank1 = processes(
+        tmp_path,
+        *[(script("dist"), mpi_variables(r, "openmpi") | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in (0, 1)],
+    )
+    check_dist_output(rank0[0], rank0[1] + rank1[1])
+    assert rank1[0] == 0 and "matches" not in rank1[1], "only rank 0 should go on after launch()"
+
+
+def test_mpiexec_mpich_ranks_join(tmp_path):
+    """MPICH/Intel MPI's PMI_* variables; no MASTER_ADDR (all ranks here), the port from --port."""
+    port = str(free_port())
+    rank0, rank1 = processes(tmp_path, *[(script("mlp", *TINY, "--port", port), mpi_variables(r, "mpich")) for r in (0, 1)])
+    check_mlp_output(*rank0, "mpich")
+    assert rank1[0] == 0 and "final |" not in rank1[1], rank1[1]
+
+
+def test_srun_ranks_on_two_nodes_join(tmp_path):
+    """`srun` tasks, each local rank 0 as on two nodes, meeting on the step's first node."""
+    port = str(free_port())
+    variables = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+                 "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": port}
+    rank0, rank1 = processes(
+        tmp_path, *[(script("mydp", "--compare", *TINY), variables | {"SLURM_PROCID": str(r)}) for r in (0, 1)]
+    )
+    check_mydp_output(*rank0)
+    assert rank1 == (0, ""), rank1[1]
+
+
+# --- course/env.py: which world, where to meet, which device ---------------------------------
+
+
+def test_launcher_detection():
+    assert env.external_world({}) is None
+    torchrun_vars = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert env.external_world(torchrun_vars) == env.ExternalWorld("torchrun", 3, 8, 1, 2)
+    ompi = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}
+    assert env.external_world(ompi) == env.ExternalWorld("openmpi", 5, 6, 2, 3)
+    mpich = {"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    assert env.external_world(mpich) == env.ExternalWorld("mpich", 1, 4, 1, 2)
+    srun = {"SLURM_PROCID": "7", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "3", "SLURM_NTASKS": "8"}
+    assert env.external_world(srun) == env.ExternalWorld("slurm", 7, 8, 3, None)
+    sbatch_script = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "gpu[1-2]"}
+    assert env.external_world(sbatch_script) is None, "an sbatch script outside srun starts its own world"
+    mpiexec_in_slurm_job = ompi | {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0"}
+    assert env.external_world(mpiexec_in_slurm_job).launcher == "openmpi"
+
+
+def test_first_host_of_slurm_node_lists():
+    assert env.first_host("gpu07") == "gpu07"
+    assert env.first_host("gpu[07-09,12],cpu01") == "gpu07"
+    assert env.first_host("a01,gpu[3-4]") == "a01"
+    assert env.first_host("rack[2-3]-n[5,9]") == "rack2-n5"
+
+
+def test_rendezvous():
+    srun = env.ExternalWorld("slurm", 1, 4, 1, None)
+    assert env.rendezvous(srun, {"SLURM_STEP_NODELIST": "gpu[3-4]"}) == ("gpu3", env.DEFAULT_PORT)
+    assert env.rendezvous(srun, {"SLURM_STEP_NODELIST": "gpu[3-4]", "MASTER_ADDR": "head", "MASTER_PORT": "1234"}) == ("head", 1234)
+    assert env.rendezvous(srun, {"MASTER_ADDR": "head", "MASTER_PORT": "1234"}, "other", 99) == ("other", 99), "flags win"
+    one_machine = env.ExternalWorld("openmpi", 0, 2, 0, 2)
+    assert env.rendezvous(one_machine, {}, port=99) == ("127.0.0.1", 99)
+    with pytest.raises(ValueError, match="--master-addr"):
+        env.rendezvous(env.ExternalWorld("mpich", 0, 4, 0, 2), {})
+    torchrun_world = env.ExternalWorld("torchrun", 0, 2, 0, 2)
+    agent = {"MASTER_ADDR": "node1", "MASTER_PORT": "29400"}
+    assert env.rendezvous(torchrun_world, agent, "other", 99) == ("node1", 29400), "torchrun's own store wins"
+
+
+def test_device_and_backend_choice():
+    choose = env.choose_device
+    assert choose(None, None, 0, gpus=0, ranks_here=2) == "cpu"
+    assert choose(None, None, 1, gpus=2, ranks_here=2) == "cuda:1"
+    assert choose(None, None, 1, gpus=1, ranks_here=2) == "cpu", "two ranks cannot share one GPU with nccl"
+    assert choose(None, None, 3, gpus=1, ranks_here=None) == "cuda:0", "srun --gpus-per-task=1 shows each rank its own"
+    assert choose(None, "gloo", 0, gpus=4, ranks_here=1) == "cpu"
+    assert choose("cuda:2", None, 0, gpus=4, ranks_here=1) == "cuda:2"
+    assert choose("cpu", None, 0, gpus=4, ranks_here=1) == "cpu"
+    with pytest.raises(ValueError, match="no GPU"):
+        choose("cuda", None, 0, gpus=0, ranks_here=1)
+    with pytest.raises(ValueError, match="local rank 2"):
+        choose(None, "nccl", 2, gpus=2, ranks_here=4)
+    assert env.choose_backend(None, "cuda:0") == "nccl" and env.choose_backend(None, "cpu") == "gloo"
+    assert env.choose_backend("gloo", "cuda:0") == "gloo"
+    with pytest.raises(ValueError, match="GPU tensors only"):
+        env.choose_backend("nccl", "cpu")
+
+
+def test_device_accessors_on_cpu():
+    assert current_device() == torch.device("cpu")
+    assert ddp_device_ids(torch.nn.Linear(2, 2)) is None
+    assert amp_dtype(torch.device("cpu")) == torch.bfloat16
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_impossible_setting_stops_with_its_reason(capsys):
+    with pytest.raises(SystemExit) as stop:
+        launch(rank_sum, 2, backend="nccl")
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.startswith("Cannot start: no GPU is visible here")
+
+
+# --- mixed precision --------------------------------------------------------------------------
+
+
+def train_both_with(folder, changes):
+    ex = impl.load(folder)
+    return ex.mydp.train_both(small_config(ex.mlp, **changes), False)
+
+
+def check_amp(folder):
+    """--amp: DDP and MyDP agree, and 2 ranks of 8 rows match one process of 16 within bf16 rounding."""
+    ex = impl.load(folder)
+    difference = ex.mydp.largest_difference
+    mine, builtin = world(train_both_with, 2, folder, {"amp": True}, ddp=True)[0]
+    alone = ex.mlp.train(small_config(ex.mlp, batch_size=16, amp=True))
+    full = ex.mlp.train(small_config(ex.mlp, batch_size=16))
+    assert difference(mine["state"], builtin["state"]) < 1e-5, "with --amp, MyDP and built-in DDP should take the same steps"
+    # bfloat16 keeps 8 bits of mantissa: parameters near 0.3 round to steps of about 1e-3.
+    assert difference(mine["state"], alone["state"]) < 2e-3, "with --amp, 2 ranks should train like one process on both batches"
+    assert difference(alone["state"], full["state"]) > 1e-5, "--amp changed nothing: is autocast on?"
+
+
+def test_amp_data_parallel_matches_one_process():
+    check_amp(SOLUTIONS)
+
+
+# --- make gpu-check ---------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_gpu_check_without_gpu_says_so(capsys):
+    assert gpu_check.main([]) == 0
+    assert "no GPU here" in capsys.readouterr().out
+
+
+def test_gpu_check_compares_every_case():
+    """The check itself, run with the CPU standing in for the GPU: every case, and a report."""
+    rows = gpu_check.compare("cpu", 2, small_config(impl.load(SOLUTIONS).mlp))
+    assert [row.case for row in rows] == [
+        "1 MLP, one process", "2 matmul, by row and by reduction", "3 DDP", "3 DDP --amp", "4 MyDP", "4 MyDP --amp",
+        "5 ring all-reduce", "6 OverlappedDP, 1 MiB buckets",
+    ]
+    assert all(row.ok for row in rows), gpu_check.report(rows, "CPU")
+    assert "8 of 8 cases agree with the CPU." in gpu_check.report(rows, "CPU")
+    assert "COURSE_DEVICE" not in os.environ, "the check should leave this process's device as it found it"
+
+
+# --- on GPUs (skipped without one) ------------------------------------------------------------
+
+
+def device_and_sum():
+    t = torch.tensor([float(dist.get_rank() + 1)], device=current_device())
+    dist.all_reduce(t)
+    return str(current_device()), t.item()
+
+
+@no_gpu
+def test_nccl_world_one_rank_per_gpu():
+    ranks = min(2, torch.cuda.device_count())
+    results = run(device_and_sum, ranks, backend="nccl", device="cuda")
+    assert results == [(f"cuda:{r}", ranks * (ranks + 1) / 2) for r in range(ranks)]
+
+
+@no_gpu
+def test_gpu_check_agrees_on_gpus():
+    rows = gpu_check.compare("cuda", torch.cuda.device_count(), small_config(impl.load(SOLUTIONS).mlp))
+    assert all(row.ok for row in rows), gpu_check.report(rows, "GPU")
