@@ -1,5 +1,6 @@
 """Exercise 1: the MLP, its evaluation, and a training run on one process."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -112,6 +113,7 @@ def test_evaluate(impl_dir):
     check_evaluate(impl_dir)
 
 
+@pytest.mark.scaffold
 def test_dataset(impl_dir):
     check_dataset(impl_dir)
 
@@ -124,5 +126,6 @@ def test_step_lines(impl_dir, capsys):
     check_step_lines(impl_dir, capsys)
 
 
+@pytest.mark.scaffold
 def test_cli_types(impl_dir):
     check_cli_types(impl_dir)
