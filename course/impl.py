@@ -72,3 +72,8 @@ def load(folder: str) -> SimpleNamespace:
         sys.path[:] = saved_path
     _loaded[folder] = modules
     return modules
+
+
+def forget(folder: str) -> None:
+    """Drop what load() keeps of a folder, so the next load reads its files again (after an edit)."""
+    _loaded.pop(os.path.abspath(folder), None)
