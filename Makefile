@@ -5,13 +5,15 @@ PY := $(VENV)/bin/python
 # Workers share the cores: see course/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help demo test grade student bench-launch
+.PHONY: help demo test grade student release autograde bench-launch
 
 help:
 	@echo "make demo     run every reference solution on CPU"
 	@echo "make test     the test suite: the reference solutions and the repository's own checks"
 	@echo "make grade    grade your mlp.py, dist.py and mydp.py (EX=2 for one exercise)"
-	@echo "make student  regenerate mlp.py, dist.py, mydp.py from solutions/"
+	@echo "make student  regenerate mlp.py, dist.py, mydp.py and exercises/*.ipynb from solutions/"
+	@echo "make release DEST=dir          instructors: write the students' copy (no solutions)"
+	@echo "make autograde SUBMISSIONS=dir instructors: grade one folder per student through nbgrader"
 	@echo "make bench-launch  what starting a world of workers costs, per start method"
 
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -26,8 +28,13 @@ demo: $(VENV)/.installed
 	$(PY) solutions/mlp.py --world-size 2 --niters 300 --check
 	$(PY) solutions/mydp.py --world-size 2 --niters 300 --compare
 
+# The students' copy (make release) has no solutions/: there `make test` is `make grade`.
+ifneq ($(wildcard solutions/.),)
 test: $(VENV)/.installed
 	COURSE_IMPL=solutions $(PYTEST) tests
+else
+test: grade
+endif
 
 # A score below full marks is not an error; a broken grader is (see course/grade.py).
 grade: $(VENV)/.installed
@@ -35,6 +42,14 @@ grade: $(VENV)/.installed
 
 student: $(VENV)/.installed
 	$(PY) -m course.student
+
+release: $(VENV)/.installed
+	$(PY) -m course.release $(DEST)
+
+# Grades, gradebook and feedback go to OUT (default grading/); see course/autograde.py.
+OUT ?= grading
+autograde: $(VENV)/.installed
+	$(PY) -m course.autograde $(SUBMISSIONS) --out $(OUT)
 
 bench-launch: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) bench/launch_cost.py

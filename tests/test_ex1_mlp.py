@@ -13,8 +13,8 @@ def check_layers(folder):
     config = small_config(mlp)
     model = mlp.MLP(config)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    sizes = [config.d_in] + [config.d_hidden] * (config.n_layers - 1) + [config.n_classes]
-    expected = {f"layers.{i}.weight": (b, a) for i, (a, b) in enumerate(zip(sizes, sizes[1:]))}
+    widths = [config.d_in, *[config.d_hidden] * (config.n_layers - 1), config.n_classes]
+    expected = {f"layers.{i}.weight": (b, a) for i, (a, b) in enumerate(zip(widths, widths[1:]))}
     assert shapes == expected, f"the MLP's parameters should be {expected} (bias-free nn.Linear layers in self.layers), got {shapes}"
 
 
