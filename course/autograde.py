@@ -29,6 +29,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import re
 import shutil
 import sys
 import time
@@ -85,7 +86,8 @@ def _run(app_class, config, assignment: str, student: str = ".") -> str:
         app.start()
     except NbGraderException:
         tracebacks = [e for e in errors if e.startswith("Traceback")]
-        return (tracebacks or errors or ["nbgrader failed"])[-1].strip().splitlines()[-1]
+        last = (tracebacks or errors or ["nbgrader failed"])[-1].strip().splitlines()[-1]
+        return re.sub(r"^[\w.]+\.(\w+: )", r"\1", last)  # DeadKernelError: ..., without its module
     finally:
         app.log.removeHandler(handler)
     return ""
@@ -163,28 +165,36 @@ def _reason(cell: dict) -> str:
     return ""
 
 
+def _notebook(out: str, step: str, student: str, assignment: str, stem: str) -> list:
+    path = os.path.join(out, step, student, assignment, stem + ".ipynb")
+    if not os.path.exists(path):  # nbgrader removes a notebook it failed to grade
+        return []
+    with open(path) as f:
+        return json.load(f)["cells"]
+
+
 def collect(out: str, student: str, assignments: dict, failures: dict) -> list:
-    """The student's checks, with the scores in nbgrader's gradebook and the reasons in the notebooks."""
-    from nbgrader.api import Gradebook
+    """The student's checks: scores from nbgrader's gradebook, reasons from the graded notebooks."""
+    from nbgrader.api import Gradebook, MissingEntry
 
     checks = []
     with Gradebook(f"sqlite:///{os.path.join(out, 'gradebook.db')}") as gradebook:
         for assignment, stem in assignments.items():
-            path = os.path.join(out, "autograded", student, assignment, stem + ".ipynb")
-            cells = {}
-            if os.path.exists(path):
-                with open(path) as f:
-                    cells = {c["metadata"]["nbgrader"]["grade_id"]: c for c in json.load(f)["cells"] if "nbgrader" in c["metadata"]}
-            submitted = gradebook.find_submission_notebook(stem, assignment, student)
-            for grade in submitted.grades:
-                if grade.cell_type != "code":  # written answers are graded by hand
+            graded = {c["metadata"]["nbgrader"]["grade_id"]: c for c in _notebook(out, "autograded", student, assignment, stem) if "nbgrader" in c["metadata"]}
+            try:
+                grades = {g.name: g for g in gradebook.find_submission_notebook(stem, assignment, student).grades}
+            except MissingEntry:
+                grades = {}
+            for cell in _notebook(out, "release", ".", assignment, stem):
+                grading = cell["metadata"].get("nbgrader", {})
+                if not grading.get("grade") or grading.get("solution"):  # written answers are graded by hand
                     continue
-                if assignment in failures:  # the notebook could not be run: nbgrader recorded nothing
+                grade = grades.get(grading["grade_id"])
+                if grade is not None and assignment in failures:  # nbgrader recorded nothing for it
                     grade.auto_score, grade.needs_manual_grade = 0.0, False
-                score = grade.auto_score or 0.0
-                reason = failures.get(assignment) or _reason(cells.get(grade.name, {}))
-                passed = score >= grade.max_score
-                checks.append(Check(int(assignment[2:]), grade.name, passed, "" if passed else reason or "no points", grade.max_score))
+                passed = grade is not None and (grade.auto_score or 0.0) >= grading["points"]
+                reason = failures.get(assignment) or _reason(graded.get(grading["grade_id"], {})) or "no points"
+                checks.append(Check(int(assignment[2:]), grading["grade_id"], passed, "" if passed else reason, grading["points"]))
         gradebook.db.commit()
     return checks
 
@@ -240,8 +250,8 @@ def main(argv=None) -> int:
     import nbgrader.api
 
     nbgrader.api.get_alembic_version = _gradebook_version
-    # Kernels forked from a server that imported torch once (course/kernels.py).
-    os.environ.setdefault("JUPYTER_DEFAULT_PROVISIONER_NAME", "course-forked")
+    if sys.platform.startswith("linux"):  # kernels forked from a server that imported torch once (course/kernels.py)
+        os.environ.setdefault("JUPYTER_DEFAULT_PROVISIONER_NAME", "course-forked")
     try:
         grade_all(args.submissions, args.out, args.cell_timeout)
     finally:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -26,6 +27,7 @@ import pytest
 POINTS = {1: 20, 2: 25, 3: 25, 4: 30, 5: 20, 6: 25, 7: 15}
 
 _MODULE = re.compile(r"test_ex(\d+)_\w*\.py")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')  # faulthandler's stack of a crashed worker
 _STUB = re.compile(r"Exercise \d+: (\S+) is not written yet, see (\S+)")  # course/student.py's stubs
 
 
@@ -70,6 +72,11 @@ def explain(error: BaseException) -> str:
     summary = getattr(error, "summary", None)  # a world of workers that failed (course.launch.WorldFailed)
     if summary is not None:
         head, *rest = summary.splitlines() or [""]
+        if error.first is not None and error.first.kind == "exit":  # a crash: where it was, if known
+            died = _first_line(error.first.message).removesuffix(", at (innermost first):")
+            frames = _FRAME.findall(error.first.message)  # innermost first; prefer code outside Python's own
+            mine = [f for f in frames if not f[0].startswith((sys.prefix, sys.base_prefix))] or frames
+            return f"{died} (in {os.path.basename(mine[0][0])}:{mine[0][1]} in {mine[0][2]})" if mine else died
         if error.first is not None and head.endswith("failed first:"):
             return f"{head} {error.first.kind}: {_first_line(error.first.message)}"
         ranks = [line.strip() for line in rest if line.startswith("  rank ")]
@@ -97,7 +104,8 @@ def table(checks: list) -> str:
         stubs = {m.group(1): m.group(2) for c in failed if (m := _STUB.fullmatch(c.message))}
         if stubs:  # an untouched exercise: one line, not one per check
             waiting = ", ".join(f"{name} (see {handout})" for name, handout in stubs.items())
-            lines.append(f"          x {sum(bool(_STUB.fullmatch(c.message)) for c in failed)} checks stop at code not written yet: {waiting}")
+            count = sum(bool(_STUB.fullmatch(c.message)) for c in failed)
+            lines.append(f"          x {count} check{'s stop' if count > 1 else ' stops'} at code not written yet: {waiting}")
         failures: dict = {}
         for check in failed:
             if not _STUB.fullmatch(check.message):

@@ -8,7 +8,9 @@ once, in one test):
   conftest.py, its own tests/ and course/ that would pass everything, and a notebook whose test
   cell is emptied and whose extra cell replaces `check`;
 - deadlock: exercise 2's ranks wait for a broadcast rank 0 never sends;
-- syntax: mlp.py does not parse (mydp.py imports it: exercises 1, 3 and 4 fail, 2 is graded).
+- syntax: mlp.py does not parse (mydp.py imports it: exercises 1, 3 and 4 fail, 2 is graded);
+- crash: building an MLP segfaults, in the kernel (whose notebook then cannot be graded) and in
+  workers (whose world reports it). The checks of exercise 4 that build no MLP still pass.
 """
 
 import csv
@@ -26,6 +28,7 @@ EXPECTED = {  # (exercise 1, 2, 3, 4)
     "sums": (20, 25, 25, 8 + 4),  # start_sync and frozen pass; the steps and the match with DDP fail
     "deadlock": (20, 0, 25, 30),
     "syntax": (0, 25, 0, 0),
+    "crash": (0, 25, 0, 8 + 4),
 }
 
 
@@ -59,6 +62,7 @@ def make_submissions(root):
     _cheating_notebook(os.path.join(sums, "exercises", "04_mydp.ipynb"))
     make_mutant(root / "deadlock", "dist.py", "    dist.broadcast(B, src=0)\n", "        dist.recv(B, src=0)  # rank 0 never sends\n")
     make_mutant(root / "syntax", "mlp.py", "def split_dataset(X, Y, train_fraction=0.9):", "def split_dataset(X, Y, train_fraction=0.9)")
+    make_mutant(root / "crash", "mlp.py", "sizes = [config.d_in]", "import ctypes; ctypes.string_at(0)  # reads address 0\n        sizes = [config.d_in]")
 
 
 def processes_in(folder):
@@ -104,6 +108,7 @@ def test_autograde_end_to_end(tmp_path):
     assert "2.0x the expected average" in feedback("sums")
     assert "Timed out" in feedback("deadlock") or "waited in a collective" in feedback("deadlock"), feedback("deadlock")
     assert "mlp.py does not import: SyntaxError" in feedback("syntax")
+    assert "could not be graded" in feedback("crash") and "exit code -11" in feedback("crash"), feedback("crash")
     with open(out / "autograded" / "sums" / "ex4" / "04_mydp.ipynb") as f:
         graded = json.load(f)["cells"]
     assert "cheat" not in {c["id"] for c in graded}, "a code cell the student added to a notebook was run"
