@@ -159,6 +159,8 @@ def _reason(cell: dict) -> str:
         if output["output_type"] == "error":
             if output["ename"] == "CheckFailed":
                 return output["evalue"]
+            if output["ename"] == "KeyboardInterrupt":  # nbclient interrupts a cell at its time limit
+                return "still running at the cell's time limit (--cell-timeout): an endless loop, or a wait that never ends?"
             return f"{output['ename']}: {output['evalue']}".rstrip(": ")
         if output["output_type"] == "stream" and output["name"] == "stderr":
             return "the cell wrote to stderr: " + "".join(output["text"]).strip().splitlines()[0]
