@@ -101,11 +101,10 @@ def table(checks: list) -> str:
         mine = [c for c in checks if c.exercise == exercise]
         lines.append(_row(exercise, sum(c.passed for c in mine), len(mine), sum(c.score for c in mine), sum(c.max_score for c in mine)))
         failed = [c for c in mine if not c.passed]
-        stubs = {m.group(1): m.group(2) for c in failed if (m := _STUB.fullmatch(c.message))}
-        if stubs:  # an untouched exercise: one line, not one per check
-            waiting = ", ".join(f"{name} (see {handout})" for name, handout in stubs.items())
-            count = sum(bool(_STUB.fullmatch(c.message)) for c in failed)
-            lines.append(f"          x {count} check{'s stop' if count > 1 else ' stops'} at code not written yet: {waiting}")
+        unwritten = [m for c in failed if (m := _STUB.fullmatch(c.message))]
+        if unwritten:  # an untouched exercise reads as one line, not one per check
+            where = ", ".join(dict.fromkeys(f"{m.group(1)} (see {m.group(2)})" for m in unwritten))
+            lines.append(f"          x {len(unwritten)} check{'s stop' if len(unwritten) > 1 else ' stops'} at code not written yet: {where}")
         failures: dict = {}
         for check in failed:
             if not _STUB.fullmatch(check.message):
