@@ -81,7 +81,7 @@ def test_autograde_end_to_end(tmp_path):
     make_submissions(tmp_path / "submissions")
     out = tmp_path / "grading"
     # Short timeouts: the deadlock is caught by the collective timeout, in seconds.
-    environ = dict(os.environ, COURSE_COLLECTIVE_TIMEOUT="3", COURSE_TIMEOUT="30")
+    environ = dict(os.environ, COURSE_COLLECTIVE_TIMEOUT="4", COURSE_TIMEOUT="30")
     done = subprocess.run(
         [sys.executable, "-m", "course.autograde", str(tmp_path / "submissions"), "--out", str(out), "--cell-timeout", "60"],
         cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=300,
