@@ -5,14 +5,16 @@ PY := $(VENV)/bin/python
 # Workers share the cores: see course/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help demo test grade student bench bench-launch gpu-check
+.PHONY: help demo test grade student release autograde bench bench-launch gpu-check
 
 help:
 	@echo "make demo     run every reference solution on CPU"
 	@echo "make test     the test suite: the reference solutions and the repository's own checks"
 	@echo "make grade    grade your mlp.py, dist.py and mydp.py (EX=2 for one exercise)"
-	@echo "make student  regenerate mlp.py, dist.py, mydp.py from solutions/"
-	@echo "make bench   step time of DDP and MyDP variants, ring all-reduce against gloo (bench/)"
+	@echo "make student  regenerate mlp.py, dist.py, mydp.py and exercises/*.ipynb from solutions/"
+	@echo "make release DEST=dir          instructors: write the students' copy (no solutions)"
+	@echo "make autograde SUBMISSIONS=dir instructors: grade one folder per student through nbgrader"
+	@echo "make bench    step time of DDP and MyDP variants, ring all-reduce against gloo (bench/)"
 	@echo "make bench-launch  what starting a world of workers costs, per start method"
 	@echo "make gpu-check  every reference solution on this machine's GPUs, compared with the CPU (ARGS=mlp.py flags)"
 
@@ -28,17 +30,31 @@ demo: $(VENV)/.installed
 	$(PY) solutions/mlp.py --world-size 2 --niters 300 --check
 	$(PY) solutions/mydp.py --world-size 2 --niters 300 --compare
 
+# The students' copy (make release) has no solutions/: there `make test` is `make grade`.
+ifneq ($(wildcard solutions/.),)
 test: $(VENV)/.installed
 	COURSE_IMPL=solutions $(PYTEST) tests
+else
+test: grade
+endif
 
+# A score below full marks is not an error; a broken grader is (see course/grade.py).
 grade: $(VENV)/.installed
-	COURSE_IMPL=student $(PYTEST) tests -k "ex$(EX)"
+	COURSE_IMPL=student $(PYTEST) -p course.grade $(if $(EX),tests/test_ex$(EX)_*.py,tests/test_ex*_*.py)
 
 student: $(VENV)/.installed
 	$(PY) -m course.student
 
 bench: $(VENV)/.installed
 	$(PY) bench/overlap.py
+
+release: $(VENV)/.installed
+	$(PY) -m course.release $(DEST)
+
+# Grades, gradebook and feedback go to OUT (default grading/); see course/autograde.py.
+OUT ?= grading
+autograde: $(VENV)/.installed
+	$(PY) -m course.autograde $(SUBMISSIONS) --out $(OUT)
 
 bench-launch: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) bench/launch_cost.py

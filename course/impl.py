@@ -22,14 +22,37 @@ MODULES = tuple(name[: -len(".py")] for name in STUDENT_FILES)
 _loaded: dict = {}
 
 
-def selected() -> str:
-    """The folder named by COURSE_IMPL (absolute)."""
-    choice = os.environ.get("COURSE_IMPL", "solutions")
+def selected(default: str = "solutions") -> str:
+    """The folder named by COURSE_IMPL (absolute); `default` when it is not set."""
+    choice = os.environ.get("COURSE_IMPL", default)
     if choice == "solutions":
         return SOLUTIONS
     if choice == "student":
         return ROOT
     return os.path.abspath(choice)
+
+
+class Unimportable:
+    """Stands in for a module that does not import: any use of it raises the reason.
+
+    One broken file then fails only the exercises that use it (mydp.py imports mlp.py, so a
+    syntax error in mlp.py fails exercises 1, 3 and 4, and exercise 2 is still graded).
+    """
+
+    def __init__(self, name: str, error: BaseException):
+        self.name, self.error = name, error
+
+    def __getattr__(self, attribute):
+        raise ImportError(f"{self.name}.py does not import: {type(self.error).__name__}: {self.error}") from self.error
+
+
+def _import(folder: str, name: str):
+    if not os.path.isfile(os.path.join(folder, f"{name}.py")):
+        return Unimportable(name, FileNotFoundError(f"there is no {name}.py in {folder}"))
+    try:
+        return importlib.import_module(name)
+    except Exception as error:  # noqa: BLE001 - whatever a submission raises at import time
+        return Unimportable(name, error)
 
 
 def load(folder: str) -> SimpleNamespace:
@@ -41,7 +64,7 @@ def load(folder: str) -> SimpleNamespace:
     saved_modules = {name: sys.modules.pop(name) for name in MODULES if name in sys.modules}
     sys.path.insert(0, folder)
     try:
-        modules = SimpleNamespace(**{name: importlib.import_module(name) for name in MODULES})
+        modules = SimpleNamespace(**{name: _import(folder, name) for name in MODULES})
     finally:
         for name in MODULES:
             sys.modules.pop(name, None)
@@ -49,3 +72,8 @@ def load(folder: str) -> SimpleNamespace:
         sys.path[:] = saved_path
     _loaded[folder] = modules
     return modules
+
+
+def forget(folder: str) -> None:
+    """Drop what load() keeps of a folder, so the next load reads its files again (after an edit)."""
+    _loaded.pop(os.path.abspath(folder), None)

@@ -1,5 +1,7 @@
 """Make the student files from the reference solutions: ``python -m course.student``.
 
+It also writes the students' exercise notebooks from solutions/notebooks/ (course/notebooks.py).
+
 solutions/ is the single source of truth. Every region between ``### BEGIN SOLUTION`` and
 ``### END SOLUTION`` (nbgrader's markers) becomes a stub that raises NotImplementedError naming the
 exercise, the function and the handout. The exercise comes from the nearest ``TODO(exercise N)``
@@ -85,5 +87,7 @@ def generate(dest: str = ROOT) -> list:
 
 
 if __name__ == "__main__":
-    for path in generate(sys.argv[1] if len(sys.argv) > 1 else ROOT):
+    from course.notebooks import write_student_notebooks
+
+    for path in generate(sys.argv[1] if len(sys.argv) > 1 else ROOT) + write_student_notebooks():
         print(f"wrote {os.path.relpath(path)}")

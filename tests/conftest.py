@@ -2,16 +2,14 @@
 
 import os
 
-# Before torch is imported: one thread per worker, so workers fork fast and share the cores
-# (course/env.py); collectives are compared on every call and nothing waits long.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("COURSE_DEBUG", "1")
-os.environ.setdefault("COURSE_TIMEOUT", "60")
-os.environ.setdefault("COURSE_COLLECTIVE_TIMEOUT", "10")
+from course import env
+
+# Before torch is imported (course/env.py says why).
+os.environ.update(env.check_settings())
 
 import pytest  # noqa: E402
 
-from course import env, impl  # noqa: E402
+from course import impl  # noqa: E402
 
 # The suite starts its own worlds. Under srun or mpiexec (a CI job on a cluster) the launcher's
 # variables would make every script the tests start join the launcher's world instead.

@@ -1,5 +1,6 @@
 """Exercise 1: the MLP, its evaluation, and a training run on one process."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -12,8 +13,8 @@ def check_layers(folder):
     config = small_config(mlp)
     model = mlp.MLP(config)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    sizes = [config.d_in] + [config.d_hidden] * (config.n_layers - 1) + [config.n_classes]
-    expected = {f"layers.{i}.weight": (b, a) for i, (a, b) in enumerate(zip(sizes, sizes[1:]))}
+    widths = [config.d_in, *[config.d_hidden] * (config.n_layers - 1), config.n_classes]
+    expected = {f"layers.{i}.weight": (b, a) for i, (a, b) in enumerate(zip(widths, widths[1:]))}
     assert shapes == expected, f"the MLP's parameters should be {expected} (bias-free nn.Linear layers in self.layers), got {shapes}"
 
 
@@ -112,6 +113,7 @@ def test_evaluate(impl_dir):
     check_evaluate(impl_dir)
 
 
+@pytest.mark.scaffold
 def test_dataset(impl_dir):
     check_dataset(impl_dir)
 
@@ -124,5 +126,6 @@ def test_step_lines(impl_dir, capsys):
     check_step_lines(impl_dir, capsys)
 
 
+@pytest.mark.scaffold
 def test_cli_types(impl_dir):
     check_cli_types(impl_dir)

@@ -1,0 +1,91 @@
+"""What the exercise notebooks call: run your code, and grade it with the checks `make grade` runs.
+
+The notebooks hold no exercise code of their own. Your code stays in mlp.py, dist.py and mydp.py,
+and workers find it there: a function defined in a notebook cell cannot be sent to a worker.
+COURSE_IMPL picks the files, as for the tests; unset, they are the top-level student files.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+
+from course import env, impl
+from course.student import ROOT
+
+# The settings the test suite uses, applied before torch is imported; and the checks live in tests/.
+os.environ.update(env.check_settings())
+if ROOT not in sys.path:
+    sys.path.append(ROOT)
+
+from course.grade import explain  # noqa: E402
+from course.launch import run  # noqa: E402
+
+
+class CheckFailed(Exception):
+    """A check found a mistake. Its message is the whole story, so it is shown without a traceback."""
+
+    def _render_traceback_(self):  # IPython shows this instead of the traceback
+        return [f"CheckFailed: {self}"]
+
+
+def folder() -> str:
+    """The folder of the code under test."""
+    return impl.selected(default="student")
+
+
+def load():
+    """Your modules, read again from the files: .mlp, .dist, .mydp."""
+    impl.forget(folder())
+    return impl.load(folder())
+
+
+def _call(where: str, module: str, function: str, config: dict | None, args: tuple):
+    ex = impl.load(where)
+    if config is not None:
+        args = (ex.mlp.ModelConfig(**config),) + args
+    return getattr(getattr(ex, module), function)(*args)
+
+
+def on_ranks(world_size: int, module: str, function: str, *args, config: dict | None = None, ddp: bool = False) -> list:
+    """Run module.function(*args) of your files on every rank of a new world; results by rank.
+
+    With config (ModelConfig's fields), the function's first argument is that ModelConfig, built
+    on each rank: an object of a class from your file cannot be sent to a worker. Worlds that
+    build built-in DDP pass ddp=True: DDP cannot run with the collective checks on.
+    """
+    impl.forget(folder())
+    return run(_call, world_size, folder(), module, function, config, args, debug=False if ddp else None)
+
+
+@contextmanager
+def _stderr_to_stdout():
+    """Send this process's and its workers' stderr to stdout for a while.
+
+    nbgrader gives no points to a test cell that wrote anything to stderr, and gloo and torch
+    write warnings there that say nothing about the student's code. They still show, as output.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_fd, saved_stream = os.dup(2), sys.stderr
+    os.dup2(1, 2)
+    sys.stderr = sys.stdout
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved_fd, 2)
+        os.close(saved_fd)
+        sys.stderr = saved_stream
+
+
+def check(fn, *args) -> None:
+    """Run one of the checks of `make grade` on your files; raise CheckFailed saying what is wrong."""
+    impl.forget(folder())
+    try:
+        with _stderr_to_stdout():
+            fn(folder(), *args)
+    except Exception as error:  # noqa: BLE001 - any failure of the check is the student's to read
+        raise CheckFailed(explain(error)) from None
+    print(f"{fn.__name__}: passed")

@@ -1,0 +1,120 @@
+"""Instructors only: `make autograde` end to end, on sample submissions made from the reference.
+
+One run grades four students through nbgrader (the expensive part of the suite, so it runs
+once, in one test):
+- perfect: the reference, whose code also writes to stderr in the kernel and in the workers, as
+  gloo and torch warnings do: nbgrader would zero a test cell with stderr output;
+- sums: exercise 4 sums gradients instead of averaging them. It also tries to cheat: a
+  conftest.py, its own tests/ and course/ that would pass everything, and a notebook whose test
+  cell is emptied and whose extra cell replaces `check`;
+- deadlock: exercise 2's ranks wait for a broadcast rank 0 never sends;
+- syntax: mlp.py does not parse (mydp.py imports it: exercises 1, 3 and 4 fail, 2 is graded);
+- crash: building an MLP segfaults, in the kernel (whose notebook then cannot be graded) and in
+  workers (whose world reports it). The checks of exercise 4 that build no MLP still pass.
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+
+from course.student import ROOT
+from tests.mutants import make_mutant
+
+EXPECTED = {  # (exercise 1, 2, 3, 4)
+    "perfect": (20, 25, 25, 30),
+    "sums": (20, 25, 25, 8 + 4),  # start_sync and frozen pass; the steps and the match with DDP fail
+    "deadlock": (20, 0, 25, 30),
+    "syntax": (0, 25, 0, 0),
+    "crash": (0, 25, 0, 8 + 4),
+}
+
+
+def _write(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _cheating_notebook(path):
+    with open(os.path.join(ROOT, "exercises", "04_mydp.ipynb")) as f:
+        nb = json.load(f)
+    for cell in nb["cells"]:
+        grade_id = cell["metadata"].get("nbgrader", {}).get("grade_id")
+        if grade_id == "ex4_steps":
+            cell["source"] = "pass"
+        if grade_id == "ex4_how_many_calls":
+            cell["source"] = "One all-reduce per parameter."
+    nb["cells"].insert(2, {"cell_type": "code", "id": "cheat", "metadata": {}, "execution_count": None, "outputs": [], "source": "check = lambda *args: None"})
+    _write(path, json.dumps(nb))
+
+
+def make_submissions(root):
+    warn = "import sys; print('UserWarning: a warning, as gloo prints', file=sys.stderr)\n        "
+    make_mutant(root / "perfect", "mlp.py", "sizes = [config.d_in]", warn + "sizes = [config.d_in]")
+    sums = make_mutant(root / "sums", "mydp.py", "mean = grad / dist.get_world_size()", "mean = grad.clone()")
+    _write(os.path.join(sums, "conftest.py"), "import pytest\n\n\ndef pytest_runtest_call(item):\n    pytest.skip('free points')\n")
+    _write(os.path.join(sums, "tests", "test_ex4_mydp.py"), "def test_everything():\n    pass\n")
+    _write(os.path.join(sums, "course", "__init__.py"), "")
+    _write(os.path.join(sums, "course", "notebook.py"), "def check(*args):\n    pass\n")
+    _cheating_notebook(os.path.join(sums, "exercises", "04_mydp.ipynb"))
+    make_mutant(root / "deadlock", "dist.py", "    dist.broadcast(B, src=0)\n", "        dist.recv(B, src=0)  # rank 0 never sends\n")
+    make_mutant(root / "syntax", "mlp.py", "def split_dataset(X, Y, train_fraction=0.9):", "def split_dataset(X, Y, train_fraction=0.9)")
+    make_mutant(root / "crash", "mlp.py", "sizes = [config.d_in]", "import ctypes; ctypes.string_at(0)  # reads address 0\n        sizes = [config.d_in]")
+
+
+def processes_in(folder):
+    """Processes whose working directory is inside folder (kernels and their workers run there)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd").startswith(str(folder)):
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def test_autograde_end_to_end(tmp_path):
+    make_submissions(tmp_path / "submissions")
+    out = tmp_path / "grading"
+    # Short timeouts: the deadlock is caught by the collective timeout, in seconds.
+    environ = dict(os.environ, COURSE_COLLECTIVE_TIMEOUT="4", COURSE_TIMEOUT="30")
+    done = subprocess.run(
+        [sys.executable, "-m", "course.autograde", str(tmp_path / "submissions"), "--out", str(out), "--cell-timeout", "60"],
+        cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    with open(out / "grades.csv") as f:
+        rows = {(row["student_id"], row["assignment"]): row for row in csv.DictReader(f)}
+    for student, scores in EXPECTED.items():
+        got = tuple(float(rows[student, f"ex{n}"]["score"]) for n in (1, 2, 3, 4))
+        assert got == scores, f"{student}: nbgrader's CSV has {got}, expected {scores}\n{done.stdout}"
+        with open(out / "feedback" / student / "results.json") as f:
+            results = json.load(f)
+        by_exercise = tuple(sum(t["score"] for t in results["tests"] if t["name"].startswith(f"Exercise {n}:")) for n in (1, 2, 3, 4))
+        assert by_exercise == scores and results["score"] == sum(scores), f"{student}: results.json has {by_exercise}"
+        assert all(t["status"] == ("passed" if t["score"] == t["max_score"] else "failed") for t in results["tests"])
+        assert (out / "feedback" / student / "feedback.txt").exists()
+    assert float(rows["perfect", "ex4"]["max_score"]) == 32, "exercise 4's notebook: 30 autograded points and 2 for the written answer"
+
+    def feedback(student):
+        with open(out / "feedback" / student / "feedback.txt") as f:
+            return f.read()
+
+    assert "2.0x the expected average" in feedback("sums")
+    assert "Timed out" in feedback("deadlock") or "waited in a collective" in feedback("deadlock"), feedback("deadlock")
+    assert "mlp.py does not import: SyntaxError" in feedback("syntax")
+    assert "could not be graded" in feedback("crash") and "exit code -11" in feedback("crash"), feedback("crash")
+    with open(out / "autograded" / "sums" / "ex4" / "04_mydp.ipynb") as f:
+        graded = json.load(f)["cells"]
+    assert "cheat" not in {c["id"] for c in graded}, "a code cell the student added to a notebook was run"
+    assert any("".join(c["source"]) == "One all-reduce per parameter." for c in graded), "the student's written answer was not carried over"
+
+    deadline = time.monotonic() + 5
+    while processes_in(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_in(tmp_path), "autograde left processes behind"

@@ -1,0 +1,156 @@
+"""The grading product: `make grade`'s plugin, the notebooks, the students' release."""
+
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from course import impl, notebooks
+from course.grade import POINTS, explain
+from course.launch import WorldFailed, run
+from course.release import leaks, release, secret_lines
+from course.student import ROOT, SOLUTIONS, STUDENT_FILES
+
+TESTS = os.path.join(ROOT, "tests")
+
+
+def exercise_modules():
+    return sorted(name for name in os.listdir(TESTS) if re.fullmatch(r"test_ex\d+_\w+\.py", name))
+
+
+def test_every_exercise_has_points_and_its_notebook_gives_them():
+    for name in exercise_modules():
+        assert int(re.match(r"test_ex(\d+)_", name).group(1)) in POINTS, f"{name}: add its exercise to POINTS in course/grade.py"
+    for source in notebooks.sources():
+        cells = notebooks.notebook(source)["cells"]
+        tests = [c for c in cells if c["metadata"].get("nbgrader", {}).get("grade") and c["cell_type"] == "code"]
+        points = sum(c["metadata"]["nbgrader"]["points"] for c in tests)
+        assert points == POINTS[notebooks.exercise_of(source)], f"{source}: its test cells give {points} points"
+        setup = next(c["source"] for c in cells if c["cell_type"] == "code")
+        imported = {alias.name for node in ast.walk(ast.parse(setup)) if isinstance(node, ast.ImportFrom) and node.module.startswith("tests.") for alias in node.names}
+        for cell in tests:
+            call = ast.parse(cell["source"]).body[0].value
+            assert call.func.id == "check" and call.args[0].id in imported, f"{cell['id']} must call check(check_..., ...) with a check from tests/"
+
+
+@pytest.mark.parametrize("source", notebooks.sources(), ids=os.path.basename)
+def test_student_notebook_is_generated_from_source(source):
+    with open(notebooks.student_path(source)) as f:
+        assert f.read() == notebooks.dumps(notebooks.notebook(source, solutions=False)), "run `make student`"
+
+
+def stub(message):
+    raise NotImplementedError(message)
+
+
+def one_rank_asserts():
+    assert dist.get_rank() == 0, "rank 1 computed the wrong thing"
+
+
+def test_explain_says_what_a_world_found():
+    with pytest.raises(WorldFailed) as caught:
+        run(stub, 2, "Exercise 2: f is not written yet, see exercises/02_dist.md")
+    assert explain(caught.value) == "Exercise 2: f is not written yet, see exercises/02_dist.md"
+    with pytest.raises(WorldFailed) as caught:
+        run(one_rank_asserts, 2)
+    assert explain(caught.value) == "Rank 1 of 2 failed first: AssertionError: rank 1 computed the wrong thing"
+    try:
+        assert 1 + 1 == 3, "the sum is wrong"
+    except AssertionError as error:  # rewritten by pytest: the message comes first, then the expression
+        assert explain(error) == "the sum is wrong"
+    assert explain(ValueError("bad\nvalue")) == "ValueError: bad"
+
+
+def test_a_broken_file_fails_only_the_exercises_that_use_it(tmp_path):
+    for name in STUDENT_FILES:
+        shutil.copy(os.path.join(SOLUTIONS, name), tmp_path)
+    (tmp_path / "dist.py").write_text("def broken(:\n")
+    (tmp_path / "mydp.py").unlink()
+    ex = impl.load(tmp_path)
+    assert ex.mlp.ModelConfig().d_in == 1024
+    with pytest.raises(ImportError, match=r"dist.py does not import: SyntaxError"):
+        ex.dist.par_matmul_by_row
+    with pytest.raises(ImportError, match=r"mydp.py does not import: FileNotFoundError"):
+        ex.mydp.MyDP
+
+
+FAKE_CHECKS = '''
+import pytest
+
+def test_passes():
+    pass
+
+def test_fails():
+    assert 1 == 2, "one is not two: fix the arithmetic"
+
+@pytest.mark.scaffold
+def test_given_code():
+    pass
+'''
+
+
+def grade(folder, *args):
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "course.grade", "-p", "no:cacheprovider", *args],
+        cwd=folder, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_grade_scores_checks_and_exits_0_for_a_low_grade(tmp_path):
+    (tmp_path / "test_ex1_fake.py").write_text(FAKE_CHECKS)
+    done = grade(tmp_path, "-n", "2", "test_ex1_fake.py")  # through pytest-xdist, as make grade
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "x test_fails: one is not two: fix the arithmetic" in done.stdout
+    assert "Traceback" not in done.stdout
+    with open(tmp_path / "results.json") as f:
+        results = json.load(f)
+    assert results["score"] == 10 and {t["name"]: (t["score"], t["max_score"], t["status"]) for t in results["tests"]} == {
+        "Exercise 1: test_passes": (10, 10, "passed"),
+        "Exercise 1: test_fails": (0, 10, "failed"),
+    }, "the scaffold check earns nothing and the two others share exercise 1's 20 points"
+    assert all(t["visibility"] == "visible" and t["output"] is not None for t in results["tests"]) and "execution_time" in results
+
+
+def test_a_broken_grader_exits_non_zero(tmp_path):
+    (tmp_path / "test_ex1_fixture.py").write_text("import pytest\n\n@pytest.fixture\ndef data():\n    raise OSError('no data')\n\ndef test_x(data):\n    pass\n")
+    done = grade(tmp_path, "test_ex1_fixture.py")
+    assert done.returncode != 0 and "GRADER ERROR" in done.stdout, done.stdout
+    (tmp_path / "test_ex99_new.py").write_text("def test_x():\n    pass\n")
+    assert grade(tmp_path, "test_ex99_new.py").returncode != 0, "an exercise without points must stop the grader"
+
+
+def test_release_has_no_solution_and_grades_an_untouched_clone(tmp_path):
+    dest = tmp_path / "release"
+    files = release(str(dest))
+    assert not any(f.startswith(("solutions", ".ci")) or "mutant" in f or f == "tests/test_student_files.py" for f in files)
+    assert {"mlp.py", "Makefile", "tests/test_ex2_dist.py", "exercises/03_ddp.ipynb", "course/grade.py"} <= set(files)
+    assert leaks(str(dest)) == []
+    secret = sorted(secret_lines())[0]
+    (dest / "notes.txt").write_text(f"  {secret}\n")
+    assert leaks(str(dest)) == [("notes.txt", secret)], "the leak check must find a solution line"
+    (dest / "notes.txt").unlink()
+
+    dry = subprocess.run(["make", "-n", "test"], cwd=dest, capture_output=True, text=True, timeout=60)
+    assert "-p course.grade" in dry.stdout and "COURSE_IMPL=solutions" not in dry.stdout, "without solutions/, make test is make grade"
+    checks = sorted(str(p.relative_to(dest)) for p in (dest / "tests").glob("test_ex*_*.py"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "course.grade", *checks],
+        cwd=dest, env=dict(os.environ, COURSE_IMPL="student"), capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(dest / "results.json") as f:
+        results = json.load(f)
+    assert results["score"] == 0 and results["tests"]
+    messages, exercise = {}, None
+    for line in done.stdout[done.stdout.index("exercise"):].splitlines():
+        if re.match(r" +\d+ ", line):
+            exercise = int(line.split()[0])
+        elif line.strip().startswith("x "):
+            messages.setdefault(exercise, []).append(line)
+    assert sorted(messages) == sorted(POINTS) and all(len(m) == 1 and "not written yet" in m[0] for m in messages.values()), messages
