@@ -8,7 +8,7 @@ PYTEST := $(PY) -m pytest -n 2
 .PHONY: help demo test grade student release autograde bench bench-launch gpu-check
 
 help:
-	@echo "make demo     run every reference solution on CPU"
+	@echo "make demo     run every reference solution on CPU (not in the students' copy)"
 	@echo "make test     the test suite: the reference solutions and the repository's own checks"
 	@echo "make grade    grade your mlp.py, dist.py and mydp.py (EX=2 for one exercise)"
 	@echo "make student  regenerate mlp.py, dist.py, mydp.py and exercises/*.ipynb from solutions/"
@@ -24,23 +24,21 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
+# A score below full marks is not an error; a broken grader is (see course/grade.py).
+grade: $(VENV)/.installed
+	COURSE_IMPL=student $(PYTEST) -p course.grade $(if $(EX),tests/test_ex$(EX)_*.py,tests/test_ex*_*.py)
+
+# Targets that need solutions/. The students' copy (make release) has none: there `make test` is
+# `make grade`, and the others are not defined.
+ifneq ($(wildcard solutions/.),)
 demo: $(VENV)/.installed
 	$(PY) solutions/mlp.py --niters 300
 	$(PY) solutions/dist.py --world-size 3
 	$(PY) solutions/mlp.py --world-size 2 --niters 300 --check
 	$(PY) solutions/mydp.py --world-size 2 --niters 300 --compare
 
-# The students' copy (make release) has no solutions/: there `make test` is `make grade`.
-ifneq ($(wildcard solutions/.),)
 test: $(VENV)/.installed
 	COURSE_IMPL=solutions $(PYTEST) tests
-else
-test: grade
-endif
-
-# A score below full marks is not an error; a broken grader is (see course/grade.py).
-grade: $(VENV)/.installed
-	COURSE_IMPL=student $(PYTEST) -p course.grade $(if $(EX),tests/test_ex$(EX)_*.py,tests/test_ex*_*.py)
 
 student: $(VENV)/.installed
 	$(PY) -m course.student
@@ -55,6 +53,9 @@ release: $(VENV)/.installed
 OUT ?= grading
 autograde: $(VENV)/.installed
 	$(PY) -m course.autograde $(SUBMISSIONS) --out $(OUT)
+else
+test: grade
+endif
 
 bench-launch: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) bench/launch_cost.py

@@ -9,7 +9,9 @@ Only the students' own work is graded, and only by the instructor's checks:
   for the kernels: a student's tests, conftest.py or module named like a support module is never
   seen. The notebooks' cells import the checks from this repository's tests/.
 - The notebook graded is this release's, with the student's written answers copied into it by
-  nbgrader cell id: code a student adds to a notebook does not run. (nbgrader copies an
+  nbgrader cell id: code a student adds to a notebook does not run. Neither do the demo cells:
+  they earn no points, and a slow or hanging demo would only delay grading (tests/test_grading.py
+  runs them). (nbgrader copies an
   assignment's non-notebook source files over a submission; the sources here have none, so the
   students' .py files are the ones graded.)
 - Each notebook runs in its own kernel process, and each cell has a wall-clock limit
@@ -141,6 +143,7 @@ def take_in(submission: str, student: str, out: str, assignments: dict) -> str:
         with open(os.path.join(out, "release", assignment, stem + ".ipynb")) as f:
             nb = json.load(f)
         answers = _answers(submission, stem)
+        nb["cells"] = [c for c in nb["cells"] if "demo" not in c["metadata"].get("tags", [])]
         for cell in nb["cells"]:
             grading = cell["metadata"].get("nbgrader", {})
             if grading.get("solution") and isinstance(answers.get(grading["grade_id"]), (str, list)):

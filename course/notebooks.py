@@ -2,7 +2,9 @@
 
 A source reads as a document. Its text becomes markdown cells and its fenced blocks become:
 
-    ```python                        a code cell (imports, a demo that runs the student's code)
+    ```python                        a code cell (the imports)
+    ```python demo                   a code cell that runs the student's code to show it working,
+                                     tagged "demo": autograding leaves it out
     ```python test=ID points=N       a test cell that nbgrader grades automatically
     ```answer id=ID points=N         a written answer graded by hand; its model answer sits
                                      between ### BEGIN SOLUTION and ### END SOLUTION
@@ -76,6 +78,8 @@ def cells(text: str, stem: str, solutions: bool) -> list:
             out.append(_cell("code", body, len(out), stem, grading))
         else:
             out.append(_cell("code", body, len(out), stem))
+            if "demo" in fence.group(2).split():
+                out[-1]["metadata"]["tags"] = ["demo"]
     if "\n".join(prose).strip():
         out.append(_cell("markdown", "\n".join(prose), len(out), stem))
     return out

@@ -45,6 +45,19 @@ def test_student_notebook_is_generated_from_source(source):
         assert f.read() == notebooks.dumps(notebooks.notebook(source, solutions=False)), "run `make student`"
 
 
+@pytest.mark.parametrize("source", notebooks.sources(), ids=os.path.basename)
+def test_notebook_demos_run(source, impl_dir, monkeypatch):
+    """The demo cells, which autograding leaves out, run here, on the implementation under test."""
+    monkeypatch.setenv("COURSE_IMPL", impl_dir)
+    cells = notebooks.notebook(source, solutions=False)["cells"]
+    setup = next(c for c in cells if c["cell_type"] == "code")
+    demos = [c for c in cells if "demo" in c["metadata"].get("tags", [])]
+    assert demos, "each notebook runs the student's code at least once"
+    namespace = {}
+    for cell in [setup] + demos:
+        exec(compile(cell["source"], cell["id"], "exec"), namespace)
+
+
 def stub(message):
     raise NotImplementedError(message)
 
