@@ -166,14 +166,15 @@ def check_mydp_output(code, out):
 def test_torchrun_runs_each_script(tmp_path):
     """`torchrun --nproc-per-node=2 solutions/X.py`: each script joins torchrun's world of 2.
 
-    mlp.py runs in fresh interpreters, exactly as the command starts it. dist.py and mydp.py run
-    in forked workers under the same agent: the suite's time allows one set of fresh workers.
+    dist.py runs in fresh interpreters, exactly as the command starts it. mlp.py and mydp.py run
+    in forked workers under the same agent: the suite's time allows one set of fresh workers,
+    and dist.py's are the cheapest (no optimizer, so no torch._dynamo).
     """
     ranks = ["--standalone", "--nproc-per-node=2"]  # --standalone: torchrun picks a free port
     (mlp, dist_, mydp) = processes(
         tmp_path,
-        (torchrun(*ranks, SCRIPT["mlp"], *TINY), {}),
-        (torchrun_forked_workers("dist"), {}),
+        (torchrun_forked_workers("mlp", *TINY), {}),
+        (torchrun(*ranks, SCRIPT["dist"]), {}),
         (torchrun_forked_workers("mydp", "--world-size", "2", "--compare", *TINY), {}),
     )
     check_mlp_output(*mlp, "torchrun")
