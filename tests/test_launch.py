@@ -188,10 +188,15 @@ def test_ctrl_c_stops_every_worker():
     plain = {k: v for k, v in os.environ.items() if k != "COURSE_DEBUG"}  # built-in DDP: see above
     script = subprocess.Popen(
         [sys.executable, "solutions/mlp.py", "--world-size", "4", *SMALL_FOREVER],
-        cwd=ROOT, env=plain, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        cwd=ROOT, env=plain, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
-    workers = wait_for(lambda: len(descendants(script.pid)) >= 4 and descendants(script.pid), 30)
-    time.sleep(0.5)  # let the workers reach the training loop
+    for line in script.stdout:  # rank 0 prints step 0 once every rank is training
+        if line.startswith("step 0 |"):
+            break
+    else:
+        raise AssertionError(f"the script ended before training: {script.stderr.read()}")
+    workers = descendants(script.pid)
+    assert len(workers) >= 4
     os.killpg(script.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: the whole group
     _, err = script.communicate(timeout=15)
     assert script.returncode == 130
