@@ -1,7 +1,7 @@
 """Instructors only: `make autograde` end to end, on sample submissions made from the reference.
 
-One run grades four students through nbgrader (the expensive part of the suite, so it runs
-once, in one test):
+One run grades five students through nbgrader (the expensive part of the suite, so it runs
+once, in one test), the four of the course's brief and one that crashes:
 - perfect: the reference, whose code also writes to stderr in the kernel and in the workers, as
   gloo and torch warnings do: nbgrader would zero a test cell with stderr output;
 - sums: exercise 4 sums gradients instead of averaging them. It also tries to cheat: a
