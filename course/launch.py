@@ -167,6 +167,9 @@ def _stack_of(stack_dir: str, rank: int) -> list:
 
 
 _SECONDARY = ("Connection closed by peer", "Connection reset by peer")
+# A collective that not every rank joined: gloo's own timeout, or, with collectives checked,
+# the checking group's barrier before it.
+_WAITED = ("Timed out", "failed to pass monitoredBarrier")
 
 
 def _is_secondary(report: RankReport) -> bool:
@@ -221,7 +224,7 @@ def _summarize(reports: list, world_size: int) -> str:
         lines = [f"Ranks called different collectives (world of {world_size}):"]
         lines += [f"  rank {r.rank} called {_own_collective(r)} {_where(r.traceback)}" for r in by_rank]
         return "\n".join(lines)
-    if all("Timed out" in r.message for r in reports if not _is_secondary(r)):
+    if all(any(m in r.message for m in _WAITED) for r in reports if not _is_secondary(r)):
         lines = [
             f"Ranks {[r.rank for r in by_rank]} waited in a collective that not every rank joined: one rank "
             "skipped a collective or called a different one (COURSE_DEBUG=1 compares them on every call):"

@@ -262,3 +262,12 @@ def test_loopback_settings_per_platform():
 
 def test_libuv_switch():
     assert env.libuv_available({}) and not env.libuv_available({"USE_LIBUV": "0"})
+
+
+def test_a_rank_missing_the_checked_barrier_reads_as_a_wait():
+    """With collectives checked, a rank that never arrives can surface as torch's monitored barrier."""
+    from course.launch import RankReport, _summarize
+
+    report = RankReport(0, 1.0, "RuntimeError", "[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 4000 ms",
+                        'File "/x/dist.py", line 9, in par_matmul_by_row\n')
+    assert _summarize([report], 2).startswith("Ranks [0] waited in a collective that not every rank joined")
