@@ -198,7 +198,11 @@ def test_ctrl_c_stops_every_worker():
     workers = descendants(script.pid)
     assert len(workers) >= 4
     os.killpg(script.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: the whole group
-    _, err = script.communicate(timeout=60)  # about a second when idle; a loaded CI machine is slower
+    try:
+        _, err = script.communicate(timeout=60)  # about a second when idle; a loaded CI machine is slower
+    finally:
+        if script.poll() is None:  # the check failed: leave nothing running
+            os.killpg(script.pid, signal.SIGKILL)
     assert script.returncode == 130
     assert err.strip() == "Interrupted: stopped all 4 workers.", err
     assert not [p for p in workers if os.path.exists(f"/proc/{p}")], "workers survived Ctrl-C"
