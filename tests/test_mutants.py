@@ -34,7 +34,7 @@ MUTANTS = {
     ),
     "torch.split given a chunk size where a number of chunks was meant": (
         "dist.py", "torch.split(matrix, sizes, dim=dim)", "torch.split(matrix, len(sizes), dim=dim)",
-        lambda folder: check_matmul(folder, 3), "",
+        lambda folder: check_matmul(folder, 3), "Input list size should be 3",
     ),
     "every rank trains on the same batches": (
         "mlp.py", "if i % world_size != rank:", "if False:",
