@@ -10,6 +10,7 @@ import sys
 import time
 import traceback
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from course import env, gpu_check, impl
 from course.device import amp_dtype, bound_device, current_device, ddp_device_ids
 from course.launch import launch, run
 from course.student import SOLUTIONS
+from tests.comm_log import CommLog
 from tests.helpers import small_config, world
 from tests.mutants import make_mutant
 from tests.test_launch import descendants, rank_sum
@@ -359,6 +361,36 @@ def check_amp(folder):
 
 def test_amp_data_parallel_matches_one_process():
     check_amp(SOLUTIONS)
+
+
+# --- the ring on NCCL ------------------------------------------------------------------------
+
+
+def messages_outside_batches(folder, length):
+    """Worker: ring_all_reduce; how many messages it started, and which not inside dist.batch_isend_irecv."""
+    batch = dist.batch_isend_irecv
+
+    def marked(ops):
+        log.mark("batch")
+        works = batch(ops)
+        log.mark("end")
+        return works
+
+    with CommLog() as log, mock.patch.object(dist, "batch_isend_irecv", marked):
+        impl.load(folder).dist.ring_all_reduce(torch.arange(length, dtype=torch.float32))
+    inside, outside = False, []
+    for event in log.events:
+        if event.kind == "mark":
+            inside = event.what == "batch"
+        elif not inside and event.kind == "start":
+            outside.append(event.what)
+    return len(log.started()), outside
+
+
+def test_reference_ring_batches_its_messages():
+    """NCCL hangs on a send and a receive started one by one (exercises/05_ring.md); gloo cannot show the hang."""
+    for started, outside in run(messages_outside_batches, 3, SOLUTIONS, 10):
+        assert started == 8 and outside == [], f"{started} messages, started outside a batch: {outside}"
 
 
 # --- make gpu-check ---------------------------------------------------------------------------
