@@ -41,6 +41,16 @@ def current_device() -> torch.device:
     return torch.device(os.environ.get(_VARIABLE, "cpu"))
 
 
+def bound_device(backend: str) -> Optional[torch.device]:
+    """init_process_group's device_id: this rank's GPU under nccl, None otherwise.
+
+    Bound to a GPU, NCCL sets up the world's communicator inside init_process_group, with every
+    rank present. Unbound, it sets up a communicator for each pair of ranks at their first send,
+    in a call that waits for the peer: the ring of exercise 5 then waits all around the ring.
+    """
+    return current_device() if backend == "nccl" else None
+
+
 def synchronize(device: torch.device) -> None:
     """Wait until the device has finished the work queued on it: GPU calls return before they are done."""
     if device.type == "cuda":
@@ -57,8 +67,9 @@ def amp_dtype(device: torch.device) -> torch.dtype:
     """The 16-bit type for mixed precision: bfloat16, or float16 on GPUs without bfloat16 (before Ampere).
 
     float16 needs loss scaling (torch.amp.GradScaler) so that small gradients do not round to
-    zero; bfloat16 has float32's range and needs none.
+    zero; bfloat16 has float32's range and needs none. Older GPUs (V100, T4) emulate bfloat16,
+    slowly, and is_bf16_supported() counts that unless told not to.
     """
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         return torch.float16
     return torch.bfloat16

@@ -10,7 +10,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
 
 
 @dataclass(frozen=True)
@@ -24,35 +24,48 @@ class ExternalWorld:
     local_world_size: Optional[int]  # ranks on this machine, where the launcher says
 
 
-# (launcher, rank, world size, local rank, ranks on this machine) variable names, in the order
-# they are tried. torchrun sets RANK/WORLD_SIZE/...; OpenMPI's mpiexec OMPI_COMM_WORLD_*; MPICH
-# and Intel MPI (Hydra) PMI_* and MPI_LOCAL*; srun SLURM_*. MPI comes before SLURM because
-# mpiexec inside a SLURM job inherits SLURM_* variables that describe the job, not its own ranks.
-# SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: only srun sets it, whereas an sbatch script itself
-# runs with SLURM_PROCID=0 and SLURM_NTASKS=N and would otherwise wait for N-1 ranks that never come.
+class _Launcher(NamedTuple):
+    name: str
+    rank: str  # the variables it sets: this process's rank,
+    size: str  # the world size,
+    local_rank: str  # the rank among the ranks on this machine,
+    local_size: Optional[str]  # and their number, where it says
+    local_rank_required: bool = False  # match only where local_rank is set too
+
+
+# In the order they are tried. torchrun sets RANK/WORLD_SIZE/...; OpenMPI's mpiexec
+# OMPI_COMM_WORLD_*; MPICH and Intel MPI (Hydra) PMI_* and MPI_LOCAL*; srun SLURM_*.
+# - MPI comes before SLURM because mpiexec inside a SLURM job inherits SLURM_* variables that
+#   describe the job, not its own ranks.
+# - MPICH needs MPI_LOCALRANKID as well: srun with SLURM's pmi2 plugin (--mpi=pmi2) sets PMI_RANK
+#   and PMI_SIZE in every task but no MPI_LOCALRANKID, which Hydra always sets. Taken for MPICH,
+#   those tasks would all get local rank 0 (the same GPU) and no node list to meet on.
+# - SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: only srun sets it, whereas an sbatch script itself
+#   runs with SLURM_PROCID=0 and SLURM_NTASKS=N and would otherwise wait for N-1 ranks that never come.
 _LAUNCHERS = (
-    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ("slurm", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", None),
+    _Launcher("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    _Launcher("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    _Launcher("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", local_rank_required=True),
+    _Launcher("slurm", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", None),
 )
 
 # The variables that make a process join a launcher's world (tests clear them: see conftest.py).
-LAUNCHER_VARIABLES = tuple(name for launcher in _LAUNCHERS for name in launcher[1:3])
+LAUNCHER_VARIABLES = tuple(name for launcher in _LAUNCHERS for name in (launcher.rank, launcher.size))
 
 DEFAULT_PORT = 29500  # torch's customary MASTER_PORT
 
 
 def external_world(environ: Mapping[str, str] = os.environ) -> Optional[ExternalWorld]:
     """The world a cluster launcher put this process in, or None when we must start our own."""
-    for launcher, rank_var, size_var, local_var, local_size_var in _LAUNCHERS:
-        if rank_var in environ and size_var in environ:
-            local_size = environ.get(local_size_var) if local_size_var else None
+    for launcher in _LAUNCHERS:
+        required = (launcher.rank, launcher.size) + ((launcher.local_rank,) if launcher.local_rank_required else ())
+        if all(name in environ for name in required):
+            local_size = environ.get(launcher.local_size) if launcher.local_size else None
             return ExternalWorld(
-                launcher=launcher,
-                rank=int(environ[rank_var]),
-                world_size=int(environ[size_var]),
-                local_rank=int(environ.get(local_var, 0)),
+                launcher=launcher.name,
+                rank=int(environ[launcher.rank]),
+                world_size=int(environ[launcher.size]),
+                local_rank=int(environ.get(launcher.local_rank, 0)),
                 local_world_size=int(local_size) if local_size else None,
             )
     return None

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from course import env
-from course.device import select as select_device
+from course.device import bound_device, select as select_device
 
 MISMATCH_MARKER = "Detected mismatch between collectives"
 
@@ -126,6 +126,7 @@ def _worker(fn: Callable, args: tuple, rank: int, settings: _WorkerSettings, con
             rank=rank,
             world_size=settings.world_size,
             timeout=timedelta(seconds=settings.collective_timeout),
+            device_id=bound_device(settings.backend),
         )
         result = fn(*args)
         # A rank that skipped a collective arrives here while its peers wait inside that
@@ -490,7 +491,7 @@ def _run_in_external_world(
     select_device(where)
     limit = os.environ.get("COURSE_COLLECTIVE_TIMEOUT")
     dist.init_process_group(backend, init_method="env://", rank=world.rank, world_size=world.world_size,
-                            timeout=timedelta(seconds=float(limit)) if limit else None)
+                            timeout=timedelta(seconds=float(limit)) if limit else None, device_id=bound_device(backend))
     result = fn(*args)
     dist.barrier()  # as in a local world: a skipped collective shows up here, not as a hang
     dist.destroy_process_group()

@@ -9,6 +9,8 @@ import socket
 import sys
 import time
 import traceback
+import types
+from unittest import mock
 
 import pytest
 import torch
@@ -16,10 +18,12 @@ import torch._dynamo  # noqa: F401 - every optimizer imports it (seconds): the f
 import torch.distributed as dist
 
 from course import env, gpu_check, impl
-from course.device import amp_dtype, current_device, ddp_device_ids
+from course.device import amp_dtype, bound_device, current_device, ddp_device_ids
 from course.launch import launch, run
 from course.student import SOLUTIONS
+from tests.comm_log import CommLog
 from tests.helpers import small_config, world
+from tests.mutants import make_mutant
 from tests.test_launch import descendants, rank_sum
 
 # A script's own work takes a fraction of a second at these sizes: starting processes dominates.
@@ -163,6 +167,16 @@ def check_mydp_output(code, out):
     assert gap < 1e-5, out
 
 
+def test_dist_accepts_a_large_product_rounded_in_float32(tmp_path):
+    """`dist.py --shape 100 3000 100`: sums of 3000 terms round more than 1e-5 away from A @ B, correctly."""
+    shape = (100, 3000, 100)
+    by_row, by_reduction = run(gpu_check.matmul_on_rank, 2, SOLUTIONS, *shape)[0]
+    rounding = (by_reduction - torch.matmul(*gpu_check.matrices(*shape))).abs().max().item()
+    assert rounding > 1e-5, f"this shape no longer shows float32 rounding beyond 1e-5 ({rounding:.1e}): choose a larger k"
+    [(code, out)] = processes(tmp_path, (script("dist", "--world-size", "2", "--shape", *map(str, shape)), {}))
+    check_dist_output(code, out)
+
+
 def test_torchrun_runs_each_script(tmp_path):
     """`torchrun --nproc-per-node=2 solutions/X.py`: each script joins torchrun's world of 2.
 
@@ -221,6 +235,18 @@ def test_srun_ranks_on_two_nodes_join(tmp_path):
     assert rank1 == (0, ""), rank1[1]
 
 
+def test_srun_with_pmi2_ranks_join_as_slurm(tmp_path):
+    """`srun --mpi=pmi2`: SLURM's pmi2 plugin adds PMI_RANK and PMI_SIZE, which MPICH sets too."""
+    port = str(free_port())
+    variables = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+                 "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": port, "PMI_SIZE": "2", "PMI_JOBID": "4242.0"}
+    rank0, rank1 = processes(
+        tmp_path, *[(script("dist"), variables | {"SLURM_PROCID": str(r), "PMI_RANK": str(r)}) for r in (0, 1)]
+    )
+    check_dist_output(rank0[0], rank0[1] + rank1[1])
+    assert rank1[0] == 0 and "matches" not in rank1[1], rank1[1]
+
+
 # --- course/env.py: which world, where to meet, which device ---------------------------------
 
 
@@ -238,6 +264,10 @@ def test_launcher_detection():
     assert env.external_world(sbatch_script) is None, "an sbatch script outside srun starts its own world"
     mpiexec_in_slurm_job = ompi | {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0"}
     assert env.external_world(mpiexec_in_slurm_job).launcher == "openmpi"
+    srun_pmi2 = srun | {"PMI_RANK": "7", "PMI_SIZE": "8", "PMI_FD": "5", "PMI_JOBID": "4242.0"}
+    assert env.external_world(srun_pmi2) == env.ExternalWorld("slurm", 7, 8, 3, None), "pmi2 sets PMI_* but is not MPICH"
+    hydra_in_slurm_job = mpich | {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0"}
+    assert env.external_world(hydra_in_slurm_job) == env.ExternalWorld("mpich", 1, 4, 1, 2)
 
 
 def test_first_host_of_slurm_node_lists():
@@ -280,10 +310,24 @@ def test_device_and_backend_choice():
         env.choose_backend("nccl", "cpu")
 
 
-def test_device_accessors_on_cpu():
+def test_device_accessors_on_cpu(monkeypatch):
     assert current_device() == torch.device("cpu")
     assert ddp_device_ids(torch.nn.Linear(2, 2)) is None
     assert amp_dtype(torch.device("cpu")) == torch.bfloat16
+    assert bound_device("gloo") is None
+    monkeypatch.setenv("COURSE_DEVICE", "cuda:1")  # what select("cuda:1") records, without a GPU
+    assert bound_device("nccl") == torch.device("cuda:1"), "NCCL should set up its communicator at init_process_group"
+
+
+@pytest.mark.parametrize("major, expected", [(7, torch.float16), (8, torch.bfloat16), (9, torch.bfloat16)])
+def test_amp_type_follows_the_gpu_generation(monkeypatch, major, expected):
+    """float16 and loss scaling before Ampere (compute capability 8), even though V100 and T4 emulate bfloat16."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(major=major))
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)  # emulation works
+    assert amp_dtype(torch.device("cuda:0")) == expected
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
@@ -319,6 +363,36 @@ def test_amp_data_parallel_matches_one_process():
     check_amp(SOLUTIONS)
 
 
+# --- the ring on NCCL ------------------------------------------------------------------------
+
+
+def messages_outside_batches(folder, length):
+    """Worker: ring_all_reduce; how many messages it started, and which not inside dist.batch_isend_irecv."""
+    batch = dist.batch_isend_irecv
+
+    def marked(ops):
+        log.mark("batch")
+        works = batch(ops)
+        log.mark("end")
+        return works
+
+    with CommLog() as log, mock.patch.object(dist, "batch_isend_irecv", marked):
+        impl.load(folder).dist.ring_all_reduce(torch.arange(length, dtype=torch.float32))
+    inside, outside = False, []
+    for event in log.events:
+        if event.kind == "mark":
+            inside = event.what == "batch"
+        elif not inside and event.kind == "start":
+            outside.append(event.what)
+    return len(log.started()), outside
+
+
+def test_reference_ring_batches_its_messages():
+    """NCCL hangs on a send and a receive started one by one (exercises/05_ring.md); gloo cannot show the hang."""
+    for started, outside in run(messages_outside_batches, 3, SOLUTIONS, 10):
+        assert started == 8 and outside == [], f"{started} messages, started outside a batch: {outside}"
+
+
 # --- make gpu-check ---------------------------------------------------------------------------
 
 
@@ -338,6 +412,30 @@ def test_gpu_check_compares_every_case():
     assert all(row.ok for row in rows), gpu_check.report(rows, "CPU")
     assert "8 of 8 cases agree with the CPU." in gpu_check.report(rows, "CPU")
     assert "COURSE_DEVICE" not in os.environ, "the check should leave this process's device as it found it"
+    assert torch.backends.cuda.matmul.fp32_precision == "none", "and its float32 precision"
+
+
+def test_gpu_check_keeps_the_table_when_a_case_fails(tmp_path):
+    """A ring that raises on rank 1: its row says so, with rank 1's error below the table, and case 6 still runs."""
+    folder = make_mutant(tmp_path, "dist.py", "    for step in range(world_size - 1):\n        # The chunk sent on",
+                         "    if rank == 1:\n        raise RuntimeError('lost the ring')\n"
+                         "    for step in range(world_size - 1):\n        # The chunk sent on")
+    rows = gpu_check.compare("cpu", 2, small_config(impl.load(SOLUTIONS).mlp), folder)
+    failed = [row.case for row in rows if not row.ok]
+    assert failed == ["5 ring all-reduce"] and len(rows) == 8, gpu_check.report(rows, "CPU")
+    text = gpu_check.report(rows, "CPU")
+    assert "failed, see below" in text and "lost the ring" in text and "rank 1" in text, text
+    assert "7 of 8 cases agree with the CPU." in text, text
+
+
+def test_ieee_float32_pins_and_restores():
+    torch.backends.cuda.matmul.fp32_precision = "tf32"  # as a user or a site may have set it
+    try:
+        with gpu_check.ieee_float32():
+            assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = "none"
 
 
 # --- on GPUs (skipped without one) ------------------------------------------------------------
