@@ -50,6 +50,7 @@ class RankFact:
     peer: Optional[int] = None  # for point-to-point: the rank it sent to / received from
     traceback: str = ""
     exit_code: Optional[int] = None  # for a rank that ended without reporting
+    when: float = float("inf")  # when it went wrong (time.time()): the first failure is the cause
     op: str = ""  # with collectives checked: the OpType torch's fingerprint gave ("ALLREDUCE")
 
     def where(self) -> str:
@@ -134,6 +135,9 @@ class Failure:
             others = [f.rank for f in self.ranks if f.rank != self.first]
             tail = f"\n(ranks {others} failed after it, most likely because rank {first.rank} stopped.)" if others else ""
             return f"Rank {first.rank} of {self.world_size} failed first:\n{first.traceback.strip() or first.message}{tail}"
+        if self.kind == "crash":
+            frames = stack_frames(self.fact(self.first).traceback)[::-1]
+            return "\n".join([head, "Its stack, innermost first:"] + [f"  {os.path.basename(p)}:{n} in {fn}" for p, n, fn in frames])
         return head
 
 
@@ -228,7 +232,7 @@ def _fact(report: dict) -> RankFact:
         state = "waited"
     else:
         state = "raised"
-    fact = RankFact(report["rank"], state, error, report.get("message", ""), traceback=report.get("traceback", ""),
+    fact = RankFact(report["rank"], state, error, report.get("message", ""), traceback=report.get("traceback", ""), when=report["when"],
                     collective=report.get("collective", ""), shape=report.get("shape", ""), peer=report.get("peer"))
     if error == "SystemExit":
         fact.message = f"it called sys.exit({report.get('message', '')})"
@@ -238,10 +242,10 @@ def _fact(report: dict) -> RankFact:
     return _fill_place(fact, [tuple(f) for f in report.get("frames", [])])
 
 
-def ended_without_report(rank: int, exit_code: Optional[int], stack: str, reason: str = "") -> RankFact:
-    """A rank whose process ended without a report: a crash (a signal) or an early exit."""
+def ended_without_report(rank: int, exit_code: Optional[int], stack: str, reason: str = "", when: float = float("inf")) -> RankFact:
+    """A rank whose process ended without a report (a crash, an early exit), noticed at ``when``."""
     state = "crashed" if exit_code is not None and exit_code < 0 else "no_result"
-    fact = RankFact(rank, state, message=reason, exit_code=exit_code, traceback=stack)
+    fact = RankFact(rank, state, message=reason, exit_code=exit_code, traceback=stack, when=when)
     return _fill_place(fact, stack_frames(stack))
 
 
@@ -270,10 +274,9 @@ def parse_stub(message: str) -> Optional[dict]:
 def diagnose(reports: list, ended: list, world_size: int) -> Failure:
     """The failure of a world from the reports that ranks sent and the ranks that ended without one."""
     facts = sorted([_fact(r) for r in reports] + ended, key=lambda f: f.rank)
-    when = {r["rank"]: r["when"] for r in reports}
     # The root cause: a rank's own error before any peer's echo, earliest first (gloo may close a
     # socket a moment before the Python exception on that rank is raised and stamped).
-    first = min(facts, key=lambda f: (f.state == "echo", f.state == "waited", when.get(f.rank, float("inf"))))
+    first = min(facts, key=lambda f: (f.state == "echo", f.state == "waited", f.when))
     failure = Failure("error", world_size, facts, first.rank)
     stub = parse_stub(first.message) if first.error == "NotImplementedError" else None
     if stub:
@@ -287,6 +290,9 @@ def diagnose(reports: list, ended: list, world_size: int) -> Failure:
     elif any(f.op for f in facts):
         failure.kind = "mismatch"
     elif all(f.state in ("waited", "echo", "running") for f in facts):
+        for f in facts:  # a peer's echo while it waited too: it lost the connection where it waited
+            if f.state == "echo" and f.collective:
+                f.state = "waited"
         shown = [f for f in facts if f.state != "echo"]
         p2p = all(f.state == "waited" and f.collective in POINT_TO_POINT + ("wait",) and f.peer is not None for f in shown)
         failure.kind = "p2p_deadlock" if shown and p2p else "wait"

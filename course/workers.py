@@ -151,13 +151,23 @@ def _own_helpers() -> set:
 
 
 def _private_descriptors(keep: set) -> None:
-    """Close every descriptor inherited through fork but ``keep`` and 0, 1, 2 (pytest-xdist's
-    channel, the other ranks' pipes), then point Python's streams at 0, 1, 2, line-buffered."""
-    start = 3
-    for fd in sorted(keep):
-        os.closerange(start, fd)
-        start = fd + 1
-    os.closerange(start, 65536)
+    """Cut every descriptor inherited through fork but ``keep`` and 0, 1, 2 off what it reached
+    (pytest-xdist's channel, the other ranks' pipes), then point Python's streams at 0, 1, 2.
+
+    Each is pointed at /dev/null rather than closed: a Python file object inherited with it may
+    still close it when collected, and must not close a descriptor that gloo opened since.
+    """
+    listed = os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else map(str, range(256))
+    inherited = [int(fd) for fd in listed if int(fd) > 2 and int(fd) not in keep]
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in inherited:
+        if fd != null:
+            try:
+                os.dup2(null, fd, inheritable=False)
+            except OSError:  # listdir's own descriptor, closed by now
+                pass
+    os.close(null)
+    sys.unraisablehook = sys.__unraisablehook__  # not the test runner's, inherited through fork
     sys.stdin = open(os.devnull)
     # Whole lines, each in one write: two ranks never interleave mid-line.
     sys.stdout = open(1, "w", buffering=1, closefd=False, encoding=sys.stdout.encoding, errors="backslashreplace")
@@ -358,14 +368,14 @@ class _World:
             data = conn.recv_bytes()
         except EOFError:
             self.procs[rank].join(timeout=1)
-            self.ended.append(failure.ended_without_report(rank, self.procs[rank].exitcode, self._stack(rank)))
+            self.ended.append(failure.ended_without_report(rank, self.procs[rank].exitcode, self._stack(rank), when=time.time()))
             return
         try:
             status, payload = torch.load(io.BytesIO(data), weights_only=True)
         except Exception as exc:  # noqa: BLE001 - whatever a worker sent, it is that rank's failure
             reason = (f"it sent something that is not data (tensors, numbers, strings, lists, dicts):"
                       f" {type(exc).__name__}: {failure.first_line(str(exc))}")
-            self.ended.append(failure.ended_without_report(rank, None, "", reason))
+            self.ended.append(failure.ended_without_report(rank, None, "", reason, when=time.time()))
             return
         if status == "ok":
             self.results[rank] = payload
