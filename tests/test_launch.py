@@ -410,11 +410,22 @@ def wait_for(condition, seconds):
     raise AssertionError("condition not met in time")
 
 
-def test_ctrl_c_stops_every_worker():
-    plain = {k: v for k, v in os.environ.items() if k != "COURSE_DEBUG"}  # built-in DDP: see above
+def sigint_as_a_terminal_gives_it():
+    """SIGINT at its default in the script, whatever this test runner inherited: a runner started
+    with SIGINT ignored (`make test &`, nohup, some CI) passes that on through exec (issue 16)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def sigint_ignored():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def training_script(sigint):
+    plain = {k: v for k, v in os.environ.items() if k != "COURSE_DEBUG"}
     script = subprocess.Popen(
         [sys.executable, "solutions/mlp.py", "--world-size", "4", *SMALL_FOREVER],
         cwd=ROOT, env=plain, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=sigint,
     )
     for line in script.stdout:  # rank 0 prints step 0 once every rank is training
         if line.startswith("step 0 |"):
@@ -423,6 +434,11 @@ def test_ctrl_c_stops_every_worker():
         raise AssertionError(f"the script ended before training: {script.stderr.read()}")
     workers = descendants(script.pid)
     assert len(workers) >= 4
+    return script, workers
+
+
+def test_ctrl_c_stops_every_worker():
+    script, workers = training_script(sigint_as_a_terminal_gives_it)
     os.killpg(script.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: the whole group
     try:
         _, err = script.communicate(timeout=60)  # about a second when idle; a loaded CI machine is slower
@@ -435,6 +451,20 @@ def test_ctrl_c_stops_every_worker():
     assert [line.split(" at ")[0].split()[:2] for line in ranks] == [["rank", str(r)] for r in range(4)], err
     assert all(re.search(r" at mlp\.py:\d+ in \w+$", line) for line in ranks), err
     assert not [p for p in workers if alive(p)], "workers survived Ctrl-C"
+
+
+def test_a_script_started_with_sigint_ignored_keeps_ignoring_it():
+    """`nohup python mlp.py &`: the user chose to survive Ctrl-C, and so do the workers."""
+    script, workers = training_script(sigint_ignored)
+    try:
+        os.killpg(script.pid, signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            script.wait(timeout=2)
+        assert all(alive(p) for p in workers), "a worker died of the SIGINT its script ignores"
+    finally:
+        os.killpg(script.pid, signal.SIGKILL)
+        script.communicate(timeout=10)
+    wait_for(lambda: not [p for p in workers if alive(p)], 10)
 
 
 def test_workers_die_with_a_killed_parent():
