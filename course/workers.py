@@ -151,14 +151,15 @@ def _own_helpers() -> set:
 
 
 def _private_descriptors(keep: set) -> None:
-    """Cut every descriptor inherited through fork but ``keep`` and 0, 1, 2 off what it reached
-    (pytest-xdist's channel, the other ranks' pipes), then point Python's streams at 0, 1, 2.
+    """Cut every descriptor inherited through fork but ``keep``, 0, 1, 2 and Python's own
+    streams off what it reached (pytest-xdist's channel, the other ranks' pipes).
 
     Each is pointed at /dev/null rather than closed: a Python file object inherited with it may
     still close it when collected, and must not close a descriptor that gloo opened since.
     """
+    streams = {s.fileno() for s in (sys.stdout, sys.stderr) if s is not None and hasattr(s, "fileno")}
     listed = os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else map(str, range(256))
-    inherited = [int(fd) for fd in listed if int(fd) > 2 and int(fd) not in keep]
+    inherited = [int(fd) for fd in listed if int(fd) > 2 and int(fd) not in keep | streams]
     null = os.open(os.devnull, os.O_RDWR)
     for fd in inherited:
         if fd != null:
@@ -169,9 +170,9 @@ def _private_descriptors(keep: set) -> None:
     os.close(null)
     sys.unraisablehook = sys.__unraisablehook__  # not the test runner's, inherited through fork
     sys.stdin = open(os.devnull)
-    # Whole lines, each in one write: two ranks never interleave mid-line.
-    sys.stdout = open(1, "w", buffering=1, closefd=False, encoding=sys.stdout.encoding, errors="backslashreplace")
-    sys.stderr = open(2, "w", buffering=1, closefd=False, encoding=sys.stderr.encoding, errors="backslashreplace")
+    for stream in (sys.stdout, sys.stderr):  # whole lines, each in one write: ranks never share a line
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
 
 
 def _send(conn, message) -> None:
