@@ -35,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import reduction
 from multiprocessing.connection import wait
 from typing import Any, Callable, Optional
 
@@ -150,16 +151,33 @@ def _own_helpers() -> set:
 # --- in the worker --------------------------------------------------------------------------
 
 
-def _private_descriptors(keep: set) -> None:
-    """Cut every descriptor inherited through fork but ``keep``, 0, 1, 2 and Python's own
-    streams off what it reached (pytest-xdist's channel, the other ranks' pipes).
+class _Stream:
+    """The parent's stdout or stderr as it is when a world starts, handed to a worker: a child of
+    the forkserver or of spawn would otherwise write where that server's own output went."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):  # pickled while a worker starts: the descriptor travels with it
+        return (_Stream._received, (reduction.DupFd(self.fd),))
+
+    @staticmethod
+    def _received(dup) -> "_Stream":
+        return _Stream(dup.detach())
+
+
+def _private_descriptors(keep: set, stdout: _Stream, stderr: _Stream) -> None:
+    """Cut every descriptor inherited through fork but ``keep`` and 0, 1, 2 off what it reached
+    (pytest-xdist's channel, the other ranks' pipes); write to the parent's stdout and stderr.
 
     Each is pointed at /dev/null rather than closed: a Python file object inherited with it may
     still close it when collected, and must not close a descriptor that gloo opened since.
     """
-    streams = {s.fileno() for s in (sys.stdout, sys.stderr) if s is not None and hasattr(s, "fileno")}
+    for stream, fd in ((stdout, 1), (stderr, 2)):
+        if stream.fd != fd:
+            os.dup2(stream.fd, fd)
     listed = os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else map(str, range(256))
-    inherited = [int(fd) for fd in listed if int(fd) > 2 and int(fd) not in keep | streams]
+    inherited = [int(fd) for fd in listed if int(fd) > 2 and int(fd) not in keep]
     null = os.open(os.devnull, os.O_RDWR)
     for fd in inherited:
         if fd != null:
@@ -170,9 +188,9 @@ def _private_descriptors(keep: set) -> None:
     os.close(null)
     sys.unraisablehook = sys.__unraisablehook__  # not the test runner's, inherited through fork
     sys.stdin = open(os.devnull)
-    for stream in (sys.stdout, sys.stderr):  # whole lines, each in one write: ranks never share a line
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(line_buffering=True)
+    # Whole lines, each in one write: two ranks never interleave mid-line.
+    sys.stdout = open(1, "w", buffering=1, closefd=False, encoding="utf-8", errors="backslashreplace")
+    sys.stderr = open(2, "w", buffering=1, closefd=False, encoding="utf-8", errors="backslashreplace")
 
 
 def _send(conn, message) -> None:
@@ -181,14 +199,14 @@ def _send(conn, message) -> None:
     conn.send_bytes(buffer.getvalue())
 
 
-def _worker(fn: Callable, args: tuple, rank: int, settings: _WorkerSettings, conn) -> None:
+def _worker(fn: Callable, args: tuple, rank: int, settings: _WorkerSettings, conn, stdout: _Stream, stderr: _Stream) -> None:
     # Ctrl-C reaches every process in the terminal's group; only the parent acts on it, so the
     # student sees one message rather than a KeyboardInterrupt traceback from every rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a daemon the student starts stays ours, to be stopped
     stack_file = open(os.path.join(settings.stack_dir, f"rank{rank}.stack"), "w")
-    _private_descriptors({conn.fileno(), stack_file.fileno()})
+    _private_descriptors({conn.fileno(), stack_file.fileno()}, stdout, stderr)
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     faulthandler.enable(file=stack_file)  # a crash (segfault, abort) leaves its stack too
@@ -315,7 +333,7 @@ def run(
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_worker, args=(fn, args, rank, settings, writer), name=f"rank{rank}", daemon=True)
+            proc = ctx.Process(target=_worker, args=(fn, args, rank, settings, writer, _Stream(1), _Stream(2)), name=f"rank{rank}", daemon=True)
             with _live_lock:
                 proc.start()
                 _live.add(proc.pid)
