@@ -24,7 +24,7 @@ _PLUMBING_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, multiprocessing)
 ) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 _COMM_LOG = os.path.join("tests", "comm_log.py")
-_C10D = "distributed_c10d.py"
+C10D_FILE = "distributed_c10d.py"
 POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 _STUB = re.compile(r"Exercise (\d+): (\S+) is not written yet, see (\S+)")  # course/student.py's stubs
@@ -164,7 +164,7 @@ def _call_in(frames: list) -> str:
     """The torch.distributed function a rank was in: the innermost one, or a request's wait()."""
     own = _own(frames)
     after = frames[frames.index(own) + 1:] if own else frames
-    dist_calls = [f[2] for f in after if f[0].endswith(_C10D)]
+    dist_calls = [f[2] for f in after if f[0].endswith(C10D_FILE)]
     if dist_calls:
         return dist_calls[0]
     if any(f[2] == "wait" for f in after) or (own and ".wait(" in linecache.getline(own[0], own[1])):
@@ -188,7 +188,7 @@ def _call_details(tb) -> dict:
     details = {}
     while tb is not None:
         frame = tb.tb_frame
-        if frame.f_code.co_filename.endswith(_C10D):
+        if frame.f_code.co_filename.endswith(C10D_FILE):
             local = frame.f_locals
             tensor = local.get("tensor")
             if isinstance(tensor, torch.Tensor):
@@ -206,8 +206,8 @@ def rank_report(rank: int, exc: BaseException, when: float, p2p: Optional[dict] 
     report = dict(rank=rank, when=when, error=type(exc).__name__, message=first_line(str(exc)),
                   full_message=str(exc), traceback=traceback.format_exc(), frames=frames,
                   **_call_details(exc.__traceback__))
-    if p2p:
-        report.update(p2p)
+    if p2p:  # stuck in a message's wait(): what it was and with whom
+        report.update(collective=p2p["collective"], peer=p2p["peer"])
     return report
 
 

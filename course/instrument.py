@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from course.failure import _C10D, is_plumbing
+from course.failure import C10D_FILE, is_plumbing
 
 _DIRECTION = {"send": ("send", "isend"), "recv": ("recv", "irecv"), "recv_anysource": ("recv", "irecv")}
 
@@ -28,7 +28,7 @@ def _caller(method: str) -> tuple:
     blocking, started = _DIRECTION[method]
     call, frame = started, sys._getframe(2)
     while frame is not None and is_plumbing(frame.f_code.co_filename):
-        if frame.f_code.co_filename.endswith(_C10D) and frame.f_code.co_name == blocking:
+        if frame.f_code.co_filename.endswith(C10D_FILE) and frame.f_code.co_name == blocking:
             call = blocking
         frame = frame.f_back
     where = (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name) if frame else ("", 0, "")

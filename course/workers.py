@@ -159,6 +159,8 @@ class _Stream:
         self.fd = fd
 
     def __reduce__(self):  # pickled while a worker starts: the descriptor travels with it
+        if sys.platform == "win32":  # spawn's child inherits the console's handles as they are
+            return (_Stream, (None,))
         return (_Stream._received, (reduction.DupFd(self.fd),))
 
     @staticmethod
@@ -174,10 +176,10 @@ def _private_descriptors(keep: set, stdout: _Stream, stderr: _Stream) -> None:
     still close it when collected, and must not close a descriptor that gloo opened since.
     """
     for stream, fd in ((stdout, 1), (stderr, 2)):
-        if stream.fd != fd:
+        if stream.fd not in (None, fd):
             os.dup2(stream.fd, fd)
-    listed = os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else map(str, range(256))
-    inherited = [int(fd) for fd in listed if int(fd) > 2 and int(fd) not in keep]
+    listing = next((d for d in ("/proc/self/fd", "/dev/fd") if os.path.isdir(d)), None)  # Linux, macOS
+    inherited = [int(fd) for fd in os.listdir(listing) if int(fd) > 2 and int(fd) not in keep] if listing else []
     null = os.open(os.devnull, os.O_RDWR)
     for fd in inherited:
         if fd != null:
