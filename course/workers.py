@@ -350,6 +350,9 @@ def run(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+_POLL = 0.25  # seconds between looks at whether a worker's process has ended
+
+
 class _World:
     """The parent's view of one world: its processes, their pipes, and what they sent."""
 
@@ -369,11 +372,14 @@ class _World:
         grace_end = None  # after a first failure, peers get a moment to report theirs
         while self.pending:
             end = deadline if grace_end is None else min(deadline, grace_end)
-            ready = wait([self.conns[r] for r in self.pending], timeout=max(0.0, end - time.monotonic()))
-            if not ready:
+            left = end - time.monotonic()
+            if left <= 0:
                 break
-            for conn in ready:
-                self._receive(rank_of[id(conn)], conn)
+            ready = wait([self.conns[r] for r in self.pending], timeout=min(left, _POLL))
+            # A process's end too, not only its pipe's: a daemon it forked may hold the pipe open.
+            ended = [r for r in self.pending if not self.procs[r].is_alive()]
+            for rank in {rank_of[id(conn)] for conn in ready} | set(ended):
+                self._receive(rank, self.conns[rank])
             if (self.reports or self.ended) and grace_end is None:
                 grace_end = time.monotonic() + 1.0
         if self.reports or self.ended:
@@ -386,6 +392,8 @@ class _World:
     def _receive(self, rank: int, conn) -> None:
         self.pending.discard(rank)
         try:
+            if not conn.poll(0):  # the process ended and sent nothing
+                raise EOFError
             data = conn.recv_bytes()
         except EOFError:
             self.procs[rank].join(timeout=1)

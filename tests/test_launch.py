@@ -338,6 +338,18 @@ def test_a_daemon_started_by_fn_does_not_outlive_the_world(tmp_path):
     assert stray_workers() == []
 
 
+def starts_daemon_and_dies(pid_file):
+    starts_daemon(pid_file)
+    os._exit(0)  # the worker's own clean-up never runs: its daemon becomes the parent's orphan
+
+
+def test_a_daemon_of_a_worker_that_died_does_not_outlive_the_world(tmp_path):
+    pid_file = tmp_path / "daemon.pid"
+    failed, _ = timed_failure(starts_daemon_and_dies, 1, str(pid_file), collective_timeout=30)
+    assert failed.failure.kind == "no_result"
+    wait_for(lambda: not alive(int(pid_file.read_text())), 5)
+
+
 def open_descriptors():
     found = []
     for fd in os.listdir("/proc/self/fd"):
