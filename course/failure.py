@@ -54,7 +54,11 @@ class RankFact:
     op: str = ""  # with collectives checked: the OpType torch's fingerprint gave ("ALLREDUCE")
 
     def where(self) -> str:
-        return f"{self.file}:{self.line} in {self.func}" if self.file else "the end of the run (its function had returned)"
+        if self.file:
+            return f"{self.file}:{self.line} in {self.func}"
+        if self.state == "running" and not stack_frames(self.traceback):
+            return "a place not known (its stack did not come back in time)"
+        return "the end of the run (its function had returned)"
 
     def doing(self) -> str:
         """What the rank was doing, as 'waits in send to rank 1 at dist.py:57 in exchange'."""
@@ -81,8 +85,8 @@ class Failure:
     def fact(self, rank: int) -> Optional[RankFact]:
         return next((f for f in self.ranks if f.rank == rank), None)
 
-    def _rank_lines(self, facts=None) -> list:
-        facts = self.ranks if facts is None else facts
+    def _rank_lines(self) -> list:
+        facts = self.ranks
         verb = {"waited": "waits", "running": "runs", "raised": "raised", "crashed": "crashed", "echo": "lost a peer",
                 "no_result": "ended", "unwaited": "returned"}
         if self.kind == "mismatch":

@@ -428,9 +428,11 @@ class _World:
             for rank in running:
                 if self.procs[rank].is_alive():
                     os.kill(self.procs[rank].pid, signal.SIGUSR1)
-            end = time.monotonic() + 1.0  # faulthandler writes from a signal handler; give it a moment
-            while time.monotonic() < end and not all(self._stack(r, offsets[r]).strip() for r in running):
+            # faulthandler writes from a signal handler, thread by thread; give it a moment.
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end and not all(failure.stack_frames(self._stack(r, offsets[r])) for r in running):
                 time.sleep(0.02)
+            time.sleep(0.05)  # the rest of a dump that has begun
         return [failure.running(r, self._stack(r, offsets[r])) for r in running]
 
     def interrupted(self) -> None:
