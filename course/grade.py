@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -27,7 +26,6 @@ import pytest
 POINTS = {1: 20, 2: 25, 3: 25, 4: 30, 5: 20, 6: 25, 7: 15}
 
 _MODULE = re.compile(r"test_ex(\d+)_\w*\.py")
-_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')  # faulthandler's stack of a crashed worker
 _STUB = re.compile(r"Exercise \d+: (\S+) is not written yet, see (\S+)")  # course/student.py's stubs
 
 
@@ -69,18 +67,9 @@ def _first_line(text: str) -> str:
 
 def explain(error: BaseException) -> str:
     """One sentence saying what a failed check found, from the exception it raised."""
-    summary = getattr(error, "summary", None)  # a world of workers that failed (course.launch.WorldFailed)
-    if summary is not None:
-        head, *rest = summary.splitlines() or [""]
-        if error.first is not None and error.first.kind == "exit":  # a crash: where it was, if known
-            died = _first_line(error.first.message).removesuffix(", at (innermost first):")
-            frames = _FRAME.findall(error.first.message)  # innermost first; prefer code outside Python's own
-            mine = [f for f in frames if not f[0].startswith((sys.prefix, sys.base_prefix))] or frames
-            return f"{died} (in {os.path.basename(mine[0][0])}:{mine[0][1]} in {mine[0][2]})" if mine else died
-        if error.first is not None and head.endswith("failed first:"):
-            return f"{head} {error.first.kind}: {_first_line(error.first.message)}"
-        ranks = [line.strip() for line in rest if line.startswith("  rank ")]
-        return f"{head} {'; '.join(ranks)}" if head.endswith(":") and ranks else head
+    failure = getattr(error, "failure", None)  # a world of workers that failed (course.launch.WorldFailed)
+    if failure is not None:
+        return failure.sentence()
     if isinstance(error, (AssertionError, NotImplementedError, ImportError)) and _first_line(str(error)):
         return _first_line(str(error))
     return f"{type(error).__name__}: {_first_line(str(error))}".rstrip(": ")

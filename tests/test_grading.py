@@ -72,7 +72,9 @@ def test_explain_says_what_a_world_found():
     assert explain(caught.value) == "Exercise 2: f is not written yet, see exercises/02_dist.md"
     with pytest.raises(WorldFailed) as caught:
         run(one_rank_asserts, 2)
-    assert explain(caught.value) == "Rank 1 of 2 failed first: AssertionError: rank 1 computed the wrong thing"
+    assert explain(caught.value) == (
+        "Rank 1 of 2 failed first: AssertionError: rank 1 computed the wrong thing (at test_grading.py:"
+        f"{one_rank_asserts.__code__.co_firstlineno + 1} in one_rank_asserts)")
     try:
         assert 1 + 1 == 3, "the sum is wrong"
     except AssertionError as error:  # rewritten by pytest: the message comes first, then the expression

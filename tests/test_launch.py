@@ -2,6 +2,7 @@
 
 import multiprocessing.forkserver
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -14,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from course import env
-from course.launch import WorldFailed, run
+from course.failure import diagnose
+from course.flags import SCRIPT_TIME_LIMIT
+from course.launch import WorldFailed, add_launch_arguments, launch, launch_options, run
 from course.student import ROOT
 
 # --- worker functions: top level, so every start method can send them ---------------------
@@ -76,6 +79,15 @@ def children_of(pid):
     return found
 
 
+def alive(pid):
+    """Running, not a zombie: an orphan's zombie waits for this process (a subreaper) to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def descendants(pid):
     result, todo = [], [pid]
     while todo:
@@ -91,10 +103,10 @@ def stray_workers():
     return [p for p in descendants(os.getpid()) if p != server and p not in descendants(server or -1)]
 
 
-def timed_failure(fn, world_size=2, **limits):
+def timed_failure(fn, world_size=2, *args, **limits):
     start = time.monotonic()
     with pytest.raises(WorldFailed) as caught:
-        run(fn, world_size, **limits)
+        run(fn, world_size, *args, **limits)
     assert stray_workers() == [], "workers were left behind after a failure"
     return caught.value, time.monotonic() - start
 
@@ -115,58 +127,293 @@ def test_tcp_port_when_asked_for():
     assert run(rank_sum, 3, port=port) == [6.0] * 3
 
 
-# --- 2 and 3. bounded time and the right diagnosis -------------------------------------------
+# --- 2 and 3. bounded time and the right diagnosis, as facts ---------------------------------
+
+
+def lines_of(fn):
+    """{name: line number} of the lines of fn's source that hold name."""
+    import inspect
+
+    source, first = inspect.getsourcelines(fn)
+    return {text.strip(): first + i for i, text in enumerate(source)}
+
+
+def line_with(fn, fragment):
+    return next(n for text, n in lines_of(fn).items() if fragment in text)
 
 
 def test_mismatched_collectives_are_named():
-    failure, seconds = timed_failure(mismatched, debug=True, collective_timeout=30)
+    failed, seconds = timed_failure(mismatched, debug=True, collective_timeout=30)
     assert seconds < 5, "with fingerprints a mismatch is found at once, not after the timeout"
-    assert "Ranks called different collectives" in failure.summary
-    assert "rank 0 called ALLREDUCE" in failure.summary and "rank 1 called BROADCAST" in failure.summary
-    assert "test_launch.py" in failure.summary, "the report should show the student's line for each rank"
+    f = failed.failure
+    assert f.kind == "mismatch" and [r.op for r in f.ranks] == ["ALLREDUCE", "BROADCAST"]
+    assert [(r.file, r.line, r.func) for r in f.ranks] == [
+        ("test_launch.py", line_with(mismatched, "all_reduce"), "mismatched"),
+        ("test_launch.py", line_with(mismatched, "broadcast"), "mismatched")]
+    assert failed.summary == f.report()
+    assert f.report().startswith("Ranks called different collectives (world of 2):\n  rank 0 called ALLREDUCE of shape [3] in all_reduce at test_launch.py:")
 
 
 def test_mismatch_without_fingerprints_ends_at_the_collective_timeout():
-    failure, seconds = timed_failure(mismatched, debug=False, collective_timeout=1)
+    failed, seconds = timed_failure(mismatched, debug=False, collective_timeout=1)
     assert seconds < 6
-    assert "rank 0 waited in all_reduce" in failure.summary and "rank 1 waited in broadcast" in failure.summary
+    f = failed.failure
+    assert f.kind == "wait" and [(r.rank, r.state, r.collective) for r in f.ranks] == [(0, "waited", "all_reduce"), (1, "waited", "broadcast")]
+    assert "rank 0 waits in all_reduce of shape [3] at test_launch.py" in f.sentence()
 
 
 def test_skipped_collective_is_reported():
-    failure, seconds = timed_failure(skipped, debug=True, collective_timeout=30)
+    failed, seconds = timed_failure(skipped, debug=True, collective_timeout=30)
     assert seconds < 5
-    assert "rank 0 called ALLREDUCE" in failure.summary
-    assert "rank 1 called BARRIER" in failure.summary and "its function had returned" in failure.summary
+    f = failed.failure
+    assert f.kind == "mismatch" and [r.op for r in f.ranks] == ["ALLREDUCE", "BARRIER"]
+    assert f.ranks[1].file == "" and "its function had returned" in f.report()
 
 
 def test_exception_names_the_first_failing_rank():
-    failure, seconds = timed_failure(raises_on_rank_1, collective_timeout=30)
+    failed, seconds = timed_failure(raises_on_rank_1, collective_timeout=30)
     assert seconds < 5
-    assert failure.first.rank == 1
-    assert failure.summary.startswith("Rank 1 of 2 failed first")
-    assert "ValueError: a bad value on rank 1" in failure.summary
-    assert "Connection closed" not in failure.summary, "a peer's secondary error should not be shown"
+    f = failed.failure
+    assert f.kind == "error" and f.first == 1
+    first = f.fact(1)
+    assert (first.error, first.message, first.func) == ("ValueError", "a bad value on rank 1", "raises_on_rank_1")
+    assert f.report().startswith("Rank 1 of 2 failed first")
+    assert "Connection closed" not in f.report(), "a peer's secondary error should not be shown"
 
 
-def test_endless_loop_times_out_with_each_rank_stack():
-    failure, seconds = timed_failure(endless, timeout=1.5)
+def stub(message):
+    raise NotImplementedError(message)
+
+
+def test_a_stub_is_parsed_once_into_fields():
+    message = "Exercise 2: par_matmul_by_row is not written yet, see exercises/02_dist.md"
+    failed, _ = timed_failure(stub, 2, message, collective_timeout=30)
+    f = failed.failure
+    assert f.kind == "stub" and f.stub == {"exercise": 2, "func": "par_matmul_by_row", "handout": "exercises/02_dist.md"}
+    assert f.sentence() == f.report() == message
+
+
+def test_endless_loop_times_out_with_each_rank_line():
+    failed, seconds = timed_failure(endless, timeout=1.5)
     assert seconds < 5
-    assert failure.running == [0, 1]
-    assert "Timed out after 1.5 s: ranks [0, 1] were still running" in failure.summary
-    assert failure.summary.count("in endless") == 2, failure.summary
+    f = failed.failure
+    assert f.kind == "timeout" and [r.rank for r in f.ranks] == [0, 1]
+    spin = line_with(endless, "pass")
+    assert [(r.state, r.file, r.func) for r in f.ranks] == [("running", "test_launch.py", "endless")] * 2
+    assert {r.line for r in f.ranks} <= {spin, spin - 1}
+    assert f.report().startswith("Timed out after 1.5 s: ranks [0, 1] were still running")
 
 
-def test_ddp_under_collective_checks_says_why_it_crashed():
-    """torch 2.13's DDP segfaults on the fingerprinting group. If a torch release fixes it, this
-    test fails: then drop the ddp=True workaround in tests/helpers.py and this hint."""
-    failure, _ = timed_failure(builds_ddp, debug=True)
-    assert "died with exit code -11" in failure.summary
-    assert "Built-in DistributedDataParallel crashes when collectives are checked" in failure.summary
+def endless_on_rank_0():
+    if dist.get_rank() == 0:
+        while True:
+            pass
+    dist.all_reduce(torch.ones(2))
+
+
+def test_a_spinning_rank_is_named_beside_the_waiting_one():
+    failed, seconds = timed_failure(endless_on_rank_0, timeout=30, collective_timeout=1.5)
+    assert seconds < 6
+    f = failed.failure
+    assert f.kind == "wait" and f.first == 0
+    assert [(r.rank, r.state, r.func, r.collective) for r in f.ranks] == [
+        (0, "running", "endless_on_rank_0", ""), (1, "waited", "endless_on_rank_0", "all_reduce")]
+    assert "rank 0 runs at test_launch.py" in f.sentence() and "rank 1 waits in all_reduce" in f.sentence()
+
+
+def blocking_ring():
+    rank, size = dist.get_rank(), dist.get_world_size()
+    t = torch.ones(10)
+    dist.send(t, (rank + 1) % size)
+    dist.recv(t, (rank - 1) % size)
+
+
+def blocking_ring_logged():
+    """The same under the grading's CommLog: its wrappers are not the student's line."""
+    from tests.comm_log import CommLog
+
+    with CommLog():
+        blocking_ring()
+
+
+@pytest.mark.parametrize("ring", [blocking_ring, blocking_ring_logged])
+def test_a_send_recv_deadlock_is_not_called_a_collective_mismatch(ring):
+    failed, seconds = timed_failure(ring, 3, collective_timeout=1.5)
+    assert seconds < 8
+    f = failed.failure
+    assert f.kind == "p2p_deadlock", f.report()
+    sends = line_with(blocking_ring, "dist.send")
+    assert [(r.rank, r.collective, r.peer, r.line, r.func) for r in f.ranks] == [
+        (r, "send", (r + 1) % 3, sends, "blocking_ring") for r in range(3)]
+    assert f"rank 0 waits in send to rank 1 at test_launch.py:{sends} in blocking_ring" in f.report()
+
+
+def unwaited_isend():
+    t = torch.ones(4)
+    if dist.get_rank() == 0:
+        dist.isend(t, 1)
+    else:
+        dist.recv(t, 0)
+
+
+def test_an_isend_never_waited_for_is_reported_not_hung():
+    failed, seconds = timed_failure(unwaited_isend, collective_timeout=30)
+    assert seconds < 5
+    f = failed.failure
+    assert f.kind == "unwaited" and f.first == 0
+    fact = f.fact(0)
+    assert (fact.collective, fact.peer, fact.line, fact.func) == ("isend", 1, line_with(unwaited_isend, "dist.isend"), "unwaited_isend")
+    assert "never waited for" in f.sentence()
+
+
+def test_ddp_runs_while_every_other_collective_is_checked():
+    """torch 2.13's DDP segfaults on the fingerprinting group; the workers give it an unchecked one."""
+    assert run(builds_ddp, 2, debug=True) == [None, None]
+    failed, seconds = timed_failure(ddp_then_mismatched, debug=True, collective_timeout=30)
+    assert failed.failure.kind == "mismatch" and seconds < 5
+
+
+def ddp_then_mismatched():
+    builds_ddp()
+    mismatched()
 
 
 def test_unpicklable_function_is_refused_before_starting():
     with pytest.raises(TypeError, match="top level of a .py file"):
         run(lambda: 1, 2)
+
+
+# --- the parent trusts no worker: data only, every rank accounted for --------------------------
+
+PWNED = os.path.join(ROOT, "tests", ".pwned")
+
+
+class Evil:
+    def __reduce__(self):
+        return (exec, (f"open({PWNED!r}, 'w').write('code ran in the parent')",))
+
+
+def returns_evil():
+    return Evil()
+
+
+def test_a_result_that_is_not_data_cannot_run_code_in_the_parent():
+    failed, _ = timed_failure(returns_evil, collective_timeout=30)
+    assert not os.path.exists(PWNED), "loading a worker's result ran its code"
+    f = failed.failure
+    assert f.kind == "no_result" and "not data" in f.fact(f.first).message
+
+
+def exits_quietly(how):
+    if dist.get_rank() == 1:
+        os._exit(0) if how == "os._exit" else sys.exit(0)
+    return 1
+
+
+@pytest.mark.parametrize("how", ["os._exit", "sys.exit"])
+def test_a_rank_that_exits_without_a_result_fails(how):
+    failed, seconds = timed_failure(exits_quietly, 2, how, collective_timeout=30)
+    assert seconds < 5
+    f = failed.failure
+    assert f.kind == "no_result" and f.first == 1 and f.fact(1).state == "no_result"
+    assert "Rank 1 of 2 ended without sending its result" in f.sentence()
+
+
+def starts_daemon(pid_file):
+    """A double-forked daemon, in its own session, that would outlive the world."""
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            with open(pid_file, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(1000)
+        os._exit(0)
+    wait_for(lambda: os.path.exists(pid_file) and open(pid_file).read(), 10)
+    return int(open(pid_file).read())
+
+
+def test_a_daemon_started_by_fn_does_not_outlive_the_world(tmp_path):
+    daemons = run(starts_daemon, 1, str(tmp_path / "daemon.pid"))
+    wait_for(lambda: not os.path.exists(f"/proc/{daemons[0]}"), 5)
+    assert stray_workers() == []
+
+
+def starts_daemon_and_dies(pid_file):
+    starts_daemon(pid_file)
+    os._exit(0)  # the worker's own clean-up never runs: its daemon becomes the parent's orphan
+
+
+def test_a_daemon_of_a_worker_that_died_does_not_outlive_the_world(tmp_path):
+    pid_file = tmp_path / "daemon.pid"
+    failed, _ = timed_failure(starts_daemon_and_dies, 1, str(pid_file), collective_timeout=30)
+    assert failed.failure.kind == "no_result"
+    wait_for(lambda: not alive(int(pid_file.read_text())), 5)
+
+
+def open_descriptors():
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.append(os.readlink(f"/proc/self/fd/{fd}") if int(fd) > 2 else None)
+        except FileNotFoundError:  # listdir's own descriptor, closed by now
+            pass
+    return sorted(f for f in found if f)
+
+
+def test_a_worker_sees_only_its_own_pipe_and_stack_file(tmp_path):
+    secret = open(tmp_path / "secret", "w")  # stands for pytest-xdist's channel, say
+    try:
+        rank0, rank1 = run(open_descriptors, 2)
+    finally:
+        secret.close()
+    assert not [f for f in rank0 + rank1 if f.endswith("secret")], "a worker can reach its parent's files"
+    shared = {f for f in rank0 if f.startswith("pipe:")} & {f for f in rank1 if f.startswith("pipe:")}
+    assert not shared, f"rank 1 can reach rank 0's pipe: {shared}"
+    assert [len([f for f in fds if f.endswith(".stack")]) for fds in (rank0, rank1)] == [1, 1]
+
+
+def prints_lines():
+    for i in range(300):
+        print(f"rank {dist.get_rank()} line {i} " + "x" * 200)
+
+
+def test_ranks_print_whole_lines():
+    out = subprocess.run(
+        [sys.executable, "-c", "from course.launch import run; from tests.test_launch import prints_lines; run(prints_lines, 2)"],
+        cwd=ROOT, env=os.environ | {"PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=60,
+    ).stdout.splitlines()
+    assert len(out) == 600 and all(re.fullmatch(r"rank [01] line \d+ x{200}", line) for line in out)
+
+
+# --- scripts: a hang explained within a minute, a mismatch at once -----------------------------
+
+
+def test_script_defaults(monkeypatch):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_launch_arguments(parser)
+    options = launch_options(parser.parse_args([]))
+    assert options["time_limit"] is None and options["check_collectives"] is True and SCRIPT_TIME_LIMIT <= 60
+    options = launch_options(parser.parse_args(["--time-limit", "3600", "--no-check-collectives"]))
+    assert options["time_limit"] == 3600 and options["check_collectives"] is False
+
+
+def test_a_script_reports_a_mismatch_within_5_s(monkeypatch, capsys):
+    monkeypatch.delenv("COURSE_DEBUG", raising=False)
+    start = time.monotonic()
+    with pytest.raises(SystemExit):
+        launch(mismatched, 2)
+    assert time.monotonic() - start < 5
+    assert "Ranks called different collectives" in capsys.readouterr().err
+
+
+def test_a_script_names_each_rank_line_at_its_time_limit(capsys):
+    with pytest.raises(SystemExit):
+        launch(endless, 2, time_limit=1.5)
+    err = capsys.readouterr().err
+    assert err.startswith("Timed out after 1.5 s") and err.count("runs at test_launch.py") == 2, err
+    assert stray_workers() == []
 
 
 # --- 4. nothing left behind -----------------------------------------------------------------
@@ -184,11 +431,22 @@ def wait_for(condition, seconds):
     raise AssertionError("condition not met in time")
 
 
-def test_ctrl_c_stops_every_worker():
-    plain = {k: v for k, v in os.environ.items() if k != "COURSE_DEBUG"}  # built-in DDP: see above
+def sigint_as_a_terminal_gives_it():
+    """SIGINT at its default in the script, whatever this test runner inherited: a runner started
+    with SIGINT ignored (`make test &`, nohup, some CI) passes that on through exec (issue 16)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def sigint_ignored():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def training_script(sigint):
+    plain = {k: v for k, v in os.environ.items() if k != "COURSE_DEBUG"}
     script = subprocess.Popen(
         [sys.executable, "solutions/mlp.py", "--world-size", "4", *SMALL_FOREVER],
         cwd=ROOT, env=plain, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=sigint,
     )
     for line in script.stdout:  # rank 0 prints step 0 once every rank is training
         if line.startswith("step 0 |"):
@@ -197,6 +455,11 @@ def test_ctrl_c_stops_every_worker():
         raise AssertionError(f"the script ended before training: {script.stderr.read()}")
     workers = descendants(script.pid)
     assert len(workers) >= 4
+    return script, workers
+
+
+def test_ctrl_c_stops_every_worker():
+    script, workers = training_script(sigint_as_a_terminal_gives_it)
     os.killpg(script.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: the whole group
     try:
         _, err = script.communicate(timeout=60)  # about a second when idle; a loaded CI machine is slower
@@ -204,8 +467,25 @@ def test_ctrl_c_stops_every_worker():
         if script.poll() is None:  # the check failed: leave nothing running
             os.killpg(script.pid, signal.SIGKILL)
     assert script.returncode == 130
-    assert err.strip() == "Interrupted: stopped all 4 workers.", err
-    assert not [p for p in workers if os.path.exists(f"/proc/{p}")], "workers survived Ctrl-C"
+    head, *ranks = err.strip().splitlines()
+    assert head == "Interrupted: stopped all 4 workers. Where each rank was:", err
+    assert [line.split(" at ")[0].split()[:2] for line in ranks] == [["rank", str(r)] for r in range(4)], err
+    assert all(re.search(r" at mlp\.py:\d+ in \w+$", line) for line in ranks), err
+    assert not [p for p in workers if alive(p)], "workers survived Ctrl-C"
+
+
+def test_a_script_started_with_sigint_ignored_keeps_ignoring_it():
+    """`nohup python mlp.py &`: the user chose to survive Ctrl-C, and so do the workers."""
+    script, workers = training_script(sigint_ignored)
+    try:
+        os.killpg(script.pid, signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            script.wait(timeout=2)
+        assert all(alive(p) for p in workers), "a worker died of the SIGINT its script ignores"
+    finally:
+        os.killpg(script.pid, signal.SIGKILL)
+        script.communicate(timeout=10)
+    wait_for(lambda: not [p for p in workers if alive(p)], 10)
 
 
 def test_workers_die_with_a_killed_parent():
@@ -216,7 +496,7 @@ def test_workers_die_with_a_killed_parent():
     workers = wait_for(lambda: len(descendants(script.pid)) >= 2 and descendants(script.pid), 30)
     script.kill()
     script.wait(timeout=5)
-    wait_for(lambda: not [p for p in workers if os.path.exists(f"/proc/{p}")], 5)
+    wait_for(lambda: not [p for p in workers if alive(p)], 5)
 
 
 # --- 5. cores shared fairly -----------------------------------------------------------------
@@ -245,7 +525,7 @@ def test_start_method_choice():
     assert env.default_start_method("linux", threads=2, cuda_initialized=False) == "forkserver"
     assert env.default_start_method("linux", threads=1, cuda_initialized=True) == "forkserver"
     assert env.default_start_method("linux", threads=1, cuda_initialized=False, device="cuda") == "forkserver"
-    assert env.default_start_method("darwin", threads=1, cuda_initialized=False) == "spawn"
+    assert env.default_start_method("darwin", threads=1, cuda_initialized=False) == "forkserver"
     assert env.default_start_method("win32", threads=1, cuda_initialized=False) == "spawn"
 
 
@@ -270,8 +550,9 @@ def test_libuv_switch():
 
 def test_a_rank_missing_the_checked_barrier_reads_as_a_wait():
     """With collectives checked, a rank that never arrives can surface as torch's monitored barrier."""
-    from course.launch import RankReport, _summarize
-
-    report = RankReport(0, 1.0, "RuntimeError", "[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 4000 ms",
-                        'File "/x/dist.py", line 9, in par_matmul_by_row\n')
-    assert _summarize([report], 2).startswith("Ranks [0] waited in a collective that not every rank joined")
+    report = dict(rank=0, when=1.0, error="RuntimeError", message="[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 4000 ms",
+                  full_message="[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 4000 ms",
+                  frames=[("/x/dist.py", 9, "par_matmul_by_row")])
+    f = diagnose([report], [], 2)
+    assert f.kind == "wait" and (f.ranks[0].file, f.ranks[0].line) == ("dist.py", 9)
+    assert f.report().startswith("Ranks [0] waited in a collective that not every rank joined")

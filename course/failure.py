@@ -1,0 +1,308 @@
+"""What went wrong in a world of workers: facts per rank, and the one place that words them.
+
+Workers describe their own failure as plain data (``rank_report``); the parent turns those
+reports, or the stacks of ranks that never reported, into a ``Failure`` (``diagnose``,
+``timed_out``). Every sentence a student reads about a failed world is written by
+``Failure.report`` or ``Failure.sentence``: other modules read the fields, never the text.
+"""
+
+from __future__ import annotations
+
+import functools
+import linecache
+import multiprocessing
+import os
+import re
+import traceback
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+# Frames that are the course's or the libraries' own, never the student's line.
+_PLUMBING_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, multiprocessing)
+) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+_COMM_LOG = os.path.join("tests", "comm_log.py")
+C10D_FILE = "distributed_c10d.py"
+POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+_STUB = re.compile(r"Exercise (\d+): (\S+) is not written yet, see (\S+)")  # course/student.py's stubs
+_MISMATCH = "Detected mismatch between collectives"
+_FINGERPRINT = r"Rank {rank} is running collective: CollectiveFingerPrint\(.*?OpType=(\w+)(?:, TensorShape=(\[[^\]]*\]))?"
+_SECONDARY = ("Connection closed by peer", "Connection reset by peer")
+# A collective that not every rank joined: gloo's own timeout, or the checking group's barrier.
+_WAITED = ("Timed out", "failed to pass monitoredBarrier")
+_STACK_FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')
+
+
+@dataclass
+class RankFact:
+    rank: int
+    state: str  # "raised" | "crashed" | "waited" | "running" | "echo" | "no_result" | "unwaited"
+    error: str = ""  # exception class name, e.g. "RuntimeError"
+    message: str = ""  # first line of the exception message
+    file: str = ""  # the student's own file (basename) of the innermost non-plumbing frame
+    line: int = 0
+    func: str = ""
+    collective: str = ""  # torch.distributed function the rank was in or called ("all_reduce", "send", "wait")
+    shape: str = ""  # tensor shape of that call when known
+    peer: Optional[int] = None  # for point-to-point: the rank it sent to / received from
+    traceback: str = ""
+    exit_code: Optional[int] = None  # for a rank that ended without reporting
+    when: float = float("inf")  # when it went wrong (time.time()): the first failure is the cause
+    op: str = ""  # with collectives checked: the OpType torch's fingerprint gave ("ALLREDUCE")
+
+    def where(self) -> str:
+        if self.file:
+            return f"{self.file}:{self.line} in {self.func}"
+        if self.state == "running" and not stack_frames(self.traceback):
+            return "a place not known (its stack did not come back in time)"
+        return "the end of the run (its function had returned)"
+
+    def doing(self) -> str:
+        """What the rank was doing, as 'waits in send to rank 1 at dist.py:57 in exchange'."""
+        if self.collective in ("send", "isend"):
+            call = f"{self.collective} to rank {self.peer}" if self.peer is not None else self.collective
+        elif self.collective in ("recv", "irecv"):
+            call = f"{self.collective} from rank {self.peer}" if self.peer is not None else self.collective
+        else:
+            call = self.collective
+        shape = f" of shape {self.shape}" if self.shape and self.collective not in POINT_TO_POINT else ""
+        return f"in {call}{shape} at {self.where()}" if call else f"at {self.where()}"
+
+
+@dataclass
+class Failure:
+    kind: str  # "stub" | "error" | "crash" | "mismatch" | "p2p_deadlock" | "wait" | "timeout" | "unwaited" | "no_result"
+    world_size: int
+    ranks: list = field(default_factory=list)  # RankFact, by rank
+    first: Optional[int] = None  # the rank that went wrong first
+    stub: Optional[dict] = None  # for kind "stub": {"exercise": N, "func": name, "handout": path}
+    limit: float = 0.0  # for kind "timeout": the world's limit in seconds
+    interrupted: bool = False  # the user pressed Ctrl-C: a "timeout" they chose
+
+    def fact(self, rank: int) -> Optional[RankFact]:
+        return next((f for f in self.ranks if f.rank == rank), None)
+
+    def _rank_lines(self) -> list:
+        facts = self.ranks
+        verb = {"waited": "waits", "running": "runs", "raised": "raised", "crashed": "crashed", "echo": "lost a peer",
+                "no_result": "ended", "unwaited": "returned"}
+        if self.kind == "mismatch":
+            return [f"rank {f.rank} called {f.op or 'a collective'}{f' of shape {f.shape}' if f.shape else ''}"
+                    f"{f' in {f.collective}' if f.collective else ''} at {f.where()}" for f in facts]
+        return [f"rank {f.rank} {verb.get(f.state, f.state)} {f.doing()}" for f in facts]
+
+    def _head(self) -> str:
+        first = self.fact(self.first) if self.first is not None else None
+        w = self.world_size
+        if self.kind == "stub":
+            return f"Exercise {self.stub['exercise']}: {self.stub['func']} is not written yet, see {self.stub['handout']}"
+        if self.kind == "mismatch":
+            return f"Ranks called different collectives (world of {w}):"
+        if self.kind == "p2p_deadlock":
+            return (f"Deadlock (world of {w}): every rank waits in a send or receive that no peer answers."
+                    " Start sends and receives with isend/irecv before waiting for any:")
+        if self.kind == "wait":
+            return (f"Ranks {[f.rank for f in self.ranks if f.state == 'waited']} waited in a collective that not every rank joined:"
+                    " one rank skipped a collective or called a different one:")
+        if self.kind == "timeout":
+            if self.interrupted:
+                return f"Interrupted: stopped all {w} workers. Where each rank was:"
+            return f"Timed out after {self.limit:g} s: ranks {[f.rank for f in self.ranks]} were still running (--time-limit SECONDS for longer runs):"
+        if self.kind == "unwaited":
+            return (f"Rank {first.rank} returned while its {first.collective} {'to' if first.collective == 'isend' else 'from'}"
+                    f" rank {first.peer} (started at {first.where()}) was never waited for: call .wait() on every request before returning.")
+        if self.kind == "no_result":
+            how = first.message or f"exited with code {first.exit_code}"
+            return f"Rank {first.rank} of {w} ended without sending its result: {how} (at {first.where()})."
+        if self.kind == "crash":
+            sig = f" (signal {-first.exit_code})" if first.exit_code is not None and first.exit_code < 0 else ""
+            return f"Rank {first.rank} of {w} crashed with exit code {first.exit_code}{sig} at {first.where()}."
+        return f"Rank {first.rank} of {w} failed first: {first.error}: {first.message} (at {first.where()})"
+
+    def sentence(self) -> str:
+        """One line for the grade table."""
+        head = self._head()
+        if self.kind in ("mismatch", "p2p_deadlock", "wait", "timeout"):
+            return f"{head} {'; '.join(self._rank_lines())}"
+        return head
+
+    def report(self) -> str:
+        """The text a script prints."""
+        head = self._head()
+        if self.kind in ("mismatch", "p2p_deadlock", "wait", "timeout"):
+            return "\n".join([head] + ["  " + line for line in self._rank_lines()])
+        if self.kind == "error":
+            first = self.fact(self.first)
+            others = [f.rank for f in self.ranks if f.rank != self.first]
+            tail = f"\n(ranks {others} failed after it, most likely because rank {first.rank} stopped.)" if others else ""
+            return f"Rank {first.rank} of {self.world_size} failed first:\n{first.traceback.strip() or first.message}{tail}"
+        if self.kind == "crash":
+            frames = stack_frames(self.fact(self.first).traceback)[::-1]
+            return "\n".join([head, "Its stack, innermost first:"] + [f"  {os.path.basename(p)}:{n} in {fn}" for p, n, fn in frames])
+        return head
+
+
+def first_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[0] if lines else ""
+
+
+# --- frames ---------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def is_plumbing(path: str) -> bool:
+    path = os.path.abspath(path)
+    return path.startswith(_PLUMBING_DIRS) or path.endswith(os.sep + _COMM_LOG)
+
+
+def _own(frames: list) -> Optional[tuple]:
+    """The innermost of (path, line, func) frames, outermost first, that is the student's."""
+    return next((f for f in reversed(frames) if not is_plumbing(f[0])), None)
+
+
+def _call_in(frames: list) -> str:
+    """The torch.distributed function a rank was in: the innermost one, or a request's wait()."""
+    own = _own(frames)
+    after = frames[frames.index(own) + 1:] if own else frames
+    dist_calls = [f[2] for f in after if f[0].endswith(C10D_FILE)]
+    if dist_calls:
+        return dist_calls[0]
+    if any(f[2] == "wait" for f in after) or (own and ".wait(" in linecache.getline(own[0], own[1])):
+        return "wait"
+    return ""
+
+
+def _fill_place(fact: RankFact, frames: list) -> RankFact:
+    own = _own(frames)
+    if own:
+        fact.file, fact.line, fact.func = os.path.basename(own[0]), own[1], own[2]
+    fact.collective = fact.collective or _call_in(frames)
+    return fact
+
+
+# --- in the worker --------------------------------------------------------------------------
+
+
+def _call_details(tb) -> dict:
+    """Shape and peer of the innermost torch.distributed call in a live traceback."""
+    details = {}
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename.endswith(C10D_FILE):
+            local = frame.f_locals
+            tensor = local.get("tensor")
+            if isinstance(tensor, torch.Tensor):
+                details["shape"] = str(list(tensor.shape))
+            for name in ("dst", "src", "group_dst", "group_src"):
+                if isinstance(local.get(name), int) and frame.f_code.co_name in POINT_TO_POINT:
+                    details["peer"] = local[name]
+        tb = tb.tb_next
+    return details
+
+
+def rank_report(rank: int, exc: BaseException, when: float, p2p: Optional[dict] = None) -> dict:
+    """What a worker sends when fn raised: plain data only. ``p2p``: the message it waited for."""
+    frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
+    report = dict(rank=rank, when=when, error=type(exc).__name__, message=first_line(str(exc)),
+                  full_message=str(exc), traceback=traceback.format_exc(), frames=frames,
+                  **_call_details(exc.__traceback__))
+    if p2p:  # stuck in a message's wait(): what it was and with whom
+        report.update(collective=p2p["collective"], peer=p2p["peer"])
+    return report
+
+
+def unwaited_report(rank: int, when: float, pending: dict) -> dict:
+    """What a worker sends when fn returned with a point-to-point request never waited for."""
+    return dict(rank=rank, when=when, state="unwaited", collective=pending["collective"], peer=pending["peer"],
+                frames=[tuple(pending["frame"])], message="", error="")
+
+
+# --- in the parent --------------------------------------------------------------------------
+
+
+def _fact(report: dict) -> RankFact:
+    error, full = report.get("error", ""), report.get("full_message", "")
+    if report.get("state") == "unwaited":
+        state = "unwaited"
+    elif error == "SystemExit":
+        state = "no_result"
+    elif any(m in full for m in _SECONDARY):
+        state = "echo"
+    elif _MISMATCH in full or any(m in full for m in _WAITED):
+        state = "waited"
+    else:
+        state = "raised"
+    fact = RankFact(report["rank"], state, error, report.get("message", ""), traceback=report.get("traceback", ""), when=report["when"],
+                    collective=report.get("collective", ""), shape=report.get("shape", ""), peer=report.get("peer"))
+    if error == "SystemExit":
+        fact.message = f"it called sys.exit({report.get('message', '')})"
+    match = re.search(_FINGERPRINT.format(rank=fact.rank), full)
+    if match:
+        fact.op, fact.shape = match.group(1), match.group(2) or ""
+    return _fill_place(fact, [tuple(f) for f in report.get("frames", [])])
+
+
+def ended_without_report(rank: int, exit_code: Optional[int], stack: str, reason: str = "", when: float = float("inf")) -> RankFact:
+    """A rank whose process ended without a report (a crash, an early exit), noticed at ``when``."""
+    state = "crashed" if exit_code is not None and exit_code < 0 else "no_result"
+    fact = RankFact(rank, state, message=reason, exit_code=exit_code, traceback=stack, when=when)
+    return _fill_place(fact, stack_frames(stack))
+
+
+def running(rank: int, stack: str) -> RankFact:
+    """A rank still running when the world was stopped, from its faulthandler stack."""
+    fact = _fill_place(RankFact(rank, "running", traceback=stack), stack_frames(stack))
+    if fact.collective:
+        fact.state = "waited"
+    return fact
+
+
+def stack_frames(dump: str) -> list:
+    """(path, line, func) of the main thread in a faulthandler dump, outermost first."""
+    blocks = re.split(r"^(?=(?:Current thread|Thread) 0x)", dump, flags=re.M)
+    main = next((b for b in blocks if b.startswith("Current thread")), blocks[-1] if blocks else "")
+    frames = [(m["path"], int(m["line"]), m["func"]) for m in _STACK_FRAME.finditer(main)]
+    return frames[::-1]
+
+
+def parse_stub(message: str) -> Optional[dict]:
+    """{"exercise", "func", "handout"} of course/student.py's stub message, or None."""
+    match = _STUB.fullmatch(message.strip())
+    return dict(exercise=int(match.group(1)), func=match.group(2), handout=match.group(3)) if match else None
+
+
+def diagnose(reports: list, ended: list, world_size: int) -> Failure:
+    """The failure of a world from the reports that ranks sent and the ranks that ended without one."""
+    facts = sorted([_fact(r) for r in reports] + ended, key=lambda f: f.rank)
+    # The root cause: a rank's own error before any peer's echo, earliest first (gloo may close a
+    # socket a moment before the Python exception on that rank is raised and stamped).
+    first = min(facts, key=lambda f: (f.state == "echo", f.state == "waited", f.when))
+    failure = Failure("error", world_size, facts, first.rank)
+    stub = parse_stub(first.message) if first.error == "NotImplementedError" else None
+    if stub:
+        failure.kind, failure.stub = "stub", stub
+    elif any(f.state == "unwaited" for f in facts):
+        failure.kind, failure.first = "unwaited", next(f.rank for f in facts if f.state == "unwaited")
+    elif first.state == "crashed":
+        failure.kind = "crash"
+    elif first.state == "no_result":
+        failure.kind = "no_result"
+    elif any(f.op for f in facts):
+        failure.kind = "mismatch"
+    elif all(f.state in ("waited", "echo", "running") for f in facts):
+        for f in facts:  # a peer's echo while it waited too: it lost the connection where it waited
+            if f.state == "echo" and f.collective:
+                f.state = "waited"
+        shown = [f for f in facts if f.state != "echo"]
+        p2p = all(f.state == "waited" and f.collective in POINT_TO_POINT + ("wait",) and f.peer is not None for f in shown)
+        failure.kind = "p2p_deadlock" if shown and p2p else "wait"
+        failure.ranks = shown
+    return failure
+
+
+def timed_out(facts: list, world_size: int, limit: float, interrupted: bool = False) -> Failure:
+    return Failure("timeout", world_size, sorted(facts, key=lambda f: f.rank), None, limit=limit, interrupted=interrupted)

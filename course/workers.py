@@ -1,0 +1,469 @@
+"""Start a world of worker processes, run one function on every rank, and always come back.
+
+``run(fn, world_size, *args)`` starts ``world_size`` processes, joins them into a
+torch.distributed process group (gloo on CPU), calls ``fn(*args)`` on every rank and returns the
+list of their return values, indexed by rank. It never hangs and never leaves a process behind:
+
+- Rendezvous goes through a FileStore in a fresh temporary folder, so no port is chosen and two
+  worlds started at the same moment cannot collide.
+- Collectives time out after ``collective_timeout`` seconds; the whole world after ``timeout``.
+- A rank's result and its failure travel as data (torch.save, read back with weights_only), so
+  nothing a worker sends can run code here. A rank that ends without sending one has failed.
+- A worker sees only its own pipe and stack file (other descriptors are closed after fork); what
+  it starts dies with the world (workers and this process are child subreapers on Linux).
+- With TORCH_DISTRIBUTED_DEBUG=DETAIL (``debug=True``) torch checks before every collective that
+  all ranks call the same one.
+- Workers ignore Ctrl-C (the parent stops them and says where they were) and die with their
+  parent (Linux). Their output is line-buffered, so two ranks never share a line.
+
+What went wrong is diagnosed in course/failure.py; ``WorldFailed.failure`` carries it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import io
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing import reduction
+from multiprocessing.connection import wait
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from course import env, failure
+from course.device import bound_device, select as select_device
+from course.instrument import PointToPoint, check_ddp_on_an_unchecked_group
+
+
+class WorldFailed(RuntimeError):
+    """A world that did not finish; ``failure`` says how (course.failure.Failure)."""
+
+    def __init__(self, failure: failure.Failure):
+        super().__init__(failure.report())
+        self.failure = failure
+
+    @property
+    def summary(self) -> str:
+        return self.failure.report()
+
+    def __str__(self) -> str:
+        return self.summary
+
+
+@dataclass(frozen=True)
+class _WorkerSettings:
+    world_size: int
+    threads: int
+    backend: str
+    device: str  # "cpu", or "cuda": rank r takes cuda:r
+    store_path: str
+    port: Optional[int]
+    stack_dir: str
+    collective_timeout: float
+    env: dict
+
+
+# --- processes: die with the parent, and take descendants along -------------------------------
+
+_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+
+
+def _prctl(option: int, value: int) -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(option, value)
+
+
+def _processes() -> dict:
+    """pid -> parent pid, from /proc (Linux; empty elsewhere)."""
+    parents = {}
+    if not os.path.isdir("/proc"):
+        return parents
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    return parents
+
+
+def descendants(pids, parents: Optional[dict] = None) -> list:
+    parents = _processes() if parents is None else parents
+    found, todo = [], list(pids)
+    while todo:
+        kids = [p for p, parent in parents.items() if parent == todo[-1]]
+        todo.pop()
+        found += kids
+        todo += kids
+    return found
+
+
+def _kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _reap(pids, seconds: float = 2.0) -> None:
+    """Wait for killed processes that were (or became, as orphans) our children: no zombies."""
+    todo, end = set(pids), time.monotonic() + seconds
+    while todo and time.monotonic() < end:
+        for pid in list(todo):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    todo.discard(pid)
+            except ChildProcessError:  # not ours (yet: its parent is still dying), or gone
+                if not os.path.exists(f"/proc/{pid}"):
+                    todo.discard(pid)
+        if todo:
+            time.sleep(0.01)
+
+
+_live_lock = threading.Lock()
+_live: set = set()  # pids of the workers of every world now running in this process
+
+
+def _own_helpers() -> set:
+    """This process's long-lived children that are not a world's: the forkserver, mp's tracker."""
+    from multiprocessing import forkserver, resource_tracker
+
+    helpers = {forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid}
+    return {p for p in helpers if p} | {c.pid for c in mp.active_children()}
+
+
+# --- in the worker --------------------------------------------------------------------------
+
+
+class _Stream:
+    """The parent's stdout or stderr as it is when a world starts, handed to a worker: a child of
+    the forkserver or of spawn would otherwise write where that server's own output went."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):  # pickled while a worker starts: the descriptor travels with it
+        if sys.platform == "win32":  # spawn's child inherits the console's handles as they are
+            return (_Stream, (None,))
+        return (_Stream._received, (reduction.DupFd(self.fd),))
+
+    @staticmethod
+    def _received(dup) -> "_Stream":
+        return _Stream(dup.detach())
+
+
+def _private_descriptors(keep: set, stdout: _Stream, stderr: _Stream) -> None:
+    """Cut every descriptor inherited through fork but ``keep`` and 0, 1, 2 off what it reached
+    (pytest-xdist's channel, the other ranks' pipes); write to the parent's stdout and stderr.
+
+    Each is pointed at /dev/null rather than closed: a Python file object inherited with it may
+    still close it when collected, and must not close a descriptor that gloo opened since.
+    """
+    for stream, fd in ((stdout, 1), (stderr, 2)):
+        if stream.fd not in (None, fd):
+            os.dup2(stream.fd, fd)
+    listing = next((d for d in ("/proc/self/fd", "/dev/fd") if os.path.isdir(d)), None)  # Linux, macOS
+    inherited = [int(fd) for fd in os.listdir(listing) if int(fd) > 2 and int(fd) not in keep] if listing else []
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in inherited:
+        if fd != null:
+            try:
+                os.dup2(null, fd, inheritable=False)
+            except OSError:  # listdir's own descriptor, closed by now
+                pass
+    os.close(null)
+    sys.unraisablehook = sys.__unraisablehook__  # not the test runner's, inherited through fork
+    sys.stdin = open(os.devnull)
+    # Whole lines, each in one write: two ranks never interleave mid-line.
+    sys.stdout = open(1, "w", buffering=1, closefd=False, encoding="utf-8", errors="backslashreplace")
+    sys.stderr = open(2, "w", buffering=1, closefd=False, encoding="utf-8", errors="backslashreplace")
+
+
+def _send(conn, message) -> None:
+    buffer = io.BytesIO()
+    torch.save(message, buffer)
+    conn.send_bytes(buffer.getvalue())
+
+
+def _worker(fn: Callable, args: tuple, rank: int, settings: _WorkerSettings, conn, stdout: _Stream, stderr: _Stream) -> None:
+    # Ctrl-C reaches every process in the terminal's group; only the parent acts on it, so the
+    # student sees one message rather than a KeyboardInterrupt traceback from every rank.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a daemon the student starts stays ours, to be stopped
+    stack_file = open(os.path.join(settings.stack_dir, f"rank{rank}.stack"), "w")
+    _private_descriptors({conn.fileno(), stack_file.fileno()}, stdout, stderr)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.enable(file=stack_file)  # a crash (segfault, abort) leaves its stack too
+    os.environ.update(settings.env)
+    # The names torchrun sets, so code can ask os.environ["RANK"] as it would on a cluster.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(settings.world_size))
+    dist.set_debug_level_from_env()  # torch read TORCH_DISTRIBUTED_DEBUG when it was imported
+    if dist.get_debug_level() == dist.DebugLevel.DETAIL:
+        check_ddp_on_an_unchecked_group()
+    messages = PointToPoint()
+    messages.install()
+    torch.set_num_threads(settings.threads)
+    code = 1
+    try:
+        gpus = torch.cuda.device_count() if settings.device == "cuda" else 0
+        select_device(env.choose_device(settings.device, settings.backend, rank, gpus, settings.world_size))
+        dist.init_process_group(
+            settings.backend,
+            store=_store(settings, rank),
+            rank=rank,
+            world_size=settings.world_size,
+            timeout=timedelta(seconds=settings.collective_timeout),
+            device_id=bound_device(settings.backend),
+        )
+        result = fn(*args)
+        never_waited = messages.never_waited()
+        if never_waited:
+            _send(conn, ("error", failure.unwaited_report(rank, time.time(), never_waited)))
+        else:
+            # A rank that skipped a collective arrives here while its peers wait inside that
+            # collective: the barrier turns the silent hang into a reported mismatch.
+            dist.barrier()
+            dist.destroy_process_group()
+            _send(conn, ("ok", result))
+            code = 0
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        _send(conn, ("error", failure.rank_report(rank, exc, time.time(), messages.waiting)))
+    finally:
+        _kill(descendants([os.getpid()]))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _store(settings: _WorkerSettings, rank: int):
+    """Where the ranks meet: a file in the world's private folder, or a TCP port if one was asked for."""
+    if settings.port is None:
+        return dist.FileStore(settings.store_path, settings.world_size)
+    return dist.TCPStore(
+        "127.0.0.1", settings.port, settings.world_size, is_master=rank == 0,
+        timeout=timedelta(seconds=settings.collective_timeout), use_libuv=env.libuv_available(),
+    )
+
+
+# --- in the parent --------------------------------------------------------------------------
+
+# A worker's first optimizer step imports torch._dynamo: 1.4 s on 2 cores, paid by every rank at
+# once. Imported before forking (here, or in the forkserver), every worker starts with it.
+_WORKER_MODULES = ["torch", "torch.distributed", "torch._dynamo", "course.workers"]
+
+
+def _context(method: str):
+    ctx = mp.get_context(method)
+    if method == "fork":
+        for name in _WORKER_MODULES:
+            importlib.import_module(name)
+    elif method == "forkserver":
+        ctx.set_forkserver_preload(_WORKER_MODULES)
+    return ctx
+
+
+def _seconds_from_env(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+def run(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: Optional[float] = None,
+    collective_timeout: Optional[float] = None,
+    backend: str = "gloo",
+    device: str = "cpu",
+    start_method: Optional[str] = None,
+    debug: Optional[bool] = None,
+    port: Optional[int] = None,
+) -> list:
+    """Run ``fn(*args)`` on every rank of a new world; return the results by rank.
+
+    Raises WorldFailed when any rank fails, when the world runs past ``timeout`` seconds, or when
+    ranks call mismatched collectives (with ``debug``). Defaults come from COURSE_TIMEOUT (600 s),
+    COURSE_COLLECTIVE_TIMEOUT (60 s, at most half the world's limit, so a rank stuck in a message
+    is named before the world is stopped) and COURSE_DEBUG (set: check collectives). ``device``
+    is "cpu" or "cuda" (rank r on cuda:r); course.device.current_device() tells each rank its own.
+    Results must be data: tensors, numbers, strings, None, and lists, tuples and dicts of those.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    env.choose_backend(backend, device)  # refuses nccl for CPU tensors before any worker starts
+    timeout = timeout if timeout is not None else _seconds_from_env("COURSE_TIMEOUT", 600)
+    if collective_timeout is None:
+        collective_timeout = min(_seconds_from_env("COURSE_COLLECTIVE_TIMEOUT", 60), max(1.0, timeout / 2))
+    debug = debug if debug is not None else bool(os.environ.get("COURSE_DEBUG"))
+    threads = env.threads_per_worker(world_size, env.usable_cores())
+    method = start_method or env.default_start_method(sys.platform, threads, torch.cuda.is_initialized(), device)
+    ctx = _context(method)
+    # Fork would accept anything; pickling here first makes every start method accept the same
+    # functions: ones defined at the top level of an importable module (not in a notebook cell).
+    try:
+        pickle.dumps((fn, args))
+    except Exception as exc:
+        raise TypeError(f"{fn!r} and its arguments must be picklable by reference: define it at the top level of a .py file ({exc})") from exc
+
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a worker's orphans come here, to be stopped with the world
+    workdir = tempfile.mkdtemp(prefix="course-world-")
+    child_env = env.loopback_settings(sys.platform)
+    if debug:
+        child_env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    settings = _WorkerSettings(
+        world_size, threads, backend, device, os.path.join(workdir, "store"), port, workdir, collective_timeout, child_env
+    )
+
+    world = _World(world_size, workdir, timeout)
+    children_before = {p for p, parent in _processes().items() if parent == os.getpid()}
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker, args=(fn, args, rank, settings, writer, _Stream(1), _Stream(2)), name=f"rank{rank}", daemon=True)
+            with _live_lock:
+                proc.start()
+                _live.add(proc.pid)
+            writer.close()  # the child holds the only write end: its exit reads as EOF here
+            world.procs.append(proc)
+            world.conns.append(reader)
+        return world.collect()
+    except KeyboardInterrupt:
+        world.interrupted()
+    finally:
+        world.stop(children_before)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+_POLL = 0.25  # seconds between looks at whether a worker's process has ended
+
+
+class _World:
+    """The parent's view of one world: its processes, their pipes, and what they sent."""
+
+    def __init__(self, world_size: int, stack_dir: str, timeout: float):
+        self.world_size, self.stack_dir, self.timeout = world_size, stack_dir, timeout
+        self.procs: list = []
+        self.conns: list = []
+        self.results: dict = {}
+        self.reports: list = []
+        self.ended: list = []
+        self.pending: set = set()
+
+    def collect(self) -> list:
+        rank_of = {id(c): r for r, c in enumerate(self.conns)}
+        self.pending = set(range(self.world_size))
+        deadline = time.monotonic() + self.timeout
+        grace_end = None  # after a first failure, peers get a moment to report theirs
+        while self.pending:
+            end = deadline if grace_end is None else min(deadline, grace_end)
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            ready = wait([self.conns[r] for r in self.pending], timeout=min(left, _POLL))
+            # A process's end too, not only its pipe's: a daemon it forked may hold the pipe open.
+            ended = [r for r in self.pending if not self.procs[r].is_alive()]
+            for rank in {rank_of[id(conn)] for conn in ready} | set(ended):
+                self._receive(rank, self.conns[rank])
+            if (self.reports or self.ended) and grace_end is None:
+                grace_end = time.monotonic() + 1.0
+        if self.reports or self.ended:
+            self.ended += self._where_running()  # a rank that never reported: where it is
+            raise WorldFailed(failure.diagnose(self.reports, self.ended, self.world_size))
+        if self.pending:
+            raise WorldFailed(failure.timed_out(self._where_running(), self.world_size, self.timeout))
+        return [self.results[r] for r in range(self.world_size)]
+
+    def _receive(self, rank: int, conn) -> None:
+        self.pending.discard(rank)
+        try:
+            if not conn.poll(0):  # the process ended and sent nothing
+                raise EOFError
+            data = conn.recv_bytes()
+        except EOFError:
+            self.procs[rank].join(timeout=1)
+            self.ended.append(failure.ended_without_report(rank, self.procs[rank].exitcode, self._stack(rank), when=time.time()))
+            return
+        try:
+            status, payload = torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - whatever a worker sent, it is that rank's failure
+            reason = (f"it sent something that is not data (tensors, numbers, strings, lists, dicts):"
+                      f" {type(exc).__name__}: {failure.first_line(str(exc))}")
+            self.ended.append(failure.ended_without_report(rank, None, "", reason, when=time.time()))
+            return
+        if status == "ok":
+            self.results[rank] = payload
+        else:
+            self.reports.append(payload)
+
+    def _stack(self, rank: int, offset: int = 0) -> str:
+        try:
+            with open(os.path.join(self.stack_dir, f"rank{rank}.stack")) as f:
+                f.seek(offset)
+                return f.read()
+        except OSError:
+            return ""
+
+    def _where_running(self) -> list:
+        """Each running rank's own line, from the stack that faulthandler dumps on SIGUSR1."""
+        running = sorted(self.pending)
+        offsets = {r: os.path.getsize(os.path.join(self.stack_dir, f"rank{r}.stack"))
+                   if os.path.exists(os.path.join(self.stack_dir, f"rank{r}.stack")) else 0 for r in running}
+        if hasattr(signal, "SIGUSR1"):
+            for rank in running:
+                if self.procs[rank].is_alive():
+                    os.kill(self.procs[rank].pid, signal.SIGUSR1)
+            # faulthandler writes from a signal handler, thread by thread; give it a moment.
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end and not all(failure.stack_frames(self._stack(r, offsets[r])) for r in running):
+                time.sleep(0.02)
+            time.sleep(0.05)  # the rest of a dump that has begun
+        return [failure.running(r, self._stack(r, offsets[r])) for r in running]
+
+    def interrupted(self) -> None:
+        """Ctrl-C: where each rank was, then KeyboardInterrupt carrying it."""
+        self.pending = {r for r in range(len(self.procs)) if r not in self.results}
+        facts = self._where_running() if self.procs else []
+        raise Interrupted(failure.timed_out(facts, self.world_size, 0, interrupted=True))
+
+    def stop(self, children_before: set) -> None:
+        """Stop every process this world started: workers, what they started, and their orphans."""
+        workers = [p.pid for p in self.procs if p.pid]
+        parents = _processes()
+        started = descendants(workers, parents)
+        _kill(started)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=5)
+        with _live_lock:
+            _live.difference_update(workers)
+            keep = children_before | _live | _own_helpers()
+        orphans = [p for p, parent in _processes().items() if parent == os.getpid() and p not in keep]
+        _kill(orphans)
+        _reap(set(started) | set(orphans))
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a world; ``failure`` says where each rank was."""
+
+    def __init__(self, failure: failure.Failure):
+        super().__init__(failure.report())
+        self.failure = failure
