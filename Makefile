@@ -26,7 +26,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 # A score below full marks is not an error; a broken grader is (see course/grade.py).
 grade: $(VENV)/.installed
-	COURSE_IMPL=student $(PYTEST) -p course.grade $(if $(EX),tests/test_ex$(EX)_*.py,tests/test_ex*_*.py)
+	@$(PY) -m course grade $(if $(EX),--ex $(EX))
 
 # Targets that need solutions/. The students' copy (make release) has none: there `make test` is
 # `make grade`, and the others are not defined.

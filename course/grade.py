@@ -7,12 +7,20 @@ each thing that failed, not a traceback) and writes results.json in the format o
 autograders, so the same command is a Gradescope autograder as it stands.
 
 A low grade is not an error: the run exits 0 when only checks failed. It exits non-zero when
-the grader itself is broken: a test module that does not import, a fixture that fails, or an
-exercise missing from POINTS.
+the grader itself is broken: a test module that does not import, a fixture that fails, an
+exercise missing from POINTS, or a results.json that is not what it wrote.
+
+What a submission cannot change (the README's "Grading" says why, and what it can still do):
+the checks run its code only in worker processes and judge here what they send back (see
+tests/helpers.py); the grader's own files (tests/, course/, and every module this process has
+loaded, torch's included) are fingerprinted before any check runs and compared at the end, and a
+change fails every check; results.json is written here, at the end, in one os.replace, and read
+back.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -22,6 +30,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import pytest
+
+from course.student import ROOT
 
 # Points of each exercise. A new exercise is one line here and a tests/test_exN_*.py module.
 POINTS = {1: 20, 2: 25, 3: 25, 4: 30, 5: 20, 6: 25, 7: 15}
@@ -53,13 +63,18 @@ def exercise_of(nodeid: str) -> Optional[int]:
 
 
 def share_points(checks: list) -> list:
-    """Give each check its share of its exercise's points."""
+    """Give each check its share of its exercise's points, in hundredths that add up to them exactly.
+
+    Gradescope shows the sum of the max_score values: the remainder goes to the last check.
+    """
     for exercise in {c.exercise for c in checks}:
         if exercise not in POINTS:
             raise KeyError(f"exercise {exercise} has tests but no points: add it to POINTS in course/grade.py")
         mine = [c for c in checks if c.exercise == exercise]
-        for check in mine:
-            check.max_score = POINTS[exercise] / len(mine)
+        hundredths = POINTS[exercise] * 100
+        for i, check in enumerate(mine):
+            share = hundredths // len(mine) + (hundredths % len(mine) if i == len(mine) - 1 else 0)
+            check.max_score = share / 100
     return checks
 
 
@@ -67,10 +82,24 @@ def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
 
 
+_UNIMPORTABLE = re.compile(r"\w+\.py does not import: .*")  # course/impl.py's Unimportable
+
+
+def _unimportable(message: str) -> str:
+    """A student file that does not import: one sentence, whichever rank and world met it."""
+    match = _UNIMPORTABLE.match(_first_line(message))
+    return match.group(0) if match else ""
+
+
 def explain(error: BaseException) -> str:
     """One sentence saying what a failed check found, from the exception it raised."""
+    failure = getattr(error, "failure", None)  # course.failure.Failure, once course/launch.py raises it
+    if failure is not None:
+        return _unimportable(failure.ranks[failure.first].message if failure.first is not None else "") or failure.sentence()
     summary = getattr(error, "summary", None)  # a world of workers that failed (course.launch.WorldFailed)
     if summary is not None:
+        if error.first is not None and _unimportable(error.first.message):
+            return _unimportable(error.first.message)
         head, *rest = summary.splitlines() or [""]
         if error.first is not None and error.first.kind == "exit":  # a crash: where it was, if known
             died = _first_line(error.first.message).removesuffix(", at (innermost first):")
@@ -97,6 +126,7 @@ def _row(label, passed: int, total: int, score: float, top: float) -> str:
 def table(checks: list) -> str:
     """Per exercise: checks passed, points, and each distinct failure once with the checks it failed."""
     lines = [f"{'exercise':>8}  {'checks':>7}  {'points':>11}"]
+    shown: set = set()
     for exercise in sorted({c.exercise for c in checks}):
         mine = [c for c in checks if c.exercise == exercise]
         lines.append(_row(exercise, sum(c.passed for c in mine), len(mine), sum(c.score for c in mine), sum(c.max_score for c in mine)))
@@ -111,7 +141,10 @@ def table(checks: list) -> str:
                 failures.setdefault(check.message, []).append(check.name)
         for message, names in failures.items():
             who = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
-            lines.append(f"          x {who}: {message}")
+            # A file that does not import fails several exercises: its error is printed once.
+            said = message if message not in shown else f"as above ({message.split(':')[0]})"
+            lines.append(f"          x {who}: {said}")
+            shown.add(message)
     lines.append(_row("total", sum(c.passed for c in checks), len(checks), sum(c.score for c in checks), sum(c.max_score for c in checks)))
     return "\n".join(lines)
 
@@ -137,9 +170,69 @@ def gradescope(checks: list, seconds: float) -> dict:
 
 
 def write_results(path: str, checks: list, seconds: float) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(gradescope(checks, seconds), f, indent=1)
+    """Write results.json in one step (a temporary file, then os.replace) and read it back.
+
+    Raises RuntimeError when the file read back is not the one written: another process wrote it.
+    """
+    results = gradescope(checks, seconds)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    with open(temporary, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(temporary, path)
+    with open(path) as f:
+        if json.load(f) != results:
+            raise RuntimeError(f"{path} changed after the grader wrote it: another process wrote it")
+
+
+# ---- the grader's own files -----------------------------------------------------------------
+
+_OWN_FOLDERS = ("course", "tests")
+
+
+def _own_files() -> dict:
+    """sha256 of every file of the grader's own folders (not the bytecode Python writes there)."""
+    digests = {}
+    for folder in _OWN_FOLDERS:
+        for top, dirs, files in os.walk(os.path.join(ROOT, folder)):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(files):
+                path = os.path.join(top, name)
+                with open(path, "rb") as f:
+                    digests[os.path.relpath(path, ROOT)] = hashlib.sha256(f.read()).hexdigest()
+    return digests
+
+
+def _loaded_files() -> dict:
+    """Every file this process has loaded code from (sources, bytecode, extensions), with its
+    inode, size, and modification and change times: an edit changes the ctime, which no one can set back."""
+    stats = {}
+    for module in list(sys.modules.values()):
+        for path in (getattr(module, "__file__", None), getattr(module, "__cached__", None)):
+            if isinstance(path, str) and path not in stats:
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                stats[path] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return stats
+
+
+class Fingerprint:
+    """The grader's files as they were before any check ran, to compare with at the end."""
+
+    def __init__(self):
+        self.own = _own_files()
+        self.loaded = _loaded_files()
+
+    def changes(self) -> list:
+        """What changed since, one line each; an empty list when nothing did."""
+        own = _own_files()
+        changed = sorted(path for path in self.own.keys() | own.keys() if self.own.get(path) != own.get(path))
+        loaded = _loaded_files()
+        changed += sorted(path for path, stat in self.loaded.items() if loaded.get(path) != stat)
+        return changed
 
 
 # ---- the pytest plugin ----------------------------------------------------------------------
@@ -149,10 +242,13 @@ def pytest_addoption(parser):
     parser.addoption("--grade-results", default="results.json", help="where to write Gradescope's results.json")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
-    # The table says what failed in one sentence per failure: no tracebacks, no second summary.
+    # The table says what failed in one sentence per failure: no tracebacks, no pytest summary
+    # line ("24 failed") that reads as if the grader had failed.
     config.option.tbstyle = "no"
     config.option.reportchars = ""
+    config.option.verbose = min(config.option.verbose, -2)
     if not hasattr(config, "workerinput"):  # under pytest-xdist the controller keeps the score
         config.pluginmanager.register(_Grader(config), "course-grader")
 
@@ -181,6 +277,12 @@ class _Grader:
         self.checks: dict = {}
         self.broken: list = []
         self.final: list = []
+        self.fingerprint: Optional[Fingerprint] = None
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session):
+        # Every check module is imported, and no check has run yet: no submission code has either.
+        self.fingerprint = Fingerprint()
 
     def pytest_runtest_logreport(self, report):
         exercise = exercise_of(report.nodeid)
@@ -202,8 +304,19 @@ class _Grader:
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session, exitstatus):
         self.final = share_points(sorted(self.checks.values(), key=lambda c: (c.exercise, c.name)))
-        write_results(self.config.getoption("grade_results"), self.final, time.monotonic() - self.started)
-        if exitstatus == pytest.ExitCode.TESTS_FAILED and not self.broken:
+        changed = self.fingerprint.changes() if self.fingerprint is not None else []
+        if changed:
+            more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+            for check in self.final:
+                check.passed = False
+                check.message = f"the grader's own files changed while it ran ({changed[0]}{more}): no check counts"
+        try:
+            write_results(self.config.getoption("grade_results"), self.final, time.monotonic() - self.started)
+        except (OSError, RuntimeError) as error:
+            self.broken.append(f"results.json: {error}")
+        if self.broken:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        elif exitstatus == pytest.ExitCode.TESTS_FAILED:
             session.exitstatus = pytest.ExitCode.OK
 
     def pytest_terminal_summary(self, terminalreporter):

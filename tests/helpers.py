@@ -24,6 +24,7 @@ from course.launch import run
 # into batches of 8 and of 16 alike, so one epoch of W ranks matches one epoch of one process.
 SMALL = dict(n_layers=3, d_in=12, n_classes=4, d_hidden=10, batch_size=8, train_size=160, niters=12, lr=0.2, seed=3)
 CONFIG = SimpleNamespace(**SMALL)
+WIDTHS = [CONFIG.d_in, *[CONFIG.d_hidden] * (CONFIG.n_layers - 1), CONFIG.n_classes]  # of exercise 1's layers
 
 
 def small_config(mlp, **changes):
@@ -40,10 +41,9 @@ class SmallMLP(nn.Module):
     """The tests' own MLP, the same as exercise 1's: what the wrapper checks train, in the workers
     and in the judge alike, so a data-parallel exercise is judged apart from exercise 1."""
 
-    def __init__(self, config=CONFIG):
+    def __init__(self):
         super().__init__()
-        sizes = [config.d_in] + [config.d_hidden] * (config.n_layers - 1) + [config.n_classes]
-        self.layers = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in zip(sizes, sizes[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in zip(WIDTHS, WIDTHS[1:]))
 
     def forward(self, data, targets=None):
         logits = forward_from([layer.weight for layer in self.layers], data)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import CONFIG, alone, forward_from, load, printed, small_config
+from tests.helpers import CONFIG, WIDTHS, alone, forward_from, load, printed, small_config
 
 
 def build(folder, seed=0):
@@ -26,8 +26,7 @@ def layer_shapes(folder):
 
 def check_layers(folder):
     shapes = {name: tuple(shape) for name, shape in alone(layer_shapes, folder).items()}
-    widths = [CONFIG.d_in, *[CONFIG.d_hidden] * (CONFIG.n_layers - 1), CONFIG.n_classes]
-    expected = {f"layers.{i}.weight": (b, a) for i, (a, b) in enumerate(zip(widths, widths[1:]))}
+    expected = {f"layers.{i}.weight": (b, a) for i, (a, b) in enumerate(zip(WIDTHS, WIDTHS[1:]))}
     assert shapes == expected, f"the MLP's parameters should be {expected} (bias-free nn.Linear layers in self.layers), got {shapes}"
 
 
