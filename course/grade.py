@@ -231,8 +231,9 @@ class Fingerprint:
         own = _own_files()
         changed = sorted(path for path in self.own.keys() | own.keys() if self.own.get(path) != own.get(path))
         loaded = _loaded_files()
-        changed += sorted(path for path, stat in self.loaded.items() if loaded.get(path) != stat)
-        return changed
+        changed += sorted(os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
+                          for path, stat in self.loaded.items() if loaded.get(path) != stat)
+        return list(dict.fromkeys(changed))
 
 
 # ---- the pytest plugin ----------------------------------------------------------------------
