@@ -204,12 +204,12 @@ def _own_files() -> dict:
     return digests
 
 
-def _loaded_files() -> dict:
+def _loaded_files(attributes=("__file__", "__cached__")) -> dict:
     """Every file this process has loaded code from (sources, bytecode, extensions), with its
     inode, size, and modification and change times: an edit changes the ctime, which no one can set back."""
     stats = {}
     for module in list(sys.modules.values()):
-        for path in (getattr(module, "__file__", None), getattr(module, "__cached__", None)):
+        for path in (getattr(module, name, None) for name in attributes):
             if isinstance(path, str) and path not in stats:
                 try:
                     st = os.stat(path)
@@ -223,6 +223,7 @@ class Fingerprint:
     """The grader's files as they were before any check ran, to compare with at the end."""
 
     def __init__(self):
+        self.started_ns = time.time_ns()
         self.own = _own_files()
         self.loaded = _loaded_files()
 
@@ -233,6 +234,10 @@ class Fingerprint:
         loaded = _loaded_files()
         changed += sorted(os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
                           for path, stat in self.loaded.items() if loaded.get(path) != stat)
+        # A module first imported after the fingerprint: its source must be older than the
+        # fingerprint (its bytecode may be new: Python writes it on first import).
+        changed += sorted(path for path, stat in _loaded_files(("__file__",)).items()
+                          if path not in self.loaded and stat[3] > self.started_ns)
         return list(dict.fromkeys(changed))
 
 
