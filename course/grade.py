@@ -95,7 +95,8 @@ def explain(error: BaseException) -> str:
     """One sentence saying what a failed check found, from the exception it raised."""
     failure = getattr(error, "failure", None)  # course.failure.Failure, once course/launch.py raises it
     if failure is not None:
-        return _unimportable(failure.ranks[failure.first].message if failure.first is not None else "") or failure.sentence()
+        first = next((fact for fact in failure.ranks if fact.rank == failure.first), None)
+        return (_unimportable(first.message) if first is not None else "") or failure.sentence()
     summary = getattr(error, "summary", None)  # a world of workers that failed (course.launch.WorldFailed)
     if summary is not None:
         if error.first is not None and _unimportable(error.first.message):
