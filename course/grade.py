@@ -143,9 +143,10 @@ def table(checks: list) -> str:
         for message, names in failures.items():
             who = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
             # A file that does not import fails several exercises: its error is printed once.
-            said = message if message not in shown else f"as above ({message.split(':')[0]})"
+            said = f"as above ({message.split(':')[0]})" if message in shown else message
             lines.append(f"          x {who}: {said}")
-            shown.add(message)
+            if _unimportable(message):
+                shown.add(message)
     lines.append(_row("total", sum(c.passed for c in checks), len(checks), sum(c.score for c in checks), sum(c.max_score for c in checks)))
     return "\n".join(lines)
 
