@@ -35,31 +35,31 @@ def check_train_shares_batches(folder):
     )
 
 
-def closeness_verdict(folder, perturbed_rank):
-    """Probe: what check_parameter_closeness says when perturbed_rank (or none) holds a different weight."""
+def closeness_verdicts(folder):
+    """Probe: what check_parameter_closeness says when all ranks agree, then when the last rank does not."""
     mlp = load(folder).mlp
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
-    if dist.get_rank() == perturbed_rank:
-        with torch.no_grad():
-            model[2].weight[0, 0] += 1e-3
-    return mlp.check_parameter_closeness(model)
+    verdicts = []
+    for perturbed_rank in (-1, dist.get_world_size() - 1):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
+        if dist.get_rank() == perturbed_rank:
+            with torch.no_grad():
+                model[2].weight[0, 0] += 1e-3
+        verdicts.append(mlp.check_parameter_closeness(model))
+    return verdicts
 
 
 def check_closeness(folder, world_size):
-    same = world(closeness_verdict, world_size, folder, -1)
-    assert same == [True] * world_size, f"check_parameter_closeness should return True on every rank when all ranks agree, got {same}"
-    differ = world(closeness_verdict, world_size, folder, world_size - 1)
-    assert differ == [False] * world_size, (
-        f"rank {world_size - 1} holds a different weight: check_parameter_closeness should return False on every rank, got {differ}"
+    same, differ = zip(*world(closeness_verdicts, world_size, folder))
+    assert list(same) == [True] * world_size, f"check_parameter_closeness should return True on every rank when all ranks agree, got {list(same)}"
+    assert list(differ) == [False] * world_size, (
+        f"rank {world_size - 1} holds a different weight: check_parameter_closeness should return False on every rank, got {list(differ)}"
     )
 
 
 def check_rank0_prints(folder):
-    printed_by = [rank["printed"] for rank in world(train_in_world, 2, folder, {"niters": 101}, ddp=True)]
-    assert [out.count("step 0 |") for out in printed_by] == [1, 0] and [out.count("step 100 |") for out in printed_by] == [1, 0], (
-        "only rank 0 should print the step lines"
-    )
+    printed_by = [rank["printed"] for rank in world(train_in_world, 2, folder, {"niters": 1}, ddp=True)]
+    assert [out.count("step 0 |") for out in printed_by] == [1, 0], "only rank 0 should print the step lines"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
