@@ -125,6 +125,8 @@ _sp.Popen([_sys.executable, "-c", {DAEMON_WRITER!r}], start_new_session=True, st
 
 EXIT_0 = "import os as _os\n_os._exit(0)\n"
 
+KILL_GRADER = "import os as _os, signal as _signal\n_os.kill(_os.getppid(), _signal.SIGKILL)\n"
+
 FAKE_TABLE = """
 import os as _os, sys as _sys
 _table = "exercise   checks       points\\n       2      4/4        25/25\\n   total      4/4        25/25\\n"
@@ -182,6 +184,13 @@ def test_a_daemon_writing_results_json_gains_nothing(tmp_path):
 
 def test_a_worker_that_exits_0_without_a_result_gains_nothing(tmp_path):
     assert_no_points(*grade(tmp_path, {"mlp.py": EXIT_0}), r"exit code 0|result")
+
+
+def test_killing_the_grader_gains_nothing(tmp_path):
+    """The grade is then missing, not higher (the README says so)."""
+    done, path = grade(tmp_path, {"mlp.py": KILL_GRADER})
+    assert done.returncode != 0
+    assert not path.exists() or results(path)["score"] == 0
 
 
 def test_printing_a_fake_table_gains_nothing(tmp_path):
