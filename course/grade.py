@@ -320,7 +320,7 @@ class _Grader:
                 check.message = f"the grader's own files changed while it ran ({changed[0]}{more}): no check counts"
         try:
             write_results(self.config.getoption("grade_results"), self.final, time.monotonic() - self.started)
-        except (OSError, RuntimeError) as error:
+        except (OSError, RuntimeError, ValueError) as error:  # ValueError: what was read back is not JSON
             self.broken.append(f"results.json: {error}")
         if self.broken:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
