@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Workers share the cores: see course/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help demo test grade student release autograde bench bench-launch gpu-check
+.PHONY: help demo test grade student release autograde bench bench-launch bench-grade gpu-check
 
 help:
 	@echo "make demo     run every reference solution on CPU (not in the students' copy)"
@@ -16,6 +16,7 @@ help:
 	@echo "make autograde SUBMISSIONS=dir instructors: grade one folder per student through nbgrader"
 	@echo "make bench    step time of DDP and MyDP variants, ring all-reduce against gloo (bench/)"
 	@echo "make bench-launch  what starting a world of workers costs, per start method"
+	@echo "make bench-grade   how long make grade takes, per exercise and in all, against its targets"
 	@echo "make gpu-check  every reference solution on this machine's GPUs, compared with the CPU (ARGS=mlp.py flags)"
 
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -26,7 +27,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 # A score below full marks is not an error; a broken grader is (see course/grade.py).
 grade: $(VENV)/.installed
-	COURSE_IMPL=student $(PYTEST) -p course.grade $(if $(EX),tests/test_ex$(EX)_*.py,tests/test_ex*_*.py)
+	@$(PY) -m course grade $(if $(EX),--ex $(EX))
 
 # Targets that need solutions/. The students' copy (make release) has none: there `make test` is
 # `make grade`, and the others are not defined.
@@ -45,6 +46,9 @@ student: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) bench/overlap.py
+
+bench-grade: $(VENV)/.installed
+	$(PY) bench/grade_time.py
 
 release: $(VENV)/.installed
 	$(PY) -m course.release $(DEST)

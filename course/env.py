@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Optional
 

@@ -7,20 +7,31 @@ each thing that failed, not a traceback) and writes results.json in the format o
 autograders, so the same command is a Gradescope autograder as it stands.
 
 A low grade is not an error: the run exits 0 when only checks failed. It exits non-zero when
-the grader itself is broken: a test module that does not import, a fixture that fails, or an
-exercise missing from POINTS.
+the grader itself is broken: a test module that does not import, a fixture that fails, an
+exercise missing from POINTS, or a results.json that is not what it wrote.
+
+What a submission cannot change (the README's "Grading" says why, and what it can still do):
+the checks run its code only in worker processes and judge here what they send back (see
+tests/helpers.py); the grader's own files (tests/, course/, and every module this process has
+loaded, torch's included) are fingerprinted before any check runs and compared at the end, and a
+change fails every check; results.json is written here, at the end, in one os.replace, and read
+back.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 import pytest
+
+from course.student import ROOT
 
 # Points of each exercise. A new exercise is one line here and a tests/test_exN_*.py module.
 POINTS = {1: 20, 2: 25, 3: 25, 4: 30, 5: 20, 6: 25, 7: 15}
@@ -51,13 +62,18 @@ def exercise_of(nodeid: str) -> Optional[int]:
 
 
 def share_points(checks: list) -> list:
-    """Give each check its share of its exercise's points."""
+    """Give each check its share of its exercise's points, in hundredths that add up to them exactly.
+
+    Gradescope shows the sum of the max_score values: the remainder goes to the last check.
+    """
     for exercise in {c.exercise for c in checks}:
         if exercise not in POINTS:
             raise KeyError(f"exercise {exercise} has tests but no points: add it to POINTS in course/grade.py")
         mine = [c for c in checks if c.exercise == exercise]
-        for check in mine:
-            check.max_score = POINTS[exercise] / len(mine)
+        hundredths = POINTS[exercise] * 100
+        for i, check in enumerate(mine):
+            share = hundredths // len(mine) + (hundredths % len(mine) if i == len(mine) - 1 else 0)
+            check.max_score = share / 100
     return checks
 
 
@@ -65,11 +81,21 @@ def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
 
 
+_UNIMPORTABLE = re.compile(r"\w+\.py does not import: .*")  # course/impl.py's Unimportable
+
+
+def _unimportable(message: str) -> str:
+    """A student file that does not import: one sentence, whichever rank and world met it."""
+    match = _UNIMPORTABLE.match(_first_line(message))
+    return match.group(0) if match else ""
+
+
 def explain(error: BaseException) -> str:
     """One sentence saying what a failed check found, from the exception it raised."""
-    failure = getattr(error, "failure", None)  # a world of workers that failed (course.launch.WorldFailed)
+    failure = getattr(error, "failure", None)  # a world of workers that failed (course.workers.WorldFailed)
     if failure is not None:
-        return failure.sentence()
+        first = next((fact for fact in failure.ranks if fact.rank == failure.first), None)
+        return (_unimportable(first.message) if first is not None else "") or failure.sentence()
     if isinstance(error, (AssertionError, NotImplementedError, ImportError)) and _first_line(str(error)):
         return _first_line(str(error))
     return f"{type(error).__name__}: {_first_line(str(error))}".rstrip(": ")
@@ -86,6 +112,7 @@ def _row(label, passed: int, total: int, score: float, top: float) -> str:
 def table(checks: list) -> str:
     """Per exercise: checks passed, points, and each distinct failure once with the checks it failed."""
     lines = [f"{'exercise':>8}  {'checks':>7}  {'points':>11}"]
+    shown: set = set()
     for exercise in sorted({c.exercise for c in checks}):
         mine = [c for c in checks if c.exercise == exercise]
         lines.append(_row(exercise, sum(c.passed for c in mine), len(mine), sum(c.score for c in mine), sum(c.max_score for c in mine)))
@@ -100,7 +127,11 @@ def table(checks: list) -> str:
                 failures.setdefault(check.message, []).append(check.name)
         for message, names in failures.items():
             who = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
-            lines.append(f"          x {who}: {message}")
+            # A file that does not import fails several exercises: its error is printed once.
+            said = f"as above ({message.split(':')[0]})" if message in shown else message
+            lines.append(f"          x {who}: {said}")
+            if _unimportable(message):
+                shown.add(message)
     lines.append(_row("total", sum(c.passed for c in checks), len(checks), sum(c.score for c in checks), sum(c.max_score for c in checks)))
     return "\n".join(lines)
 
@@ -126,9 +157,75 @@ def gradescope(checks: list, seconds: float) -> dict:
 
 
 def write_results(path: str, checks: list, seconds: float) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(gradescope(checks, seconds), f, indent=1)
+    """Write results.json in one step (a temporary file, then os.replace) and read it back.
+
+    Raises RuntimeError when the file read back is not the one written: another process wrote it.
+    """
+    results = gradescope(checks, seconds)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    with open(temporary, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(temporary, path)
+    with open(path) as f:
+        if json.load(f) != results:
+            raise RuntimeError(f"{path} changed after the grader wrote it: another process wrote it")
+
+
+# ---- the grader's own files -----------------------------------------------------------------
+
+_OWN_FOLDERS = ("course", "tests")
+
+
+def _own_files() -> dict:
+    """sha256 of every file of the grader's own folders (not the bytecode Python writes there)."""
+    digests = {}
+    for folder in _OWN_FOLDERS:
+        for top, dirs, files in os.walk(os.path.join(ROOT, folder)):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(files):
+                path = os.path.join(top, name)
+                with open(path, "rb") as f:
+                    digests[os.path.relpath(path, ROOT)] = hashlib.sha256(f.read()).hexdigest()
+    return digests
+
+
+def _loaded_files(attributes=("__file__", "__cached__")) -> dict:
+    """Every file this process has loaded code from (sources, bytecode, extensions), with its
+    inode, size, and modification and change times: an edit changes the ctime, which no one can set back."""
+    stats = {}
+    for module in list(sys.modules.values()):
+        for path in (getattr(module, name, None) for name in attributes):
+            if isinstance(path, str) and path not in stats:
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                stats[path] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return stats
+
+
+class Fingerprint:
+    """The grader's files as they were before any check ran, to compare with at the end."""
+
+    def __init__(self):
+        self.started_ns = time.time_ns()
+        self.own = _own_files()
+        self.loaded = _loaded_files()
+
+    def changes(self) -> list:
+        """What changed since, one line each; an empty list when nothing did."""
+        own = _own_files()
+        changed = sorted(path for path in self.own.keys() | own.keys() if self.own.get(path) != own.get(path))
+        loaded = _loaded_files()
+        changed += sorted(os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
+                          for path, stat in self.loaded.items() if loaded.get(path) != stat)
+        # A module first imported after the fingerprint: its source must be older than the
+        # fingerprint (its bytecode may be new: Python writes it on first import).
+        changed += sorted(path for path, stat in _loaded_files(("__file__",)).items()
+                          if path not in self.loaded and stat[3] > self.started_ns)
+        return list(dict.fromkeys(changed))
 
 
 # ---- the pytest plugin ----------------------------------------------------------------------
@@ -138,10 +235,13 @@ def pytest_addoption(parser):
     parser.addoption("--grade-results", default="results.json", help="where to write Gradescope's results.json")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
-    # The table says what failed in one sentence per failure: no tracebacks, no second summary.
+    # The table says what failed in one sentence per failure: no tracebacks, no pytest summary
+    # line ("24 failed") that reads as if the grader had failed.
     config.option.tbstyle = "no"
     config.option.reportchars = ""
+    config.option.verbose = min(config.option.verbose, -2)
     if not hasattr(config, "workerinput"):  # under pytest-xdist the controller keeps the score
         config.pluginmanager.register(_Grader(config), "course-grader")
 
@@ -170,6 +270,12 @@ class _Grader:
         self.checks: dict = {}
         self.broken: list = []
         self.final: list = []
+        self.fingerprint: Optional[Fingerprint] = None
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session):
+        # Every check module is imported, and no check has run yet: no submission code has either.
+        self.fingerprint = Fingerprint()
 
     def pytest_runtest_logreport(self, report):
         exercise = exercise_of(report.nodeid)
@@ -191,8 +297,19 @@ class _Grader:
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session, exitstatus):
         self.final = share_points(sorted(self.checks.values(), key=lambda c: (c.exercise, c.name)))
-        write_results(self.config.getoption("grade_results"), self.final, time.monotonic() - self.started)
-        if exitstatus == pytest.ExitCode.TESTS_FAILED and not self.broken:
+        changed = self.fingerprint.changes() if self.fingerprint is not None else []
+        if changed:
+            more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+            for check in self.final:
+                check.passed = False
+                check.message = f"the grader's own files changed while it ran ({changed[0]}{more}): no check counts"
+        try:
+            write_results(self.config.getoption("grade_results"), self.final, time.monotonic() - self.started)
+        except (OSError, RuntimeError, ValueError) as error:  # ValueError: what was read back is not JSON
+            self.broken.append(f"results.json: {error}")
+        if self.broken:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        elif exitstatus == pytest.ExitCode.TESTS_FAILED:
             session.exitstatus = pytest.ExitCode.OK
 
     def pytest_terminal_summary(self, terminalreporter):

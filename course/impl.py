@@ -4,9 +4,9 @@ One switch, COURSE_IMPL, selects it for the whole test suite and for every worke
 ``solutions`` (the reference, the default), ``student`` (the top-level files), or the path of a
 folder holding mlp.py, dist.py and mydp.py (a submission, or a mutant made by the tests).
 
-Modules are loaded from that folder by path and never left in sys.modules, so several
-implementations can be loaded in one process side by side (the mutant tests do), and a worker
-that is handed a folder loads exactly that folder's code.
+Modules are loaded from that folder by path and never left in sys.modules, so a worker that is
+handed a folder loads exactly that folder's code. The exercise checks call load() only in their
+worker processes: the process that grades never runs the code under test (tests/helpers.py).
 """
 
 from __future__ import annotations

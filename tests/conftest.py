@@ -21,9 +21,3 @@ for name in env.LAUNCHER_VARIABLES:
 def impl_dir():
     """The folder whose mlp.py, dist.py and mydp.py are under test."""
     return impl.selected()
-
-
-@pytest.fixture(scope="session")
-def ex(impl_dir):
-    """The modules under test, loaded in this process: ex.mlp, ex.dist, ex.mydp."""
-    return impl.load(impl_dir)

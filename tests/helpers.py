@@ -1,25 +1,93 @@
-"""Small pieces shared by the exercise checks."""
+"""Small pieces shared by the exercise checks.
+
+Every check is a probe and a judge. The probe runs in worker processes (course.launch.run): it
+loads the implementation under test, runs it, and returns data only (tensors, numbers, strings,
+and lists and dicts of those). The judge runs in the grading process, which never imports the
+code under test: it compares that data with what it computes itself, from first principles or
+with the tests' own model below. So code under test can do what it likes in its workers, and a
+verdict is still decided only by code of this repository.
+"""
+
+from contextlib import redirect_stdout
+from io import StringIO
+from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
+from course import impl
 from course.launch import run
 
 # Small enough that a multi-rank check takes a fraction of a second; 144 training rows divide
 # into batches of 8 and of 16 alike, so one epoch of W ranks matches one epoch of one process.
 SMALL = dict(n_layers=3, d_in=12, n_classes=4, d_hidden=10, batch_size=8, train_size=160, niters=12, lr=0.2, seed=3)
+CONFIG = SimpleNamespace(**SMALL)
+WIDTHS = [CONFIG.d_in, *[CONFIG.d_hidden] * (CONFIG.n_layers - 1), CONFIG.n_classes]  # of exercise 1's layers
 
 
 def small_config(mlp, **changes):
+    """SMALL as the ModelConfig of the implementation under test (in a worker)."""
     return mlp.ModelConfig(**(SMALL | changes))
 
 
+def load(folder):
+    """The implementation under test; call it only in a probe, never in a judge."""
+    return impl.load(folder)
+
+
+class SmallMLP(nn.Module):
+    """The tests' own MLP, the same as exercise 1's: what the wrapper checks train, in the workers
+    and in the judge alike, so a data-parallel exercise is judged apart from exercise 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in zip(WIDTHS, WIDTHS[1:]))
+
+    def forward(self, data, targets=None):
+        logits = forward_from([layer.weight for layer in self.layers], data)
+        return logits, (F.cross_entropy(logits, targets) if targets is not None else None)
+
+
+def forward_from(weights, x):
+    """Exercise 1's forward pass from its weight matrices: tanh between the layers, none after the last."""
+    for i, weight in enumerate(weights):
+        x = x @ weight.T
+        if i < len(weights) - 1:
+            x = torch.tanh(x)
+    return x
+
+
 def world(fn, world_size, *args, ddp=False):
-    """Run fn on every rank of a new gloo world; results by rank.
+    """Run the probe fn on every rank of a new gloo world; what it returned, by rank.
 
     Collectives are fingerprinted (COURSE_DEBUG) unless the world builds DistributedDataParallel,
     which segfaults on the fingerprinting process group (course/launch.py).
     """
     return run(fn, world_size, *args, debug=False if ddp else None)
+
+
+def _without_process_group(fn, args):
+    dist.destroy_process_group()
+    try:
+        return fn(*args)
+    finally:  # the launcher ends every world with a barrier
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def alone(fn, *args):
+    """Run the probe fn in one worker process with no process group, as a script run alone
+    (mlp.train wraps its model in DDP whenever a process group exists); what it returned."""
+    return run(_without_process_group, 1, fn, args)[0]
+
+
+def printed(fn, *args):
+    """fn(*args)'s result and what it printed, in a probe."""
+    out = StringIO()
+    with redirect_stdout(out):
+        result = fn(*args)
+    return result, out.getvalue()
 
 
 def describe_ratio(name, got, expected, rank):
@@ -52,48 +120,40 @@ def wrapper(ex, name):
 
 
 def parallel_steps(folder, wrap_name, steps):
-    """On every rank: ranks start from different weights, wrap, and train on their share of each step."""
-    import torch.distributed as dist
-
-    from course import impl
-
-    ex = impl.load(folder)
+    """Probe, on every rank: ranks start from different weights, wrap, and train on their share of each step."""
+    ex = load(folder)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    config = small_config(ex.mlp)
     torch.manual_seed(100 + rank)  # different on every rank: the wrapper must start them equal
-    model = wrapper(ex, wrap_name)(ex.mlp.MLP(config))
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+    model = SmallMLP()
+    wrapped = wrapper(ex, wrap_name)(model)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=CONFIG.lr)
     grads, history = None, []
     for step in range(steps):
-        x, y = global_batch(config, step, world_size)
-        mine = slice(rank * config.batch_size, (rank + 1) * config.batch_size)
+        x, y = global_batch(CONFIG, step, world_size)
+        mine = slice(rank * CONFIG.batch_size, (rank + 1) * CONFIG.batch_size)
         optimizer.zero_grad()
-        _, loss = model(x[mine], y[mine])
+        _, loss = wrapped(x[mine], y[mine])
         loss.backward()
         if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         optimizer.step()
-        history.append({n: p.detach().clone() for n, p in model.module.named_parameters()})
+        history.append({n: p.detach().clone() for n, p in model.named_parameters()})
     return {"grads": grads, "history": history}
 
 
 def check_equivalence(folder, wrap_name, world_size, steps=3):
     """k parallel steps equal k steps of one process on the concatenated batch, on every rank."""
-    from course import impl
-
-    ex = impl.load(folder)
     results = world(parallel_steps, world_size, folder, wrap_name, steps, ddp=wrap_name == "ddp")
-    config = small_config(ex.mlp)
     torch.manual_seed(100)  # rank 0's start
-    model = ex.mlp.MLP(config)
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+    model = SmallMLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
     for step in range(steps):
-        x, y = global_batch(config, step, world_size)
+        x, y = global_batch(CONFIG, step, world_size)
         if step == 0:
             local = []
             for r in range(world_size):
                 model.zero_grad()
-                mine = slice(r * config.batch_size, (r + 1) * config.batch_size)
+                mine = slice(r * CONFIG.batch_size, (r + 1) * CONFIG.batch_size)
                 model(x[mine], y[mine])[1].backward()
                 local.append({n: p.grad.clone() for n, p in model.named_parameters()})
             for rank, result in enumerate(results):

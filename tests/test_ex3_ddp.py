@@ -5,13 +5,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from course import impl
-from tests.helpers import check_equivalence, small_config, world
+from tests.helpers import alone, check_equivalence, load, printed, small_config, world
 
 
 def train_in_world(folder, changes):
-    mlp = impl.load(folder).mlp
-    return mlp.train(small_config(mlp, **changes))
+    """Probe: mlp.train on SMALL with changes; the figures it returned and what it printed."""
+    mlp = load(folder).mlp
+    result, out = printed(mlp.train, small_config(mlp, **changes))
+    return {"state": result["state"], "parameters_close": result["parameters_close"], "printed": out}
 
 
 def check_ddp_steps(folder, world_size):
@@ -20,41 +21,45 @@ def check_ddp_steps(folder, world_size):
 
 def check_train_shares_batches(folder):
     """Two ranks with batches of 8 take the same steps as one process with batches of 16."""
-    mlp = impl.load(folder).mlp
     ranks = world(train_in_world, 2, folder, {"batch_size": 8}, ddp=True)
-    alone = mlp.train(small_config(mlp, batch_size=16))
-    for name, expected in alone["state"].items():
+    alone_state = alone(train_in_world, folder, {"batch_size": 16})["state"]
+    for name, expected in alone_state.items():
         got = ranks[0]["state"][name]
         assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5), (
             f"after training on 2 ranks, {name} differs from one process on batches twice as large:"
             " does rank r train on the batches i with i % world_size == r, and only those?"
         )
-    assert ranks[0]["parameters_close"] and ranks[1]["parameters_close"], "train should end with the same parameters on every rank"
-
-
-def closeness_verdict(folder, perturbed_rank):
-    mlp = impl.load(folder).mlp
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
-    if dist.get_rank() == perturbed_rank:
-        with torch.no_grad():
-            model[2].weight[0, 0] += 1e-3
-    return mlp.check_parameter_closeness(model)
-
-
-def check_closeness(folder, world_size):
-    same = world(closeness_verdict, world_size, folder, -1)
-    assert same == [True] * world_size, f"check_parameter_closeness should return True on every rank when all ranks agree, got {same}"
-    differ = world(closeness_verdict, world_size, folder, world_size - 1)
-    assert differ == [False] * world_size, (
-        f"rank {world_size - 1} holds a different weight: check_parameter_closeness should return False on every rank, got {differ}"
+    same = all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in alone_state)
+    assert same and ranks[0]["parameters_close"] is True and ranks[1]["parameters_close"] is True, (
+        "train should end with the same parameters on every rank"
     )
 
 
-def check_rank0_prints(folder, capfd):
-    world(train_in_world, 2, folder, {"niters": 101}, ddp=True)
-    out = capfd.readouterr().out
-    assert out.count("step 0 |") == 1 and out.count("step 100 |") == 1, "only rank 0 should print the step lines"
+def closeness_verdicts(folder):
+    """Probe: what check_parameter_closeness says when all ranks agree, then when the last rank does not."""
+    mlp = load(folder).mlp
+    verdicts = []
+    for perturbed_rank in (-1, dist.get_world_size() - 1):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
+        if dist.get_rank() == perturbed_rank:
+            with torch.no_grad():
+                model[2].weight[0, 0] += 1e-3
+        verdicts.append(mlp.check_parameter_closeness(model))
+    return verdicts
+
+
+def check_closeness(folder, world_size):
+    same, differ = zip(*world(closeness_verdicts, world_size, folder))
+    assert list(same) == [True] * world_size, f"check_parameter_closeness should return True on every rank when all ranks agree, got {list(same)}"
+    assert list(differ) == [False] * world_size, (
+        f"rank {world_size - 1} holds a different weight: check_parameter_closeness should return False on every rank, got {list(differ)}"
+    )
+
+
+def check_rank0_prints(folder):
+    printed_by = [rank["printed"] for rank in world(train_in_world, 2, folder, {"niters": 1}, ddp=True)]
+    assert [out.count("step 0 |") for out in printed_by] == [1, 0], "only rank 0 should print the step lines"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -71,5 +76,5 @@ def test_closeness(impl_dir, world_size):
     check_closeness(impl_dir, world_size)
 
 
-def test_rank0_prints(impl_dir, capfd):
-    check_rank0_prints(impl_dir, capfd)
+def test_rank0_prints(impl_dir):
+    check_rank0_prints(impl_dir)

@@ -5,33 +5,33 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from course import impl
-from tests.helpers import check_equivalence, small_config, world
+from tests.helpers import check_equivalence, load, small_config, world
 
 
 def start_state(folder):
-    """Ranks build different weights and buffers; MyDP must hand every rank rank 0's."""
-    mydp = impl.load(folder).mydp
+    """Probe: ranks build different weights and buffers; MyDP must hand every rank rank 0's."""
+    mydp = load(folder).mydp
     rank = dist.get_rank()
     torch.manual_seed(rank)
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
     model[1].running_mean.fill_(float(rank))
     wrapped = mydp.MyDP(model)
-    assert wrapped.module is model, "MyDP should keep the wrapped model as .module"
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    return {"kept": wrapped.module is model, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
 def check_start_sync(folder, world_size):
     states = world(start_state, world_size, folder)
     torch.manual_seed(0)
     expected = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).state_dict()
-    for rank, state in enumerate(states):
+    for rank, got in enumerate(states):
+        assert got["kept"] is True, "MyDP should keep the wrapped model as .module"
+        state = got["state"]
         for name, value in expected.items():
             assert torch.equal(state[name], value), f"after MyDP(model), rank {rank}'s {name} is not rank 0's: broadcast parameters and buffers from rank 0"
 
 
 def frozen_step(folder):
-    mydp = impl.load(folder).mydp
+    mydp = load(folder).mydp
     rank = dist.get_rank()
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     model[0].weight.requires_grad_(False)
@@ -48,13 +48,16 @@ def check_frozen(folder):
 
 
 def compare_with_ddp(folder):
-    ex = impl.load(folder)
-    return ex.mydp.train_both(small_config(ex.mlp), False)
+    """Probe: train with MyDP, then with built-in DDP from the same start; both final states."""
+    ex = load(folder)
+    mine, builtin = ex.mydp.train_both(small_config(ex.mlp), False)
+    return mine["state"], builtin["state"]
 
 
 def check_matches_ddp(folder):
     mine, builtin = world(compare_with_ddp, 2, folder, ddp=True)[0]
-    gap = impl.load(folder).mydp.largest_difference(mine["state"], builtin["state"])
+    assert mine.keys() == builtin.keys(), f"MyDP's model has parameters {sorted(mine)}, built-in DDP's {sorted(builtin)}"
+    gap = max((mine[k] - builtin[k]).abs().max().item() for k in mine)
     assert gap < 1e-5, f"MyDP and built-in DDP trained from the same start end {gap:.3g} apart"
 
 

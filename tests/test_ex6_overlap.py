@@ -5,9 +5,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from course import impl
 from tests.comm_log import CommLog
-from tests.helpers import check_equivalence, describe_ratio, world
+from tests.helpers import alone, check_equivalence, describe_ratio, load, world
 
 KIB = 1024
 
@@ -77,12 +76,12 @@ def loss_of(model, x):
 
 
 def train_logged(folder, setup, steps):
-    """On every rank: train OverlappedDP on its share of each step, logging messages and gradients.
+    """Probe, on every rank: train OverlappedDP on its share of each step, logging messages and gradients.
 
     The test's own post-accumulate hooks, registered before OverlappedDP's, mark in the log the
     moment each gradient is ready, so the log shows what was in flight when.
     """
-    mydp = impl.load(folder).mydp
+    mydp = load(folder).mydp
     make, cap, _ = SETUPS[setup]
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)  # different on every rank: OverlappedDP must start them equal
@@ -112,19 +111,28 @@ def train_logged(folder, setup, steps):
     return out
 
 
-def check_bucket_parameters(folder):
-    bucket_parameters = impl.load(folder).mydp.bucket_parameters
-    small = [torch.zeros(256) for _ in range(6)]  # 1 KiB each
-    mixed = small[:2] + [torch.zeros(1024)] + small[2:4]  # a 4 KiB one in the middle
-    cases = [  # parameters, cap in bytes, expected buckets as indices, what it means
-        (small, 2 * KIB, [[5, 4], [3, 2], [1, 0]], "six 1 KiB gradients in 2 KiB buckets"),
-        (small, 0, [[5], [4], [3], [2], [1], [0]], "a cap of 0 (one bucket per parameter)"),
-        (small, 10**9, [[5, 4, 3, 2, 1, 0]], "a cap larger than the model"),
-        (mixed, 2 * KIB, [[4, 3], [2], [1, 0]], "a 4 KiB gradient among 1 KiB ones, 2 KiB buckets"),
-    ]
-    for params, cap, expected, what in cases:
+KIB_PARAMETERS = {"small": [256] * 6, "mixed": [256, 256, 1024, 256, 256]}  # elements: 1 KiB each, a 4 KiB one in the middle
+BUCKET_CASES = [  # parameters, cap in bytes, expected buckets as indices, what it means
+    ("small", 2 * KIB, [[5, 4], [3, 2], [1, 0]], "six 1 KiB gradients in 2 KiB buckets"),
+    ("small", 0, [[5], [4], [3], [2], [1], [0]], "a cap of 0 (one bucket per parameter)"),
+    ("small", 10**9, [[5, 4, 3, 2, 1, 0]], "a cap larger than the model"),
+    ("mixed", 2 * KIB, [[4, 3], [2], [1, 0]], "a 4 KiB gradient among 1 KiB ones, 2 KiB buckets"),
+]
+
+
+def buckets_as_indices(folder):
+    """Probe: bucket_parameters on each case, its buckets as parameter indices (None: not a parameter given)."""
+    bucket_parameters = load(folder).mydp.bucket_parameters
+    out = []
+    for kind, cap, _, _ in BUCKET_CASES:
+        params = [torch.zeros(n) for n in KIB_PARAMETERS[kind]]
         index = {id(p): i for i, p in enumerate(params)}
-        got = [[index.get(id(p)) for p in bucket] for bucket in bucket_parameters(params, cap)]
+        out.append([[index.get(id(p)) for p in bucket] for bucket in bucket_parameters(params, cap)])
+    return out
+
+
+def check_bucket_parameters(folder):
+    for (_, _, expected, what), got in zip(BUCKET_CASES, alone(buckets_as_indices, folder)):
         assert got == expected, (
             f"bucket_parameters with {what} gave buckets {got} (parameter indices), expected {expected}:"
             " walk the parameters last to first, and start a new bucket when the next one would not fit"

@@ -3,9 +3,8 @@
 import torch
 import torch.distributed as dist
 
-from course import impl
 from tests.comm_log import CommLog
-from tests.helpers import SMALL_BUCKET_MB, global_batch, small_config, world
+from tests.helpers import CONFIG, SMALL_BUCKET_MB, SmallMLP, global_batch, load, world
 
 BUCKETS = 2  # SMALL's three gradients in buckets of SMALL_BUCKET_MB (tests/helpers.py)
 LR = 0.2
@@ -20,12 +19,12 @@ def rank_rows(config, step, world_size, micro_batches):
 
 
 def accumulate_in_world(folder, micro_batches, steps):
-    """On every rank: `steps` steps by hand with no_sync(), then `steps` with accumulation_step."""
-    ex = impl.load(folder)
-    config = small_config(ex.mlp)
+    """Probe, on every rank: `steps` steps by hand with no_sync(), then `steps` with accumulation_step."""
+    mydp = load(folder).mydp
+    config = CONFIG
     world_size = dist.get_world_size()
     torch.manual_seed(100 + dist.get_rank())
-    model = ex.mydp.OverlappedDP(ex.mlp.MLP(config), bucket_cap_mb=SMALL_BUCKET_MB)
+    model = mydp.OverlappedDP(SmallMLP(), bucket_cap_mb=SMALL_BUCKET_MB)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     out = []
     for step in range(steps):
@@ -44,7 +43,7 @@ def accumulate_in_world(folder, micro_batches, steps):
     for step in range(steps, 2 * steps):
         x, y = rank_rows(config, step, world_size, micro_batches)
         with CommLog() as log:
-            loss = ex.mydp.accumulation_step(model, optimizer, x, y, micro_batches)
+            loss = float(mydp.accumulation_step(model, optimizer, x, y, micro_batches))
         out.append({"step_collectives": len(log.collectives()), "loss": loss, "params": _params(model)})
     return out
 
@@ -55,11 +54,10 @@ def _params(model):
 
 def check_accumulation(folder, world_size=2, micro_batches=3, steps=2):
     """k micro-batches, all but the last inside no_sync(), equal one step on the whole batch."""
-    ex = impl.load(folder)
     results = world(accumulate_in_world, world_size, folder, micro_batches, steps)
-    config = small_config(ex.mlp)
+    config = CONFIG
     torch.manual_seed(100)  # rank 0's start
-    model = ex.mlp.MLP(config)
+    model = SmallMLP()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(2 * steps):
         x, y = global_batch(config, step, world_size * micro_batches)

@@ -152,10 +152,9 @@ def test_release_has_no_solution_and_grades_an_untouched_clone(tmp_path):
     (dest / "notes.txt").unlink()
 
     dry = subprocess.run(["make", "-n", "test"], cwd=dest, capture_output=True, text=True, timeout=60)
-    assert "-p course.grade" in dry.stdout and "COURSE_IMPL=solutions" not in dry.stdout, "without solutions/, make test is make grade"
-    checks = sorted(str(p.relative_to(dest)) for p in (dest / "tests").glob("test_ex*_*.py"))
+    assert "-m course grade" in dry.stdout and "COURSE_IMPL=solutions" not in dry.stdout, "without solutions/, make test is make grade"
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "course.grade", *checks],
+        [sys.executable, "-m", "course", "grade"],
         cwd=dest, env=dict(os.environ, COURSE_IMPL="student"), capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -169,3 +168,41 @@ def test_release_has_no_solution_and_grades_an_untouched_clone(tmp_path):
         elif line.strip().startswith("x "):
             messages.setdefault(exercise, []).append(line)
     assert sorted(messages) == sorted(POINTS) and all(len(m) == 1 and "not written yet" in m[0] for m in messages.values()), messages
+
+
+def test_max_scores_add_up_to_each_exercise_points_exactly():
+    from course.grade import Check, gradescope, share_points
+
+    for exercise, points in POINTS.items():
+        for n in range(1, 10):
+            checks = share_points([Check(exercise, f"test_{i}", passed=True) for i in range(n)])
+            tests = gradescope(checks, 0)["tests"]
+            assert round(sum(t["max_score"] for t in tests) * 100) == points * 100, (exercise, n)
+            assert sum(round(t["max_score"] * 100) for t in tests) == points * 100, (exercise, n)
+
+
+def course_grade(*args, impl, cwd):
+    return subprocess.run(
+        [sys.executable, "-m", "course", "grade", *args],
+        cwd=cwd, env=dict(os.environ, COURSE_IMPL=str(impl)), capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_grade_names_the_exercises_when_there_is_no_such_one(tmp_path):
+    done = course_grade("--ex", "8", impl=ROOT, cwd=tmp_path)
+    assert done.returncode != 0 and done.stdout == ""
+    assert done.stderr.strip() == f"no exercise 8; exercises are {min(POINTS)}–{max(POINTS)}"
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_a_syntax_error_is_said_once_and_no_pytest_summary_follows_the_table(tmp_path):
+    for name in STUDENT_FILES:
+        shutil.copy(os.path.join(ROOT, name), tmp_path)
+    (tmp_path / "mlp.py").write_text("def broken(:\n")
+    done = course_grade("--ex", "1", impl=tmp_path, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = done.stdout[done.stdout.index("exercise"):]
+    assert table.count("mlp.py does not import: SyntaxError") == 1, table
+    assert re.search(r"\d+ (failed|passed)", done.stdout) is None, done.stdout
+    with open(tmp_path / "results.json") as f:
+        assert all("mlp.py does not import: SyntaxError" in t["output"] for t in json.load(f)["tests"])

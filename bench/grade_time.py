@@ -1,0 +1,62 @@
+"""How long `make grade` takes, from command to verdict: `make bench-grade`.
+
+Runs `python -m course grade [--ex N]` (what `make grade` runs) on the reference solutions, for
+every exercise and for all of them, REPEAT times each (default 3), with the start method this
+platform gets and with forkserver (what macOS gets), and prints the median wall time of each
+against the targets: 5 s for one exercise, 10 s for all. For comparison, the way grading ran
+before (`pytest -n 2 -p course.grade`, two pytest-xdist processes), run right after each.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from course.grade import POINTS
+from course.student import ROOT, SOLUTIONS
+
+REPEAT = int(os.environ.get("REPEAT", 3))
+TARGET_ONE, TARGET_ALL = 5.0, 10.0
+
+
+def seconds(command, env):
+    """Median wall time of REPEAT runs; each must end with full marks."""
+    times = []
+    with tempfile.TemporaryDirectory() as results:
+        for _ in range(REPEAT):
+            start = time.perf_counter()
+            done = subprocess.run(command + ["--grade-results", os.path.join(results, "results.json")], cwd=ROOT,
+                                  env=env, capture_output=True, text=True, timeout=300)
+            times.append(time.perf_counter() - start)
+            with open(os.path.join(results, "results.json")) as f:
+                found = json.load(f)
+            if done.returncode != 0 or any(t["status"] != "passed" for t in found["tests"]):
+                sys.exit(f"{' '.join(command)} did not give full marks:\n{done.stdout}{done.stderr}")
+    return statistics.median(times)
+
+
+def main():
+    grade = [sys.executable, "-m", "course", "grade"]
+    base = dict(os.environ, COURSE_IMPL=SOLUTIONS)
+    print(f"median of {REPEAT} runs, wall seconds, reference solutions; load average before: {os.getloadavg()[0]:.1f}")
+    print(f"{'what':>22}  {'default':>8}  {'forkserver':>10}  {'target':>6}  before: pytest -n 2 (default / before)")
+    checks = sorted(os.path.join("tests", name) for name in os.listdir(os.path.join(ROOT, "tests")) if name.startswith("test_ex"))
+    xdist = [sys.executable, "-m", "pytest", "-n", "2", "-p", "course.grade", "-p", "no:cacheprovider"]
+    for ex in [*sorted(POINTS), None]:
+        command = grade + (["--ex", str(ex)] if ex is not None else []) + ["--"]
+        default = seconds(command, base)
+        forkserver = seconds(command, dict(base, COURSE_START_METHOD="forkserver"))
+        # The way grading ran before, right after, so that both see the same load.
+        before = seconds(xdist + [c for c in checks if ex is None or c.startswith(os.path.join("tests", f"test_ex{ex}_"))], base)
+        target = TARGET_ONE if ex is not None else TARGET_ALL
+        label = f"make grade EX={ex}" if ex is not None else "make grade"
+        flag = "" if max(default, forkserver) <= target else "  over"
+        print(f"{label:>22}  {default:8.2f}  {forkserver:10.2f}  {target:6.0f}  {before:7.2f} ({default / before:.2f}x){flag}")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
