@@ -108,8 +108,9 @@ class OverlappedDP(nn.Module):
 
     def finish_gradient_synchronization(self):
         """Wait for every bucket's all-reduce and copy the averages into .grad; reset for the next pass."""
-        # TODO(exercise 6): wait (bucket.work.wait()), copy each parameter's slice of bucket.buffer
-        # into its .grad (Tensor.split, copy_), then reset the counts for the next backward pass.
+        # TODO(exercise 6): wait for each bucket's all-reduce, copy each parameter's slice of the
+        # bucket's buffer into its .grad (Tensor.split, copy_), then reset the counts for the next
+        # backward pass.
         raise NotImplementedError("Exercise 6: OverlappedDP.finish_gradient_synchronization is not written yet, see exercises/06_overlap.md")
 
     @contextmanager
