@@ -94,13 +94,11 @@ def par_matmul_by_reduction(A, B):
 
 
 def exchange(outgoing, incoming, right, left):
-    """Send `outgoing` to rank `right` while receiving `incoming` from rank `left`, and wait for both.
+    """Send `outgoing` to rank `right` while receiving `incoming` from rank `left`; return when both are done.
 
-    Start both before waiting for either (dist.isend, dist.irecv, then .wait() on each): if every
-    rank first sent with the blocking dist.send and only then received, a large message could
-    leave all of them waiting for a receiver that never comes.
+    Every rank calls it at the same time, each sending to its right and receiving from its left.
     """
-    # TODO(exercise 5): isend to the right, irecv from the left, wait for both.
+    # TODO(exercise 5): send to the right and receive from the left, both at once; wait for both.
     ### BEGIN SOLUTION
     requests = [dist.isend(outgoing, right), dist.irecv(incoming, left)]
     for request in requests:

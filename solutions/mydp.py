@@ -59,7 +59,7 @@ def bucket_parameters(params, cap_bytes):
     one would make it larger than cap_bytes; that one starts a new bucket. A parameter larger
     than cap_bytes gets a bucket of its own, so cap_bytes=0 means one bucket per parameter.
     """
-    # TODO(exercise 6): a gradient takes p.numel() * p.element_size() bytes.
+    # TODO(exercise 6): the buckets, as lists of parameters (exercises/06_overlap.md has hints).
     ### BEGIN SOLUTION
     buckets, size = [], 0
     for param in reversed(params):
@@ -104,9 +104,9 @@ class OverlappedDP(nn.Module):
         self.launched = 0  # buckets whose all-reduce has started in this backward pass
         self.finish_queued = False
         self.require_sync = True  # no_sync() turns it off (exercise 7)
-        # TODO(exercise 6): 1. broadcast rank 0's parameters and buffers, as MyDP does;
-        # 2. on every parameter of every bucket, register_post_accumulate_grad_hook a function of
-        #    the parameter that calls self._gradient_ready(bucket): functools.partial binds bucket.
+        # TODO(exercise 6): 1. start from rank 0's parameters and buffers, as MyDP does;
+        # 2. have each parameter of each bucket call self._gradient_ready(bucket, param) once its
+        #    gradient is complete.
         ### BEGIN SOLUTION
         with torch.no_grad():
             for state in [*model.parameters(), *model.buffers()]:
@@ -120,11 +120,9 @@ class OverlappedDP(nn.Module):
         """Autograd calls this once param.grad holds its gradient, accumulated, for this pass."""
         if not self.require_sync:
             return  # inside no_sync(): the gradient stays in param.grad, on this rank only
-        # TODO(exercise 6): 1. on the first call of a backward pass, queue
-        #    self.finish_gradient_synchronization to run when the pass ends
-        #    (Variable._execution_engine.queue_callback); 2. count the bucket's ready gradients;
-        # 3. launch (self._launch), in bucket order, every bucket whose gradients are all ready,
-        #    stopping at the first one that is not: every rank must start them in the same order.
+        # TODO(exercise 6): 1. make sure self.finish_gradient_synchronization runs once this
+        #    backward pass ends; 2. count the bucket's ready gradients; 3. launch (self._launch), in
+        #    bucket order, every complete bucket: every rank must start them in the same order.
         ### BEGIN SOLUTION
         if not self.finish_queued:
             Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
@@ -140,9 +138,8 @@ class OverlappedDP(nn.Module):
 
     def _launch(self, bucket):
         """Start the all-reduce of a bucket's averaged gradients in the background."""
-        # TODO(exercise 6): copy the gradients into bucket.buffer (torch.cat of p.grad.reshape(-1),
-        # out=bucket.buffer), divide it by the world size in place, start
-        # dist.all_reduce(..., async_op=True) on it, and keep the handle in bucket.work.
+        # TODO(exercise 6): start the all-reduce of the bucket's gradients, averaged, through
+        # bucket.buffer, without waiting for it; keep its handle in bucket.work.
         ### BEGIN SOLUTION
         torch.cat([p.grad.reshape(-1) for p in bucket.params], out=bucket.buffer)
         bucket.buffer.div_(dist.get_world_size())
@@ -151,9 +148,8 @@ class OverlappedDP(nn.Module):
 
     def finish_gradient_synchronization(self):
         """Wait for every bucket's all-reduce and copy the averages into .grad; reset for the next pass."""
-        # TODO(exercise 6): wait for each bucket's all-reduce, copy each parameter's slice of the
-        # bucket's buffer into its .grad (Tensor.split, copy_), then reset the counts for the next
-        # backward pass.
+        # TODO(exercise 6): wait for each bucket's all-reduce, write the averages into .grad, and
+        # reset the counts for the next backward pass.
         ### BEGIN SOLUTION
         for bucket in self.buckets:
             bucket.work.wait()
