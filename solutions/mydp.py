@@ -94,6 +94,11 @@ class OverlappedDP(nn.Module):
     autograd computes the rest. When the backward pass ends, a callback waits for every
     all-reduce and writes the averages into .grad, so optimizer.step() sees averaged gradients
     as with MyDP. bucket_cap_mb=0 all-reduces each parameter on its own.
+
+    What every rank must keep, as with torch's DDP: the same model, its parameters in the same
+    order; every trainable parameter used in every synchronised forward pass (an unused one never
+    completes its bucket: DDP's find_unused_parameters is not supported); and no_sync(), or
+    require_backward_grad_sync = False, for the same backward passes.
     """
 
     def __init__(self, model, bucket_cap_mb=25):
@@ -103,7 +108,9 @@ class OverlappedDP(nn.Module):
         self.buckets = [Bucket(group) for group in bucket_parameters(params, int(bucket_cap_mb * 2**20))]
         self.launched = 0  # buckets whose all-reduce has started in this backward pass
         self.finish_queued = False
-        self.require_sync = True  # no_sync() turns it off (exercise 7)
+        # torch's DDP's name for it, so that training scripts that set it between micro-batches
+        # work unchanged; no_sync() turns it off (exercise 7).
+        self.require_backward_grad_sync = True
         # TODO(exercise 6): 1. start from rank 0's parameters and buffers, as MyDP does;
         # 2. have each parameter of each bucket call self._gradient_ready(bucket, param) once its
         #    gradient is complete.
@@ -118,7 +125,7 @@ class OverlappedDP(nn.Module):
 
     def _gradient_ready(self, bucket, param):
         """Autograd calls this once param.grad holds its gradient, accumulated, for this pass."""
-        if not self.require_sync:
+        if not self.require_backward_grad_sync:
             return  # inside no_sync(): the gradient stays in param.grad, on this rank only
         # TODO(exercise 6): 1. make sure self.finish_gradient_synchronization runs once this
         #    backward pass ends; 2. count the bucket's ready gradients; 3. launch (self._launch), in
@@ -162,15 +169,20 @@ class OverlappedDP(nn.Module):
 
     @contextmanager
     def no_sync(self):
-        """Inside `with model.no_sync():` backward passes only accumulate gradients, locally."""
-        # TODO(exercise 7): turn self.require_sync off for the block, and on again after it, even
-        # when the block raises.
+        """Inside `with model.no_sync():` backward passes only accumulate gradients, locally.
+
+        On leaving the block, synchronisation is as it was before it, as with torch's DDP: a
+        no_sync() block inside another leaves the outer one still unsynchronised.
+        """
+        # TODO(exercise 7): turn self.require_backward_grad_sync off for the block, and give it back
+        # its previous value after the block, even when the block raises.
         ### BEGIN SOLUTION
-        self.require_sync = False
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self.require_sync = True
+            self.require_backward_grad_sync = previous
         ### END SOLUTION
 
     def forward(self, *args, **kwargs):
