@@ -21,7 +21,7 @@ import os
 from jupyter_client.provisioning import LocalProvisioner
 
 # A process's first optimizer or DDP imports torch._dynamo: 2 s of CPU, paid once here instead
-# of in every kernel and every worker. (Each kernel imports course.notebook itself: that sets
+# of in every kernel and every worker. (Each kernel imports course.in_notebook itself: that sets
 # up the kernel's sys.path.)
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ipykernel.kernelapp", "pytest", "course.launch"]
 _server = None

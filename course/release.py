@@ -30,10 +30,10 @@ import re
 import shutil
 import sys
 
-from course.student import BEGIN, END, ROOT, SOLUTIONS
+from course.layout import BEGIN, END, ROOT, SOLUTIONS, STUDENT_FILES
 
 RELEASED = (
-    "mlp.py", "dist.py", "mydp.py", "Makefile", "README.md", "pyproject.toml", "requirements.txt", ".gitignore",
+    *STUDENT_FILES, "Makefile", "README.md", "pyproject.toml", "requirements.txt", ".gitignore",
     "course/*.py", "bench/*.py", "exercises/*.md", "exercises/*.ipynb",
     "tests/__init__.py", "tests/conftest.py", "tests/helpers.py", "tests/comm_log.py", "tests/test_ex*_*.py",
 )
