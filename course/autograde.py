@@ -27,6 +27,7 @@ grades.csv (nbgrader's CSV export) and, per student, feedback/STUDENT/feedback.t
 from __future__ import annotations
 
 import argparse
+import asyncio
 import html
 import json
 import logging
@@ -163,18 +164,19 @@ def take_in(submission: str, student: str, out: str, assignments: dict) -> str:
 _PROBE = "import json, os\nfrom course.in_notebook import submission_modules\nprint(json.dumps(submission_modules(os.environ['COURSE_IMPL'])))"
 
 
-def execute(out: str, student: str, assignments: dict, code: str, cell_timeout: int) -> None:
+async def execute(out: str, student: str, assignments: dict, code: str, cell_timeout: int) -> float:
     """Run the code cells of a student's notebooks, all in one kernel; save their outputs in place.
 
     The cells are this repository's (take_in keeps only the written answers of a submission), so
     their outputs, which nbgrader then grades, are the checks' own. One kernel serves every
     notebook of a student: a kernel is started once, not once per exercise. It never holds the
     submission's code: each check runs it in processes of its own (course.in_notebook.check),
-    and a probe after the last cell proves it, or grading stops.
+    and a probe after the last cell proves it, or grading stops. Returns the seconds it took.
     """
     import nbformat
     from nbclient import NotebookClient
 
+    started = time.monotonic()
     paths = {a: os.path.join(out, "submitted", student, a, stem + ".ipynb") for a, stem in assignments.items()}
     books = {a: nbformat.read(path, as_version=4) for a, path in paths.items()}
     cells = [cell for book in books.values() for cell in book.cells if cell.cell_type == "code"]
@@ -192,7 +194,7 @@ def execute(out: str, student: str, assignments: dict, code: str, cell_timeout: 
         resources={"metadata": {"path": code}},
     )
     try:
-        client.execute()
+        await client.async_execute(env=dict(os.environ, COURSE_IMPL=code))
     except Exception as error:  # noqa: BLE001 - the kernel died: the cells it did not run fail, with the reason
         reason = re.sub(r"^[\w.]+\.(\w+: )", r"\1", f"{type(error).__name__}: {error}".strip().splitlines()[0])
         for cell in cells:
@@ -207,6 +209,19 @@ def execute(out: str, student: str, assignments: dict, code: str, cell_timeout: 
             raise RuntimeError(f"the kernel that graded {student} held the submission's code: {held}")
     for assignment, book in books.items():
         nbformat.write(book, paths[assignment])
+    return time.monotonic() - started
+
+
+async def execute_all(out: str, codes: dict, assignments: dict, cell_timeout: int, jobs: int) -> dict:
+    """execute() every student's notebooks, `jobs` kernels at a time; the seconds each took, by student."""
+    slots = asyncio.Semaphore(jobs)
+
+    async def one(student: str) -> float:
+        async with slots:
+            return await execute(out, student, assignments, codes[student], cell_timeout)
+
+    seconds = await asyncio.gather(*(one(student) for student in codes))
+    return dict(zip(codes, seconds))
 
 
 def _reason(cell: dict) -> str:
@@ -291,7 +306,7 @@ def export_csv(out: str) -> str:
     return path
 
 
-def grade_all(submissions: str, out: str, cell_timeout: int) -> dict:
+def grade_all(submissions: str, out: str, cell_timeout: int, jobs: int = 1) -> dict:
     """Grade every student's folder in submissions; return their checks by student."""
     from nbgrader.converters import Autograde
 
@@ -300,12 +315,11 @@ def grade_all(submissions: str, out: str, cell_timeout: int) -> dict:
     config = _nbgrader_config(out)
     assignments = make_assignments(out, config)
     students = sorted(d for d in os.listdir(submissions) if os.path.isdir(os.path.join(submissions, d)) and not d.startswith("."))
+    codes = {student: take_in(os.path.join(submissions, student), student, out, assignments) for student in students}
+    executed = asyncio.run(execute_all(out, codes, assignments, cell_timeout, jobs))
     results = {}
     for student in students:
         started = time.monotonic()
-        code = take_in(os.path.join(submissions, student), student, out, assignments)
-        os.environ["COURSE_IMPL"] = code
-        execute(out, student, assignments, code, cell_timeout)
         failures = {}
         for assignment in assignments:
             error = _run(Autograde, config, assignment, student)
@@ -314,13 +328,14 @@ def grade_all(submissions: str, out: str, cell_timeout: int) -> dict:
         checks = collect(out, student, assignments, failures)
         feedback = os.path.join(out, "feedback", student)
         os.makedirs(feedback, exist_ok=True)
-        write_results(os.path.join(feedback, "results.json"), checks, time.monotonic() - started)
+        seconds = executed[student] + time.monotonic() - started
+        write_results(os.path.join(feedback, "results.json"), checks, seconds)
         with open(os.path.join(feedback, "feedback.txt"), "w") as f:
             f.write(f"Autograded checks of {student} (written answers are graded by hand):\n\n{table(checks)}\n")
         with open(os.path.join(feedback, "feedback.html"), "w") as f:
             f.write(feedback_html(student, checks, out, assignments))
         results[student] = checks
-        print(f"{student}: {sum(c.score for c in checks):g}/{sum(c.max_score for c in checks):g} in {time.monotonic() - started:.1f} s", flush=True)
+        print(f"{student}: {sum(c.score for c in checks):g}/{sum(c.max_score for c in checks):g}, its checks ran {executed[student]:.1f} s", flush=True)
     export_csv(out)
     return results
 
@@ -330,6 +345,7 @@ def main(argv=None) -> int:
     parser.add_argument("submissions", help="a folder with one folder per student")
     parser.add_argument("--out", default="grading", help="nbgrader's course folder and the grades (default: grading)")
     parser.add_argument("--cell-timeout", type=int, default=300, help="seconds one notebook cell may run")
+    parser.add_argument("--jobs", type=int, default=env.usable_cores(), help="students whose checks run at once (default: the usable cores)")
     args = parser.parse_args(argv)
     os.environ.update(env.check_settings())
     warnings.filterwarnings("ignore", module=r"nbgrader\.")  # its own SQLAlchemy session warnings
@@ -339,7 +355,7 @@ def main(argv=None) -> int:
     if sys.platform.startswith("linux"):  # kernels forked from a server that imported torch once (course/kernels.py)
         os.environ.setdefault("JUPYTER_DEFAULT_PROVISIONER_NAME", "course-forked")
     try:
-        grade_all(args.submissions, args.out, args.cell_timeout)
+        grade_all(args.submissions, args.out, args.cell_timeout, args.jobs)
     finally:
         for process in mp.active_children():  # a kernel nbgrader did not stop
             process.kill()
