@@ -8,6 +8,7 @@
 Handouts: exercises/04_mydp.md, exercises/06_overlap.md, exercises/07_accumulation.md.
 """
 
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from functools import partial
 
@@ -23,7 +24,7 @@ from mlp import config_from, make_parser, report, train, wrap_ddp
 class MyDP(nn.Module):
     """Wrap a model so that every rank starts from rank 0's weights and steps with averaged gradients."""
 
-    def __init__(self, model):
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.module = model
         # TODO(exercise 4): 1. broadcast rank 0's parameters and buffers (dist.broadcast);
@@ -32,7 +33,7 @@ class MyDP(nn.Module):
         raise NotImplementedError("Exercise 4: MyDP.__init__ is not written yet, see exercises/04_mydp.md")
 
     @staticmethod
-    def _average_across_ranks(grad):
+    def _average_across_ranks(grad: torch.Tensor) -> torch.Tensor:
         """The mean of this gradient over all ranks (the loss is a mean over each rank's batch)."""
         # TODO(exercise 4): return a new tensor; a hook must not modify its argument.
         raise NotImplementedError("Exercise 4: MyDP._average_across_ranks is not written yet, see exercises/04_mydp.md")
@@ -41,7 +42,7 @@ class MyDP(nn.Module):
         return self.module(*args, **kwargs)
 
 
-def bucket_parameters(params, cap_bytes):
+def bucket_parameters(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
     """Group parameters into buckets of at most cap_bytes of gradients; returns a list of lists.
 
     Backward produces gradients roughly in reverse order of registration (the last layer's
@@ -80,7 +81,7 @@ class OverlappedDP(nn.Module):
     require_backward_grad_sync = False, for the same backward passes.
     """
 
-    def __init__(self, model, bucket_cap_mb=25):
+    def __init__(self, model: nn.Module, bucket_cap_mb: float = 25) -> None:
         super().__init__()
         self.module = model
         params = [p for p in model.parameters() if p.requires_grad]
@@ -95,7 +96,7 @@ class OverlappedDP(nn.Module):
         #    gradient is complete.
         raise NotImplementedError("Exercise 6: OverlappedDP.__init__ is not written yet, see exercises/06_overlap.md")
 
-    def _gradient_ready(self, bucket, param):
+    def _gradient_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
         """Autograd calls this once param.grad holds its gradient, accumulated, for this pass."""
         if not self.require_backward_grad_sync:
             return  # inside no_sync(): the gradient stays in param.grad, on this rank only
@@ -104,20 +105,20 @@ class OverlappedDP(nn.Module):
         #    bucket order, every complete bucket: every rank must start them in the same order.
         raise NotImplementedError("Exercise 6: OverlappedDP._gradient_ready is not written yet, see exercises/06_overlap.md")
 
-    def _launch(self, bucket):
+    def _launch(self, bucket: Bucket) -> None:
         """Start the all-reduce of a bucket's averaged gradients in the background."""
         # TODO(exercise 6): start the all-reduce of the bucket's gradients, averaged, through
         # bucket.buffer, without waiting for it; keep its handle in bucket.work.
         raise NotImplementedError("Exercise 6: OverlappedDP._launch is not written yet, see exercises/06_overlap.md")
 
-    def finish_gradient_synchronization(self):
+    def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket's all-reduce and copy the averages into .grad; reset for the next pass."""
         # TODO(exercise 6): wait for each bucket's all-reduce, write the averages into .grad, and
         # reset the counts for the next backward pass.
         raise NotImplementedError("Exercise 6: OverlappedDP.finish_gradient_synchronization is not written yet, see exercises/06_overlap.md")
 
     @contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Inside `with model.no_sync():` backward passes only accumulate gradients, locally.
 
         On leaving the block, synchronisation is as it was before it, as with torch's DDP: a
@@ -131,7 +132,7 @@ class OverlappedDP(nn.Module):
         return self.module(*args, **kwargs)
 
 
-def accumulation_step(model, optimizer, x, y, micro_batches):
+def accumulation_step(model: OverlappedDP, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, micro_batches: int) -> float:
     """One optimizer step on the batch (x, y), computed in micro_batches equal pieces; returns its loss.
 
     Each piece's loss is divided by micro_batches, so the gradients that accumulate in .grad add

@@ -1,27 +1,33 @@
 """Grade a folder of submissions through nbgrader: ``python -m course.autograde SUBMISSIONS --out DIR``.
 
-SUBMISSIONS holds one folder per student: their mlp.py, dist.py and mydp.py, and their exercise
-notebooks if they have any. Each exercise N is the nbgrader assignment exN, made from the
-notebook sources in solutions/notebooks/.
+SUBMISSIONS holds one folder per student: their student files (course/layout.py) and their
+exercise notebooks if they have any. Each exercise N is the nbgrader assignment exN, made from the
+notebook sources in solutions/notebooks/; every exercise that `make grade` grades has one, or
+autograding stops before it starts.
 
 Only the students' own work is graded, and only by the instructor's checks:
-- The three .py files, and nothing else, are copied into a clean folder that COURSE_IMPL names
+- The student files, and nothing else, are copied into a clean folder that COURSE_IMPL names
   for the kernels: a student's tests, conftest.py or module named like a support module is never
   seen. The notebooks' cells import the checks from this repository's tests/.
 - The notebook graded is this release's, with the student's written answers copied into it by
   nbgrader cell id: code a student adds to a notebook does not run. Neither do the demo cells:
-  they earn no points, and a slow or hanging demo would only delay grading (tests/test_grading.py
-  runs them). (nbgrader copies an
-  assignment's non-notebook source files over a submission; the sources here have none, so the
-  students' .py files are the ones graded.)
-- Each notebook runs in its own kernel process, and each cell has a wall-clock limit
+  they run the student's code in the kernel, earn no points, and a slow or hanging demo would
+  only delay grading (tests/test_grading.py runs them). (nbgrader copies an assignment's
+  non-notebook source files over a submission; the sources here have none, so the students'
+  files are the ones graded.)
+- One kernel per student runs the cells of all their notebooks (execute()), --jobs students at a
+  time. That kernel never holds the submission's code: each check runs it in processes of its
+  own, and a probe after the last cell proves it. Each cell has a wall-clock limit
   (--cell-timeout); every world of workers has its own (COURSE_TIMEOUT,
   COURSE_COLLECTIVE_TIMEOUT). A submission that hangs, crashes or does not import scores 0 on the
   checks it fails, with the reason; its other exercises, and the other students, are graded.
+- nbgrader then records the grades of the executed notebooks (its autograde step, without
+  executing them again) in its gradebook, as it would for notebooks it ran itself.
 
 DIR receives nbgrader's course folder (gradebook.db, source/, release/, submitted/, autograded/),
-grades.csv (nbgrader's CSV export) and, per student, feedback/STUDENT/feedback.txt (the table
-`make grade` prints) and feedback/STUDENT/results.json (Gradescope's format).
+grades.csv (nbgrader's CSV export) and, per student, in feedback/STUDENT/: feedback.txt (the table
+`make grade` prints), feedback.html (each check with its points and what it found, and the
+written answers) and results.json (Gradescope's format).
 """
 
 from __future__ import annotations

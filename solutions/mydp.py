@@ -7,6 +7,7 @@
 Handouts: exercises/04_mydp.md, exercises/06_overlap.md, exercises/07_accumulation.md.
 """
 
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from functools import partial
 
@@ -22,7 +23,7 @@ from mlp import config_from, make_parser, report, train, wrap_ddp
 class MyDP(nn.Module):
     """Wrap a model so that every rank starts from rank 0's weights and steps with averaged gradients."""
 
-    def __init__(self, model):
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.module = model
         # TODO(exercise 4): 1. broadcast rank 0's parameters and buffers (dist.broadcast);
@@ -38,7 +39,7 @@ class MyDP(nn.Module):
         ### END SOLUTION
 
     @staticmethod
-    def _average_across_ranks(grad):
+    def _average_across_ranks(grad: torch.Tensor) -> torch.Tensor:
         """The mean of this gradient over all ranks (the loss is a mean over each rank's batch)."""
         # TODO(exercise 4): return a new tensor; a hook must not modify its argument.
         ### BEGIN SOLUTION
@@ -51,7 +52,7 @@ class MyDP(nn.Module):
         return self.module(*args, **kwargs)
 
 
-def bucket_parameters(params, cap_bytes):
+def bucket_parameters(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
     """Group parameters into buckets of at most cap_bytes of gradients; returns a list of lists.
 
     Backward produces gradients roughly in reverse order of registration (the last layer's
@@ -101,7 +102,7 @@ class OverlappedDP(nn.Module):
     require_backward_grad_sync = False, for the same backward passes.
     """
 
-    def __init__(self, model, bucket_cap_mb=25):
+    def __init__(self, model: nn.Module, bucket_cap_mb: float = 25) -> None:
         super().__init__()
         self.module = model
         params = [p for p in model.parameters() if p.requires_grad]
@@ -123,7 +124,7 @@ class OverlappedDP(nn.Module):
                 param.register_post_accumulate_grad_hook(partial(self._gradient_ready, bucket))
         ### END SOLUTION
 
-    def _gradient_ready(self, bucket, param):
+    def _gradient_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
         """Autograd calls this once param.grad holds its gradient, accumulated, for this pass."""
         if not self.require_backward_grad_sync:
             return  # inside no_sync(): the gradient stays in param.grad, on this rank only
@@ -143,7 +144,7 @@ class OverlappedDP(nn.Module):
             self.launched += 1
         ### END SOLUTION
 
-    def _launch(self, bucket):
+    def _launch(self, bucket: Bucket) -> None:
         """Start the all-reduce of a bucket's averaged gradients in the background."""
         # TODO(exercise 6): start the all-reduce of the bucket's gradients, averaged, through
         # bucket.buffer, without waiting for it; keep its handle in bucket.work.
@@ -153,7 +154,7 @@ class OverlappedDP(nn.Module):
         bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
         ### END SOLUTION
 
-    def finish_gradient_synchronization(self):
+    def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket's all-reduce and copy the averages into .grad; reset for the next pass."""
         # TODO(exercise 6): wait for each bucket's all-reduce, write the averages into .grad, and
         # reset the counts for the next backward pass.
@@ -168,7 +169,7 @@ class OverlappedDP(nn.Module):
         ### END SOLUTION
 
     @contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Inside `with model.no_sync():` backward passes only accumulate gradients, locally.
 
         On leaving the block, synchronisation is as it was before it, as with torch's DDP: a
@@ -189,7 +190,7 @@ class OverlappedDP(nn.Module):
         return self.module(*args, **kwargs)
 
 
-def accumulation_step(model, optimizer, x, y, micro_batches):
+def accumulation_step(model: OverlappedDP, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, micro_batches: int) -> float:
     """One optimizer step on the batch (x, y), computed in micro_batches equal pieces; returns its loss.
 
     Each piece's loss is divided by micro_batches, so the gradients that accumulate in .grad add
