@@ -7,6 +7,7 @@ COURSE_IMPL picks the files, as for the tests; unset, they are the top-level stu
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import sys
@@ -88,6 +89,7 @@ def _check_here(fn, folder: str, args: tuple, conn) -> None:
     impl.forget(folder)  # what the kernel read before an edit is stale
     try:
         with _stderr_to_stdout():
+            faulthandler.enable()  # a crash shows its Python stack in the cell's output
             fn(folder, *args)
         verdict = ""
     except Exception as error:  # noqa: BLE001 - any failure of the check is the student's to read

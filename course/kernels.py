@@ -1,7 +1,7 @@
 """Notebook kernels forked from a process that has imported torch already, for autograding.
 
 A new Jupyter kernel imports ipykernel and torch before it runs a cell: about 2.5 s of CPU here.
-Grading N students' 4 notebooks pays that 4N times. This provisioner instead forks each kernel
+Grading N students pays that N times (one kernel per student). This provisioner instead forks each kernel
 from one server process (multiprocessing's forkserver) that imported them once: a kernel is then
 ready in a fraction of a second. Registered as the Jupyter kernel provisioner "course-forked"
 (pyproject.toml); course/autograde.py selects it with JUPYTER_DEFAULT_PROVISIONER_NAME. Linux
