@@ -202,7 +202,7 @@ async def execute(out: str, student: str, assignments: dict, code: str, cell_tim
     try:
         await client.async_execute(env=dict(os.environ, COURSE_IMPL=code))
     except Exception as error:  # noqa: BLE001 - the kernel died: the cells it did not run fail, with the reason
-        reason = re.sub(r"^[\w.]+\.(\w+: )", r"\1", f"{type(error).__name__}: {error}".strip().splitlines()[0])
+        reason = f"{type(error).__name__}: {error}".strip().splitlines()[0]
         for cell in cells:
             if cell.execution_count is None:
                 cell.outputs = [nbformat.v4.new_output("error", ename="NotGraded", evalue=f"the notebook could not be graded: {reason}", traceback=[])]
