@@ -197,7 +197,7 @@ def accumulation_step(model: OverlappedDP, optimizer: torch.optim.Optimizer, x: 
     up to the gradient of the whole batch's mean loss. Every piece but the last runs inside
     model.no_sync(); the last backward pass averages the accumulated gradients across ranks.
     """
-    # TODO(exercise 7): zero the gradients, backward every piece (torch.tensor_split), step.
+    # TODO(exercise 7): one step, every micro-batch but the last inside model.no_sync().
     ### BEGIN SOLUTION
     optimizer.zero_grad()
     pieces = list(zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches)))
