@@ -10,6 +10,7 @@ Handouts: exercises/01_mlp.md and exercises/03_ddp.md.
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -56,13 +57,13 @@ def split_dataset(X, Y, train_fraction=0.9):
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         # TODO(exercise 1): n_layers bias-free nn.Linear layers in an nn.ModuleList named
         # self.layers: d_in -> d_hidden -> ... -> d_hidden -> n_classes.
         raise NotImplementedError("Exercise 1: MLP.__init__ is not written yet, see exercises/01_mlp.md")
 
-    def forward(self, data, targets=None):
+    def forward(self, data: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return (logits, loss): tanh between layers, none after the last; loss only with targets."""
         # TODO(exercise 1): run data through the layers.
         raise NotImplementedError("Exercise 1: MLP.forward is not written yet, see exercises/01_mlp.md")
@@ -71,7 +72,7 @@ class MLP(nn.Module):
 
 
 @torch.no_grad()
-def evaluate(model, dataset, batch_size=50, max_batches=None):
+def evaluate(model: nn.Module, dataset: tuple[torch.Tensor, torch.Tensor], batch_size: int = 50, max_batches: int | None = None) -> float:
     """Mean loss of model over dataset = (X, Y), in batches; the model is left in training mode."""
     # TODO(exercise 1): switch to eval mode, average the loss over the batches, switch back.
     raise NotImplementedError("Exercise 1: evaluate is not written yet, see exercises/01_mlp.md")
@@ -89,13 +90,13 @@ def batches(X, Y, batch_size, seed):
         epoch += 1
 
 
-def wrap_ddp(model):
+def wrap_ddp(model: nn.Module) -> DDP:
     """Exercise 3: return the model wrapped in PyTorch's DistributedDataParallel."""
     # TODO(exercise 3): one line. DDP broadcasts rank 0's weights and averages the gradients.
     raise NotImplementedError("Exercise 3: wrap_ddp is not written yet, see exercises/03_ddp.md")
 
 
-def check_parameter_closeness(model):
+def check_parameter_closeness(model: nn.Module) -> bool:
     """True on every rank when every rank holds the same parameters (torch.allclose).
 
     Rank 0 collects the parameters of all ranks with dist.gather, compares them, and sends its
@@ -107,7 +108,7 @@ def check_parameter_closeness(model):
     raise NotImplementedError("Exercise 3: check_parameter_closeness is not written yet, see exercises/03_ddp.md")
 
 
-def train(config, check=False, wrap=wrap_ddp):
+def train(config: ModelConfig, check: bool = False, wrap: Callable[[nn.Module], nn.Module] = wrap_ddp) -> dict:
     """Train an MLP; in a process group, data-parallel with wrap(model). Returns final figures.
 
     Every rank builds the same data. Batch i belongs to rank i % world_size, so one step of the

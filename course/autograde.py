@@ -1,32 +1,40 @@
 """Grade a folder of submissions through nbgrader: ``python -m course.autograde SUBMISSIONS --out DIR``.
 
-SUBMISSIONS holds one folder per student: their mlp.py, dist.py and mydp.py, and their exercise
-notebooks if they have any. Each exercise N is the nbgrader assignment exN, made from the
-notebook sources in solutions/notebooks/.
+SUBMISSIONS holds one folder per student: their student files (course/layout.py) and their
+exercise notebooks if they have any. Each exercise N is the nbgrader assignment exN, made from the
+notebook sources in solutions/notebooks/; every exercise that `make grade` grades has one, or
+autograding stops before it starts.
 
 Only the students' own work is graded, and only by the instructor's checks:
-- The three .py files, and nothing else, are copied into a clean folder that COURSE_IMPL names
+- The student files, and nothing else, are copied into a clean folder that COURSE_IMPL names
   for the kernels: a student's tests, conftest.py or module named like a support module is never
   seen. The notebooks' cells import the checks from this repository's tests/.
 - The notebook graded is this release's, with the student's written answers copied into it by
   nbgrader cell id: code a student adds to a notebook does not run. Neither do the demo cells:
-  they earn no points, and a slow or hanging demo would only delay grading (tests/test_grading.py
-  runs them). (nbgrader copies an
-  assignment's non-notebook source files over a submission; the sources here have none, so the
-  students' .py files are the ones graded.)
-- Each notebook runs in its own kernel process, and each cell has a wall-clock limit
+  they run the student's code in the kernel, earn no points, and a slow or hanging demo would
+  only delay grading (tests/test_grading.py runs them). (nbgrader copies an assignment's
+  non-notebook source files over a submission; the sources here have none, so the students'
+  files are the ones graded.)
+- One kernel per student runs the cells of all their notebooks (execute()), --jobs students at a
+  time. That kernel never holds the submission's code: each check runs it in processes of its
+  own, and a probe after the last cell proves it. Each cell has a wall-clock limit
   (--cell-timeout); every world of workers has its own (COURSE_TIMEOUT,
   COURSE_COLLECTIVE_TIMEOUT). A submission that hangs, crashes or does not import scores 0 on the
   checks it fails, with the reason; its other exercises, and the other students, are graded.
+- nbgrader then records the grades of the executed notebooks (its autograde step, without
+  executing them again) in its gradebook, as it would for notebooks it ran itself.
 
 DIR receives nbgrader's course folder (gradebook.db, source/, release/, submitted/, autograded/),
-grades.csv (nbgrader's CSV export) and, per student, feedback/STUDENT/feedback.txt (the table
-`make grade` prints) and feedback/STUDENT/results.json (Gradescope's format).
+grades.csv (nbgrader's CSV export) and, per student, in feedback/STUDENT/: feedback.txt (the table
+`make grade` prints), feedback.html (each check with its points and what it found, and the
+written answers) and results.json (Gradescope's format).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import html
 import json
 import logging
 import multiprocessing as mp
@@ -43,8 +51,8 @@ sys.modules.setdefault("rfc3987_syntax", None)
 
 from course import env  # noqa: E402
 from course.grade import Check, table, write_results  # noqa: E402
-from course.notebooks import dumps, exercise_of, notebook, sources  # noqa: E402
-from course.student import STUDENT_FILES  # noqa: E402
+from course.layout import STUDENT_FILES, graded_exercises  # noqa: E402
+from course.make_notebooks import dumps, exercise_of, notebook, sources  # noqa: E402
 
 
 def _gradebook_version() -> str:
@@ -59,17 +67,16 @@ def _gradebook_version() -> str:
     return ScriptDirectory(ALEMBIC_DIR).get_current_head()
 
 
-def _nbgrader_config(out: str, cell_timeout: int):
+def _nbgrader_config(out: str):
+    """nbgrader records the grades of notebooks that execute() has run: it neither clears nor runs them."""
+    from nbgrader.converters import Autograde
+    from nbgrader.preprocessors import ClearOutput, Execute
     from traitlets.config import Config
 
     config = Config()
     config.CourseDirectory.root = out
-    config.Execute.timeout = cell_timeout
-    config.Execute.error_on_timeout = {
-        "ename": "CellTimeoutError",
-        "evalue": f"still running after {cell_timeout} s: a hang that the launcher's own timeouts did not stop",
-        "traceback": [],
-    }
+    config.Autograde.sanitize_preprocessors = [p for p in Autograde.class_traits()["sanitize_preprocessors"].default() if p is not ClearOutput]
+    config.Autograde.autograde_preprocessors = [p for p in Autograde.class_traits()["autograde_preprocessors"].default() if p is not Execute]
     return config
 
 
@@ -99,6 +106,9 @@ def make_assignments(out: str, config) -> dict:
     """Write each exercise's instructor notebook to source/exN/ and let nbgrader release it."""
     from nbgrader.converters import GenerateAssignment
 
+    missing = sorted(set(graded_exercises()) - {exercise_of(path) for path in sources()})
+    if missing:
+        raise RuntimeError(f"exercises {missing} have checks but no notebook in solutions/notebooks/: autograding would leave them out")
     assignments = {}
     for path in sources():
         name = f"ex{exercise_of(path)}"
@@ -156,11 +166,75 @@ def take_in(submission: str, student: str, out: str, assignments: dict) -> str:
     return code
 
 
+# Run after the graded cells, in the same kernel: what it holds of the submission's own code.
+_PROBE = "import json, os\nfrom course.in_notebook import submission_modules\nprint(json.dumps(submission_modules(os.environ['COURSE_IMPL'])))"
+
+
+async def execute(out: str, student: str, assignments: dict, code: str, cell_timeout: int) -> float:
+    """Run the code cells of a student's notebooks, all in one kernel; save their outputs in place.
+
+    The cells are this repository's (take_in keeps only the written answers of a submission), so
+    their outputs, which nbgrader then grades, are the checks' own. One kernel serves every
+    notebook of a student: a kernel is started once, not once per exercise. It never holds the
+    submission's code: each check runs it in processes of its own (course.in_notebook.check),
+    and a probe after the last cell proves it, or grading stops. Returns the seconds it took.
+    """
+    import nbformat
+    from nbclient import NotebookClient
+
+    started = time.monotonic()
+    paths = {a: os.path.join(out, "submitted", student, a, stem + ".ipynb") for a, stem in assignments.items()}
+    books = {a: nbformat.read(path, as_version=4) for a, path in paths.items()}
+    cells = [cell for book in books.values() for cell in book.cells if cell.cell_type == "code"]
+    probe = nbformat.v4.new_code_cell(_PROBE)
+    client = NotebookClient(
+        nbformat.v4.new_notebook(cells=cells + [probe], metadata=next(iter(books.values())).metadata),
+        timeout=cell_timeout,
+        allow_errors=True,
+        interrupt_on_timeout=True,
+        error_on_timeout={
+            "ename": "CellTimeoutError",
+            "evalue": f"still running after {cell_timeout} s: a hang that the launcher's own timeouts did not stop",
+            "traceback": [],
+        },
+        resources={"metadata": {"path": code}},
+    )
+    try:
+        await client.async_execute(env=dict(os.environ, COURSE_IMPL=code))
+    except Exception as error:  # noqa: BLE001 - the kernel died: the cells it did not run fail, with the reason
+        reason = f"{type(error).__name__}: {error}".strip().splitlines()[0]
+        for cell in cells:
+            if cell.execution_count is None:
+                cell.outputs = [nbformat.v4.new_output("error", ename="NotGraded", evalue=f"the notebook could not be graded: {reason}", traceback=[])]
+    else:
+        said = [o["text"] for o in probe.outputs if o.get("name") == "stdout"]
+        if not said:
+            raise RuntimeError(f"the kernel that graded {student} could not be probed: {probe.outputs}")
+        held = json.loads("".join(said))
+        if held:
+            raise RuntimeError(f"the kernel that graded {student} held the submission's code: {held}")
+    for assignment, book in books.items():
+        nbformat.write(book, paths[assignment])
+    return time.monotonic() - started
+
+
+async def execute_all(out: str, codes: dict, assignments: dict, cell_timeout: int, jobs: int) -> dict:
+    """execute() every student's notebooks, `jobs` kernels at a time; the seconds each took, by student."""
+    slots = asyncio.Semaphore(jobs)
+
+    async def one(student: str) -> float:
+        async with slots:
+            return await execute(out, student, assignments, codes[student], cell_timeout)
+
+    seconds = await asyncio.gather(*(one(student) for student in codes))
+    return dict(zip(codes, seconds))
+
+
 def _reason(cell: dict) -> str:
     """What a graded cell's outputs say went wrong ('' when nothing did)."""
     for output in cell.get("outputs", []):
         if output["output_type"] == "error":
-            if output["ename"] == "CheckFailed":
+            if output["ename"] in ("CheckFailed", "NotGraded"):
                 return output["evalue"]
             if output["ename"] == "KeyboardInterrupt":  # nbclient interrupts a cell at its time limit
                 return "still running at the cell's time limit (--cell-timeout): an endless loop, or a wait that never ends?"
@@ -204,6 +278,30 @@ def collect(out: str, student: str, assignments: dict, failures: dict) -> list:
     return checks
 
 
+def feedback_html(student: str, checks: list, out: str, assignments: dict) -> str:
+    """One student's feedback page: the table, every check with its points and what it found, the written answers."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    md = nbformat.v4.new_markdown_cell
+    cells = [md(f"# Feedback for {html.escape(student)}\n\nThe checks are graded automatically, the written answers by hand.\n\n<pre>{html.escape(table(checks))}</pre>")]
+    for assignment, stem in assignments.items():
+        exercise = int(assignment[2:])
+        items = [
+            f"<li><b>{html.escape(c.name)}</b>: {'passed' if c.passed else 'failed'}, {c.score:g}/{c.max_score:g}"
+            + ("" if c.passed else f"<br><code>{html.escape(c.message)}</code>") + "</li>"
+            for c in checks if c.exercise == exercise
+        ]
+        cells.append(md(f"## Exercise {exercise}\n\n<ul>\n{chr(10).join(items)}\n</ul>"))
+        for cell in _notebook(out, "submitted", student, assignment, stem):
+            if cell["metadata"].get("nbgrader", {}).get("solution"):
+                answer = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+                # Escaped: the answer's Markdown shows, any HTML or script in it is only text.
+                cells += [md(f"**Your answer to {html.escape(cell['id'])}** (graded by hand):"), md(html.escape(answer))]
+    body, _ = HTMLExporter().from_notebook_node(nbformat.v4.new_notebook(cells=cells, metadata={"title": f"Feedback for {student}"}))
+    return body
+
+
 def export_csv(out: str) -> str:
     from nbgrader.api import Gradebook
     from nbgrader.plugins import CsvExportPlugin
@@ -214,19 +312,20 @@ def export_csv(out: str) -> str:
     return path
 
 
-def grade_all(submissions: str, out: str, cell_timeout: int) -> dict:
+def grade_all(submissions: str, out: str, cell_timeout: int, jobs: int = 1) -> dict:
     """Grade every student's folder in submissions; return their checks by student."""
     from nbgrader.converters import Autograde
 
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
-    config = _nbgrader_config(out, cell_timeout)
+    config = _nbgrader_config(out)
     assignments = make_assignments(out, config)
     students = sorted(d for d in os.listdir(submissions) if os.path.isdir(os.path.join(submissions, d)) and not d.startswith("."))
+    codes = {student: take_in(os.path.join(submissions, student), student, out, assignments) for student in students}
+    executed = asyncio.run(execute_all(out, codes, assignments, cell_timeout, jobs))
     results = {}
     for student in students:
         started = time.monotonic()
-        os.environ["COURSE_IMPL"] = take_in(os.path.join(submissions, student), student, out, assignments)
         failures = {}
         for assignment in assignments:
             error = _run(Autograde, config, assignment, student)
@@ -235,11 +334,14 @@ def grade_all(submissions: str, out: str, cell_timeout: int) -> dict:
         checks = collect(out, student, assignments, failures)
         feedback = os.path.join(out, "feedback", student)
         os.makedirs(feedback, exist_ok=True)
-        write_results(os.path.join(feedback, "results.json"), checks, time.monotonic() - started)
+        seconds = executed[student] + time.monotonic() - started
+        write_results(os.path.join(feedback, "results.json"), checks, seconds)
         with open(os.path.join(feedback, "feedback.txt"), "w") as f:
             f.write(f"Autograded checks of {student} (written answers are graded by hand):\n\n{table(checks)}\n")
+        with open(os.path.join(feedback, "feedback.html"), "w") as f:
+            f.write(feedback_html(student, checks, out, assignments))
         results[student] = checks
-        print(f"{student}: {sum(c.score for c in checks):g}/{sum(c.max_score for c in checks):g} in {time.monotonic() - started:.1f} s", flush=True)
+        print(f"{student}: {sum(c.score for c in checks):g}/{sum(c.max_score for c in checks):g}, its checks ran {executed[student]:.1f} s", flush=True)
     export_csv(out)
     return results
 
@@ -249,6 +351,7 @@ def main(argv=None) -> int:
     parser.add_argument("submissions", help="a folder with one folder per student")
     parser.add_argument("--out", default="grading", help="nbgrader's course folder and the grades (default: grading)")
     parser.add_argument("--cell-timeout", type=int, default=300, help="seconds one notebook cell may run")
+    parser.add_argument("--jobs", type=int, default=env.usable_cores(), help="students whose checks run at once (default: the usable cores)")
     args = parser.parse_args(argv)
     os.environ.update(env.check_settings())
     warnings.filterwarnings("ignore", module=r"nbgrader\.")  # its own SQLAlchemy session warnings
@@ -258,7 +361,7 @@ def main(argv=None) -> int:
     if sys.platform.startswith("linux"):  # kernels forked from a server that imported torch once (course/kernels.py)
         os.environ.setdefault("JUPYTER_DEFAULT_PROVISIONER_NAME", "course-forked")
     try:
-        grade_all(args.submissions, args.out, args.cell_timeout)
+        grade_all(args.submissions, args.out, args.cell_timeout, args.jobs)
     finally:
         for process in mp.active_children():  # a kernel nbgrader did not stop
             process.kill()

@@ -13,15 +13,18 @@ import linecache
 import multiprocessing
 import os
 import re
+import sysconfig
 import traceback
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-# Frames that are the course's or the libraries' own, never the student's line.
+# Frames that are the course's, Python's or an installed library's own, never the student's line:
+# a crash inside ctypes or numpy is reported at the student's call.
 _PLUMBING_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, multiprocessing)
+    {os.path.abspath(sysconfig.get_paths()[key]) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    | {os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, multiprocessing)}
 ) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 _COMM_LOG = os.path.join("tests", "comm_log.py")
 C10D_FILE = "distributed_c10d.py"

@@ -16,9 +16,8 @@ import os
 import sys
 from types import SimpleNamespace
 
-from course.student import ROOT, SOLUTIONS, STUDENT_FILES
-
-MODULES = tuple(name[: -len(".py")] for name in STUDENT_FILES)
+from course.layout import ROOT, SOLUTIONS
+from course.layout import STUDENT_MODULES as MODULES
 _loaded: dict = {}
 
 
@@ -72,6 +71,11 @@ def load(folder: str) -> SimpleNamespace:
         sys.path[:] = saved_path
     _loaded[folder] = modules
     return modules
+
+
+def loaded() -> list:
+    """The folders whose modules load() holds."""
+    return list(_loaded)
 
 
 def forget(folder: str) -> None:

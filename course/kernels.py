@@ -1,7 +1,7 @@
 """Notebook kernels forked from a process that has imported torch already, for autograding.
 
 A new Jupyter kernel imports ipykernel and torch before it runs a cell: about 2.5 s of CPU here.
-Grading N students' 4 notebooks pays that 4N times. This provisioner instead forks each kernel
+Grading N students pays that N times (one kernel per student). This provisioner instead forks each kernel
 from one server process (multiprocessing's forkserver) that imported them once: a kernel is then
 ready in a fraction of a second. Registered as the Jupyter kernel provisioner "course-forked"
 (pyproject.toml); course/autograde.py selects it with JUPYTER_DEFAULT_PROVISIONER_NAME. Linux
@@ -21,7 +21,7 @@ import os
 from jupyter_client.provisioning import LocalProvisioner
 
 # A process's first optimizer or DDP imports torch._dynamo: 2 s of CPU, paid once here instead
-# of in every kernel and every worker. (Each kernel imports course.notebook itself: that sets
+# of in every kernel and every worker. (Each kernel imports course.in_notebook itself: that sets
 # up the kernel's sys.path.)
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ipykernel.kernelapp", "pytest", "course.launch"]
 _server = None

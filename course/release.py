@@ -6,30 +6,34 @@ packaging files. It leaves out solutions/, the instructors' tests (the mutant te
 solutions/, the others test this repository), CI, and any gradebook or grades. Without
 solutions/ the Makefile's `make test` is `make grade`.
 
-``leaks(dest)`` proves nothing of a solution made it into the copy: it lists every line of the
-copy that is a line written inside a solution region in solutions/ (the .py files and the
-notebook sources). Lines are compared stripped of indentation. Three kinds of solution lines are
-not secret and are not reported:
-- blank lines;
-- lines that also appear outside every solution region of solutions/: the students get them anyway
-  (``if rank != 0:``);
-- short, common statements, SHORT characters or fewer, that the released support code (course/,
-  tests/) also contains: ``continue``, ``return None``, ``with torch.no_grad():``. On its own such
-  a line tells nothing; a longer line, or a short one found nowhere else, is reported.
+``leaks(dest)`` proves nothing of a solution made it into the copy, in any file: code, handouts
+and notebooks alike. A solution line is any line written inside a solution region of solutions/
+(the .py files and the notebook sources' model answers). Lines are compared without whitespace,
+and found anywhere, also inside a longer line or wrapped over two. Two kinds of solution lines
+are not secret and are not reported:
+- lines that also stand outside every solution region of solutions/: the students get them
+  anyway (``rank, world_size = dist.get_rank(), dist.get_world_size()``);
+- statements shorter than SUBSTANTIVE characters without whitespace (``return mean``,
+  ``total = 0.0``), and those up to COMMON characters that the released support code (course/,
+  tests/, bench/) also writes as a line (``optimizer.step()``): on its own such a line tells
+  nothing. A longer line, or a short one found nowhere else, is reported.
 """
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
+import itertools
 import json
 import os
+import re
 import shutil
 import sys
 
-from course.student import BEGIN, END, ROOT, SOLUTIONS
+from course.layout import BEGIN, END, ROOT, SOLUTIONS, STUDENT_FILES
 
 RELEASED = (
-    "mlp.py", "dist.py", "mydp.py", "Makefile", "README.md", "pyproject.toml", "requirements.txt", ".gitignore",
+    *STUDENT_FILES, "Makefile", "README.md", "pyproject.toml", "requirements.txt", ".gitignore",
     "course/*.py", "bench/*.py", "exercises/*.md", "exercises/*.ipynb",
     "tests/__init__.py", "tests/conftest.py", "tests/helpers.py", "tests/comm_log.py", "tests/test_ex*_*.py",
 )
@@ -70,11 +74,21 @@ def text_lines(path: str) -> list:
     return text.splitlines()
 
 
-SHORT = 24
+def squeeze(text: str) -> str:
+    """Text without any whitespace: a statement reads the same however it is spaced or wrapped."""
+    return "".join(text.split())
+
+
+# A solution statement shorter than this, squeezed, is too common to give anything away
+# (`total=0.0`, `returnmean`), and would be found inside unrelated prose and code.
+SUBSTANTIVE = 16
+# A statement up to this long that the released support code also writes as a line of its own
+# is the common idiom of every training loop (`optimizer.step()`, `with torch.no_grad():`).
+COMMON = 24
 
 
 def secret_lines(solutions: str = SOLUTIONS) -> set:
-    """The stripped lines of solution regions in solutions/ that a release must not contain."""
+    """The squeezed lines of solution regions in solutions/ that a release must not contain."""
     inside, outside = set(), set()
     for folder, _, files in os.walk(solutions):
         for name in files:
@@ -83,21 +97,36 @@ def secret_lines(solutions: str = SOLUTIONS) -> set:
                 if line.strip() in (BEGIN, END):
                     region = line.strip() == BEGIN
                     continue
-                (inside if region else outside).add(line.strip())
-    support = {line.strip() for path in released_files() if path.startswith(("course", "tests")) for line in text_lines(os.path.join(ROOT, path))}
-    common = {line for line in inside if len(line) <= SHORT and line in support}
-    return inside - outside - common - {""}
+                if region:
+                    inside.add(squeeze(line))
+                else:  # given code stays given with its comment cut: `x = 1  # why` gives `x = 1`
+                    outside.update({squeeze(line), squeeze(re.sub(r"\s#.*", "", line))})
+    support = {squeeze(line) for path in released_files() if path.startswith(("course", "tests", "bench")) for line in text_lines(os.path.join(ROOT, path))}
+    common = {line for line in inside if len(line) <= COMMON and line in support}
+    return {line for line in inside - outside - common if len(line) >= SUBSTANTIVE}
 
 
 def leaks(dest: str) -> list:
-    """(path, line) for every line of the copy at dest that is a secret solution line."""
+    """(path, line) for every line of the copy at dest where a secret solution line starts.
+
+    Each released file is squeezed whole, so a statement is found inside a longer line, with its
+    spaces changed, or wrapped over two lines of a handout.
+    """
     secret = secret_lines()
     found = []
     for folder, _, files in os.walk(dest):
         for name in files:
             path = os.path.join(folder, name)
-            found += [(os.path.relpath(path, dest), line.strip()) for line in text_lines(path) if line.strip() in secret]
-    return found
+            lines = text_lines(path)
+            squeezed = "".join(squeeze(line) for line in lines)
+            starts = list(itertools.accumulate(len(squeeze(line)) for line in lines))
+            for statement in secret:
+                at = squeezed.find(statement)
+                while at >= 0:
+                    line = lines[bisect.bisect_right(starts, at)]
+                    found.append((os.path.relpath(path, dest), line.strip()))
+                    at = squeezed.find(statement, at + 1)
+    return sorted(set(found))
 
 
 if __name__ == "__main__":

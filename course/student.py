@@ -1,6 +1,6 @@
 """Make the student files from the reference solutions: ``python -m course.student``.
 
-It also writes the students' exercise notebooks from solutions/notebooks/ (course/notebooks.py).
+It also writes the students' exercise notebooks from solutions/notebooks/ (course/make_notebooks.py).
 
 solutions/ is the single source of truth. Every region between ``### BEGIN SOLUTION`` and
 ``### END SOLUTION`` (nbgrader's markers) becomes a stub that raises NotImplementedError naming the
@@ -15,11 +15,8 @@ import os
 import re
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOLUTIONS = os.path.join(ROOT, "solutions")
-STUDENT_FILES = ("mlp.py", "dist.py", "mydp.py")
-
-BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+from course.layout import BEGIN, END, ROOT, SOLUTIONS, STUDENT_FILES
+from course.make_notebooks import write_student_notebooks
 _TODO = re.compile(r"TODO\(exercise (\d+)\)")
 _DEF = re.compile(r"^(\s*)(?:async\s+)?(def|class)\s+(\w+)")
 
@@ -87,7 +84,5 @@ def generate(dest: str = ROOT) -> list:
 
 
 if __name__ == "__main__":
-    from course.notebooks import write_student_notebooks
-
     for path in generate(sys.argv[1] if len(sys.argv) > 1 else ROOT) + write_student_notebooks():
         print(f"wrote {os.path.relpath(path)}")

@@ -46,7 +46,7 @@ def padded_blocks(matrix, sizes, dim):
     return blocks
 
 
-def par_matmul_by_row(A, B):
+def par_matmul_by_row(A: torch.Tensor | None, B: torch.Tensor | None) -> torch.Tensor | None:
     """Return A @ B on rank 0 and None on the other ranks, computed by rows.
 
     Broadcast B to every rank, scatter row blocks of A (dist.scatter), multiply locally, and
@@ -71,7 +71,7 @@ def par_matmul_by_row(A, B):
     ### END SOLUTION
 
 
-def par_matmul_by_reduction(A, B):
+def par_matmul_by_reduction(A: torch.Tensor | None, B: torch.Tensor | None) -> torch.Tensor:
     """Return A @ B on every rank, computed by splitting the reduction dimension k.
 
     Scatter column blocks of A and row blocks of B, multiply locally into a full m x n partial
@@ -93,14 +93,15 @@ def par_matmul_by_reduction(A, B):
     ### END SOLUTION
 
 
-def exchange(outgoing, incoming, right, left):
-    """Send `outgoing` to rank `right` while receiving `incoming` from rank `left`, and wait for both.
+def exchange(outgoing: torch.Tensor, incoming: torch.Tensor, right: int, left: int) -> None:
+    """Send `outgoing` to rank `right` while receiving `incoming` from rank `left`; return when both are done.
 
-    Start both as one batch before waiting for either: if every rank first sent with the
-    blocking dist.send and only then received, each could wait for a receiver that never comes.
-    On NCCL the send and the receive must be started together (see exercises/05_ring.md).
+    Every rank calls it at the same time, each sending to its right and receiving from its left.
+    If every rank first sent with the blocking dist.send and only then received, each would wait
+    for a receiver that never comes. On NCCL the send and the receive must also start together
+    (see exercises/05_ring.md).
     """
-    # TODO(exercise 5): start the send to the right and the receive from the left together, then wait for both.
+    # TODO(exercise 5): send to the right and receive from the left, both at once; wait for both.
     ### BEGIN SOLUTION
     requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, right), dist.P2POp(dist.irecv, incoming, left)])
     for request in requests:
@@ -108,7 +109,7 @@ def exchange(outgoing, incoming, right, left):
     ### END SOLUTION
 
 
-def ring_all_reduce(tensor):
+def ring_all_reduce(tensor: torch.Tensor) -> None:
     """Sum a contiguous tensor over all ranks, in place, with point-to-point messages only.
 
     Rank r talks only to its neighbours on a ring: it sends to r + 1 and receives from r - 1

@@ -7,6 +7,7 @@
 Handouts: exercises/04_mydp.md, exercises/06_overlap.md, exercises/07_accumulation.md.
 """
 
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from functools import partial
 
@@ -22,7 +23,7 @@ from mlp import config_from, make_parser, report, train, wrap_ddp
 class MyDP(nn.Module):
     """Wrap a model so that every rank starts from rank 0's weights and steps with averaged gradients."""
 
-    def __init__(self, model):
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.module = model
         # TODO(exercise 4): 1. broadcast rank 0's parameters and buffers (dist.broadcast);
@@ -38,7 +39,7 @@ class MyDP(nn.Module):
         ### END SOLUTION
 
     @staticmethod
-    def _average_across_ranks(grad):
+    def _average_across_ranks(grad: torch.Tensor) -> torch.Tensor:
         """The mean of this gradient over all ranks (the loss is a mean over each rank's batch)."""
         # TODO(exercise 4): return a new tensor; a hook must not modify its argument.
         ### BEGIN SOLUTION
@@ -51,7 +52,7 @@ class MyDP(nn.Module):
         return self.module(*args, **kwargs)
 
 
-def bucket_parameters(params, cap_bytes):
+def bucket_parameters(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
     """Group parameters into buckets of at most cap_bytes of gradients; returns a list of lists.
 
     Backward produces gradients roughly in reverse order of registration (the last layer's
@@ -59,7 +60,7 @@ def bucket_parameters(params, cap_bytes):
     one would make it larger than cap_bytes; that one starts a new bucket. A parameter larger
     than cap_bytes gets a bucket of its own, so cap_bytes=0 means one bucket per parameter.
     """
-    # TODO(exercise 6): a gradient takes p.numel() * p.element_size() bytes.
+    # TODO(exercise 6): the buckets, as lists of parameters (exercises/06_overlap.md has hints).
     ### BEGIN SOLUTION
     buckets, size = [], 0
     for param in reversed(params):
@@ -94,19 +95,26 @@ class OverlappedDP(nn.Module):
     autograd computes the rest. When the backward pass ends, a callback waits for every
     all-reduce and writes the averages into .grad, so optimizer.step() sees averaged gradients
     as with MyDP. bucket_cap_mb=0 all-reduces each parameter on its own.
+
+    What every rank must keep, as with torch's DDP: the same model, its parameters in the same
+    order; every trainable parameter used in every synchronised forward pass (an unused one never
+    completes its bucket: DDP's find_unused_parameters is not supported); and no_sync(), or
+    require_backward_grad_sync = False, for the same backward passes.
     """
 
-    def __init__(self, model, bucket_cap_mb=25):
+    def __init__(self, model: nn.Module, bucket_cap_mb: float = 25) -> None:
         super().__init__()
         self.module = model
         params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = [Bucket(group) for group in bucket_parameters(params, int(bucket_cap_mb * 2**20))]
         self.launched = 0  # buckets whose all-reduce has started in this backward pass
         self.finish_queued = False
-        self.require_sync = True  # no_sync() turns it off (exercise 7)
-        # TODO(exercise 6): 1. broadcast rank 0's parameters and buffers, as MyDP does;
-        # 2. on every parameter of every bucket, register_post_accumulate_grad_hook a function of
-        #    the parameter that calls self._gradient_ready(bucket): functools.partial binds bucket.
+        # torch's DDP's name for it, so that training scripts that set it between micro-batches
+        # work unchanged; no_sync() turns it off (exercise 7).
+        self.require_backward_grad_sync = True
+        # TODO(exercise 6): 1. start from rank 0's parameters and buffers, as MyDP does;
+        # 2. have each parameter of each bucket call self._gradient_ready(bucket, param) once its
+        #    gradient is complete.
         ### BEGIN SOLUTION
         with torch.no_grad():
             for state in [*model.parameters(), *model.buffers()]:
@@ -116,15 +124,13 @@ class OverlappedDP(nn.Module):
                 param.register_post_accumulate_grad_hook(partial(self._gradient_ready, bucket))
         ### END SOLUTION
 
-    def _gradient_ready(self, bucket, param):
+    def _gradient_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
         """Autograd calls this once param.grad holds its gradient, accumulated, for this pass."""
-        if not self.require_sync:
+        if not self.require_backward_grad_sync:
             return  # inside no_sync(): the gradient stays in param.grad, on this rank only
-        # TODO(exercise 6): 1. on the first call of a backward pass, queue
-        #    self.finish_gradient_synchronization to run when the pass ends
-        #    (Variable._execution_engine.queue_callback); 2. count the bucket's ready gradients;
-        # 3. launch (self._launch), in bucket order, every bucket whose gradients are all ready,
-        #    stopping at the first one that is not: every rank must start them in the same order.
+        # TODO(exercise 6): 1. make sure self.finish_gradient_synchronization runs once this
+        #    backward pass ends; 2. count the bucket's ready gradients; 3. launch (self._launch), in
+        #    bucket order, every complete bucket: every rank must start them in the same order.
         ### BEGIN SOLUTION
         if not self.finish_queued:
             Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
@@ -138,21 +144,20 @@ class OverlappedDP(nn.Module):
             self.launched += 1
         ### END SOLUTION
 
-    def _launch(self, bucket):
+    def _launch(self, bucket: Bucket) -> None:
         """Start the all-reduce of a bucket's averaged gradients in the background."""
-        # TODO(exercise 6): copy the gradients into bucket.buffer (torch.cat of p.grad.reshape(-1),
-        # out=bucket.buffer), divide it by the world size in place, start
-        # dist.all_reduce(..., async_op=True) on it, and keep the handle in bucket.work.
+        # TODO(exercise 6): start the all-reduce of the bucket's gradients, averaged, through
+        # bucket.buffer, without waiting for it; keep its handle in bucket.work.
         ### BEGIN SOLUTION
         torch.cat([p.grad.reshape(-1) for p in bucket.params], out=bucket.buffer)
         bucket.buffer.div_(dist.get_world_size())
         bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
         ### END SOLUTION
 
-    def finish_gradient_synchronization(self):
+    def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket's all-reduce and copy the averages into .grad; reset for the next pass."""
-        # TODO(exercise 6): wait (bucket.work.wait()), copy each parameter's slice of bucket.buffer
-        # into its .grad (Tensor.split, copy_), then reset the counts for the next backward pass.
+        # TODO(exercise 6): wait for each bucket's all-reduce, write the averages into .grad, and
+        # reset the counts for the next backward pass.
         ### BEGIN SOLUTION
         for bucket in self.buckets:
             bucket.work.wait()
@@ -164,30 +169,35 @@ class OverlappedDP(nn.Module):
         ### END SOLUTION
 
     @contextmanager
-    def no_sync(self):
-        """Inside `with model.no_sync():` backward passes only accumulate gradients, locally."""
-        # TODO(exercise 7): turn self.require_sync off for the block, and on again after it, even
-        # when the block raises.
+    def no_sync(self) -> Iterator[None]:
+        """Inside `with model.no_sync():` backward passes only accumulate gradients, locally.
+
+        On leaving the block, synchronisation is as it was before it, as with torch's DDP: a
+        no_sync() block inside another leaves the outer one still unsynchronised.
+        """
+        # TODO(exercise 7): turn self.require_backward_grad_sync off for the block, and give it back
+        # its previous value after the block, even when the block raises.
         ### BEGIN SOLUTION
-        self.require_sync = False
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self.require_sync = True
+            self.require_backward_grad_sync = previous
         ### END SOLUTION
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
 
-def accumulation_step(model, optimizer, x, y, micro_batches):
+def accumulation_step(model: OverlappedDP, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, micro_batches: int) -> float:
     """One optimizer step on the batch (x, y), computed in micro_batches equal pieces; returns its loss.
 
     Each piece's loss is divided by micro_batches, so the gradients that accumulate in .grad add
     up to the gradient of the whole batch's mean loss. Every piece but the last runs inside
     model.no_sync(); the last backward pass averages the accumulated gradients across ranks.
     """
-    # TODO(exercise 7): zero the gradients, backward every piece (torch.tensor_split), step.
+    # TODO(exercise 7): one step, every micro-batch but the last inside model.no_sync().
     ### BEGIN SOLUTION
     optimizer.zero_grad()
     pieces = list(zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches)))

@@ -102,3 +102,50 @@ def check_accumulation(folder, world_size=2, micro_batches=3, steps=2):
 
 def test_accumulation(impl_dir):
     check_accumulation(impl_dir)
+
+
+def nested_no_sync_in_world(folder, micro_batches=3):
+    """Probe, on every rank: collectives started by backward passes in nested no_sync() blocks, and by
+    the micro-step idiom of training scripts that set require_backward_grad_sync themselves (nanoGPT)."""
+    model = load(folder).mydp.OverlappedDP(SmallMLP(), bucket_cap_mb=SMALL_BUCKET_MB)
+    x, y = rank_rows(CONFIG, 0, dist.get_world_size(), micro_batches)
+
+    def collectives():
+        with CommLog() as log:
+            model(x, y)[1].backward()
+        return len(log.collectives())
+
+    with model.no_sync():
+        with model.no_sync():
+            inner = collectives()
+        outer = collectives()
+    after = collectives()
+    idiom = []
+    for micro_step in range(micro_batches):
+        model.require_backward_grad_sync = micro_step == micro_batches - 1
+        idiom.append(collectives())
+    return {"inner": inner, "outer": outer, "after": after, "idiom": idiom}
+
+
+def check_nested_no_sync(folder, world_size=2, micro_batches=3):
+    """A no_sync() block ends with synchronisation as it was before it, as torch's DDP does."""
+    for rank, got in enumerate(world(nested_no_sync_in_world, world_size, folder, micro_batches)):
+        assert got["inner"] == 0, f"rank {rank}: a backward pass inside two nested no_sync() blocks started {got['inner']} collectives"
+        assert got["outer"] == 0, (
+            f"rank {rank}: after an inner no_sync() block ended, a backward pass still inside the outer one started"
+            f" {got['outer']} collectives: on leaving no_sync(), give the flag back its previous value, not True"
+        )
+        assert got["after"] == BUCKETS, (
+            f"rank {rank}: the backward pass after both no_sync() blocks started {got['after']} collectives,"
+            f" expected one all-reduce per bucket ({BUCKETS})"
+        )
+        expected = [0] * (micro_batches - 1) + [BUCKETS]
+        assert got["idiom"] == expected, (
+            f"rank {rank}: with model.require_backward_grad_sync = (micro_step == last), the backward passes started"
+            f" {got['idiom']} collectives, expected {expected}: is the flag that no_sync() turns off named"
+            " require_backward_grad_sync, as in torch's DDP?"
+        )
+
+
+def test_nested_no_sync(impl_dir):
+    check_nested_no_sync(impl_dir)

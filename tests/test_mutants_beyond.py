@@ -10,7 +10,7 @@ import pytest
 from tests.mutants import assert_caught
 from tests.test_ex5_ring import check_ring
 from tests.test_ex6_overlap import check_bucket_order, check_overlap, check_shared_parameters
-from tests.test_ex7_accumulation import check_accumulation
+from tests.test_ex7_accumulation import check_accumulation, check_nested_no_sync
 
 WAIT_IN_ORDER = """        while self.launched < len(self.buckets):
             waiting = self.buckets[self.launched]
@@ -62,8 +62,13 @@ MUTANTS = {
     ),
     # Right numbers (averaging is linear), but every micro-batch pays a full all-reduce.
     "no_sync still all-reduces": (
-        "mydp.py", "        if not self.require_sync:\n            return", "        if False:\n            return",
+        "mydp.py", "        if not self.require_backward_grad_sync:\n            return", "        if False:\n            return",
         check_accumulation, "inside no_sync()",
+    ),
+    # Right for one block; a nested block's end turns synchronisation on inside the outer one.
+    "no_sync turns synchronisation on at its end": (
+        "mydp.py", "self.require_backward_grad_sync = previous", "self.require_backward_grad_sync = True",
+        check_nested_no_sync, "previous value",
     ),
     "micro-batch loss not divided by their number": (
         "mydp.py", "(loss / micro_batches).backward()", "loss.backward()",

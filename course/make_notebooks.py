@@ -23,7 +23,7 @@ import json
 import os
 import re
 
-from course.student import BEGIN, END, ROOT, SOLUTIONS
+from course.layout import BEGIN, END, ROOT, SOLUTIONS
 
 SOURCES = os.path.join(SOLUTIONS, "notebooks")
 ANSWER_STUB = "YOUR ANSWER HERE"

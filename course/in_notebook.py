@@ -7,17 +7,21 @@ COURSE_IMPL picks the files, as for the tests; unset, they are the top-level stu
 
 from __future__ import annotations
 
+import faulthandler
+import multiprocessing as mp
 import os
 import sys
 from contextlib import contextmanager
 
 from course import env, impl
-from course.student import ROOT
+from course.layout import ROOT
 
 # The settings the test suite uses, applied before torch is imported; and the checks live in tests/.
 os.environ.update(env.check_settings())
 if ROOT not in sys.path:
     sys.path.append(ROOT)
+
+import torch  # noqa: E402
 
 from course.grade import explain  # noqa: E402
 from course.launch import run  # noqa: E402
@@ -80,12 +84,48 @@ def _stderr_to_stdout():
         sys.stderr = saved_stream
 
 
-def check(fn, *args) -> None:
-    """Run one of the checks of `make grade` on your files; raise CheckFailed saying what is wrong."""
-    impl.forget(folder())
+def _check_here(fn, folder: str, args: tuple, conn) -> None:
+    """In the check's own process: run it; send back one sentence, '' for passed."""
+    impl.forget(folder)  # what the kernel read before an edit is stale
     try:
         with _stderr_to_stdout():
-            fn(folder(), *args)
+            faulthandler.enable()  # a crash shows its Python stack in the cell's output
+            fn(folder, *args)
+        verdict = ""
     except Exception as error:  # noqa: BLE001 - any failure of the check is the student's to read
-        raise CheckFailed(explain(error)) from None
+        verdict = explain(error) or type(error).__name__
+    conn.send(verdict)
+    conn.close()
+
+
+def check(fn, *args) -> None:
+    """Run one of the checks of `make grade` on your files; raise CheckFailed saying what is wrong.
+
+    The check runs in a process of its own, started for it: your code, which the check loads, never
+    runs in the notebook's kernel. A kernel that grades holds nothing of the code it grades, and a
+    crash of your code ends that process, not the kernel.
+    """
+    sys.stdout.flush()
+    ctx = mp.get_context(env.default_start_method(sys.platform, torch.get_num_threads(), torch.cuda.is_initialized()))
+    reader, writer = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_check_here, args=(fn, folder(), args, writer), name=fn.__name__)
+    process.start()
+    writer.close()
+    try:
+        verdict = reader.recv()
+    except EOFError:  # it died before it could say
+        process.join()
+        raise CheckFailed(f"the check's process died with exit code {process.exitcode}: a crash in the code it ran") from None
+    finally:
+        process.join()
+    if verdict:
+        raise CheckFailed(verdict)
     print(f"{fn.__name__}: passed")
+
+
+def submission_modules(where: str) -> list:
+    """The modules of folder `where` that this process holds: none, in a kernel that only grades."""
+    where = os.path.abspath(where)
+    files = {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items())}
+    held = [name for name, file in files.items() if isinstance(file, str) and os.path.isabs(file) and file.startswith(where + os.sep)]
+    return sorted(held + [f"{folder} (course.impl)" for folder in impl.loaded() if folder == where])
