@@ -29,7 +29,7 @@ import sys
 from course.student import BEGIN, END, ROOT, SOLUTIONS
 
 RELEASED = (
-    "mlp.py", "dist.py", "mydp.py", "Makefile", "README.md", "pyproject.toml", "requirements.txt", ".gitignore",
+    "mlp.py", "dist.py", "mydp.py", "Makefile", "README.md", "pyproject.toml", "requirements.txt", "requirements-notebooks.txt", ".gitignore",
     "course/*.py", "bench/*.py", "exercises/*.md", "exercises/*.ipynb",
     "tests/__init__.py", "tests/conftest.py", "tests/helpers.py", "tests/comm_log.py", "tests/test_ex*_*.py",
 )
