@@ -24,6 +24,7 @@ VENV = os.path.join(ROOT, ".venv")
 LEVELS = ("students", "notebooks", "instructors")
 REQUIREMENTS = {"students": "requirements.txt", "notebooks": "requirements-notebooks.txt", "instructors": "requirements-instructors.txt"}
 MARKERS = {"students": ".installed", "notebooks": ".notebooks", "instructors": ".instructors"}
+FIRST_COMMAND = {"students": "python mlp.py", "notebooks": "jupyter lab exercises/", "instructors": "make test"}
 
 
 def needed_python(root=ROOT):
@@ -81,13 +82,13 @@ def setup(level="students", venv_dir=VENV):
         print("Making {} with Python {}.{}".format(venv_dir, *sys.version_info[:2]), flush=True)
         make_venv(venv_dir)
     requirements = REQUIREMENTS[level]
-    print("Installing {} into {}: a few minutes the first time (torch is large).".format(requirements, venv_dir), flush=True)
+    print("Installing {} into {}: a minute or more the first time.".format(requirements, venv_dir), flush=True)
     pip_install(python, "-r", os.path.join(ROOT, requirements))
     pip_install(python, "--no-deps", "-e", ROOT)  # the course package, so workers import `course`
     for done in LEVELS[: LEVELS.index(level) + 1]:
         with open(os.path.join(venv_dir, MARKERS[done]), "w"):
             pass
-    print("Ready. In each new terminal, first: {}   then: python mlp.py".format(activate_command()))
+    print("Ready. In each new terminal, first: {}   then: {}".format(activate_command(), FIRST_COMMAND[level]))
 
 
 def add_arguments(parser):

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from course import impl
+from course.grade import POINTS
 from course.launch import WorldFailed
 from course.student import BEGIN, ROOT, SOLUTIONS, STUDENT_FILES, stub_source
 from tests.test_ex1_mlp import check_layers
@@ -67,6 +68,14 @@ def test_cli_stops_at_first_stub_with_one_line(command, message):
     done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert done.stderr.strip() == message, done.stderr
+
+
+def test_readme_path_lists_every_exercise_with_its_points():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        rows = re.findall(r"^\| (\d+) \|.*\]\((exercises/\S+)\).*\| (\d+) \|$", f.read(), re.M)
+    assert {int(n): int(points) for n, _, points in rows} == POINTS, "the README's path table should list every exercise with course/grade.py's points"
+    for _, handout, _ in rows:
+        assert os.path.exists(os.path.join(ROOT, handout)), f"the README links {handout}, which does not exist"
 
 
 SMALL_RUN = ["--world-size", "2", "--n-layers", "3", "--dim-in", "12", "--n-classes", "4", "--dim-hidden", "10",
