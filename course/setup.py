@@ -34,9 +34,9 @@ def needed_python(root=ROOT):
     return int(found.group(1)), int(found.group(2))
 
 
-def version_problem(version=sys.version_info, needed=None, executable=sys.executable):
+def version_problem(version=None, needed=None, executable=None):
     """One line saying what to install when this Python is too old for the course, else None."""
-    needed = needed or needed_python()
+    version, needed, executable = version or sys.version_info, needed or needed_python(), executable or sys.executable
     if tuple(version[:2]) >= needed:
         return None
     want = "{}.{}".format(*needed)

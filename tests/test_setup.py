@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from course import setup
 from course.student import ROOT
 
@@ -24,6 +26,13 @@ def test_python_version_is_checked_against_pyproject():
     problem = setup.version_problem((3, 9, 6), executable="/usr/bin/python3")
     assert "\n" not in problem
     assert "needs Python 3.10 or newer; /usr/bin/python3 is Python 3.9.6" in problem and "python3.10 -m course setup" in problem
+
+
+def test_setup_stops_on_an_old_python_before_making_anything(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "version_info", (3, 9, 6, "final", 0))
+    with pytest.raises(SystemExit, match=r"needs Python 3\.10 or newer.* is Python 3\.9\.6"):
+        setup.setup(venv_dir=str(tmp_path / ".venv"))
+    assert not os.path.exists(tmp_path / ".venv")
 
 
 def test_old_pythons_can_read_it():
