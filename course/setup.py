@@ -73,7 +73,7 @@ def pip_install(python, *args):
 
 
 def setup(level="students", venv_dir=VENV):
-    """Make venv_dir if needed and install `level` into it; the student's copy needs nothing else."""
+    """Make venv_dir if needed and install `level` into it, with the course package itself."""
     problem = version_problem()
     if problem:
         sys.exit(problem)
