@@ -2,12 +2,16 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# Set-up is course/setup.py, which works without make too (Windows): `python3 -m course setup`.
+SETUP := $(PYTHON) -m course setup
 # Workers share the cores: see course/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help demo test grade student release autograde bench bench-launch bench-grade gpu-check
+.PHONY: help setup notebooks demo test grade student release autograde bench bench-launch bench-grade gpu-check
 
 help:
+	@echo "make setup    make .venv with what the .py exercises and grading need"
+	@echo "make notebooks  also JupyterLab, to open exercises/*.ipynb"
 	@echo "make demo     run every reference solution on CPU (not in the students' copy)"
 	@echo "make test     the test suite: the reference solutions and the repository's own checks"
 	@echo "make grade    grade your mlp.py, dist.py and mydp.py (EX=2 for one exercise)"
@@ -20,10 +24,14 @@ help:
 	@echo "make gpu-check  every reference solution on this machine's GPUs, compared with the CPU (ARGS=mlp.py flags)"
 
 $(VENV)/.installed: requirements.txt pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps -e .
-	touch $@
+	$(SETUP)
+
+$(VENV)/.notebooks: requirements-notebooks.txt $(VENV)/.installed
+	$(SETUP) --notebooks
+
+setup: $(VENV)/.installed
+
+notebooks: $(VENV)/.notebooks
 
 # A score below full marks is not an error; a broken grader is (see course/grade.py).
 grade: $(VENV)/.installed
@@ -32,30 +40,34 @@ grade: $(VENV)/.installed
 # Targets that need solutions/. The students' copy (make release) has none: there `make test` is
 # `make grade`, and the others are not defined.
 ifneq ($(wildcard solutions/.),)
+# Instructors get everything: nbgrader for the notebooks' grading, matplotlib for the bench plot.
+$(VENV)/.instructors: requirements-instructors.txt $(VENV)/.notebooks
+	$(SETUP) --instructors
+
 demo: $(VENV)/.installed
 	$(PY) solutions/mlp.py --niters 300
 	$(PY) solutions/dist.py --world-size 3
 	$(PY) solutions/mlp.py --world-size 2 --niters 300 --check
 	$(PY) solutions/mydp.py --world-size 2 --niters 300 --compare
 
-test: $(VENV)/.installed
+test: $(VENV)/.instructors
 	COURSE_IMPL=solutions $(PYTEST) tests
 
 student: $(VENV)/.installed
 	$(PY) -m course.student
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.instructors
 	$(PY) bench/overlap.py
 
 bench-grade: $(VENV)/.installed
 	$(PY) bench/grade_time.py
 
-release: $(VENV)/.installed
+release: $(VENV)/.instructors
 	$(PY) -m course.release $(DEST)
 
 # Grades, gradebook and feedback go to OUT (default grading/); see course/autograde.py.
 OUT ?= grading
-autograde: $(VENV)/.installed
+autograde: $(VENV)/.instructors
 	$(PY) -m course.autograde $(SUBMISSIONS) --out $(OUT)
 else
 test: grade

@@ -1,6 +1,7 @@
 """`python -m course COMMAND`: the course's commands, for those who have no `make` (Windows).
 
-    python -m course grade [--ex N]    what `make grade [EX=N]` does
+    python3 -m course setup [--notebooks | --instructors]   what `make setup` does
+    python -m course grade [--ex N]    what `make grade [EX=N]` does (with .venv's python)
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import glob
 import os
 import sys
 
-from course.student import ROOT
+from course import setup
+from course.layout import ROOT
 
 
 def grade(args) -> int:
@@ -41,6 +43,9 @@ def main(argv=None) -> int:
     grading.add_argument("--ex", type=int, help="only this exercise")
     grading.add_argument("pytest", nargs="*", help="more options for pytest (after --)")
     grading.set_defaults(run=grade)
+    making = commands.add_parser("setup", help="make .venv with what the exercises need")
+    setup.add_arguments(making)
+    making.set_defaults(run=setup.main)
     args = parser.parse_args(argv)
     return args.run(args)
 

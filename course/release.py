@@ -33,7 +33,7 @@ import sys
 from course.layout import BEGIN, END, ROOT, SOLUTIONS, STUDENT_FILES
 
 RELEASED = (
-    *STUDENT_FILES, "Makefile", "README.md", "pyproject.toml", "requirements.txt", ".gitignore",
+    *STUDENT_FILES, "Makefile", "README.md", "pyproject.toml", "requirements.txt", "requirements-notebooks.txt", ".gitignore",
     "course/*.py", "bench/*.py", "exercises/*.md", "exercises/*.ipynb",
     "tests/__init__.py", "tests/conftest.py", "tests/helpers.py", "tests/comm_log.py", "tests/test_ex*_*.py",
 )

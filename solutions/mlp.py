@@ -140,6 +140,15 @@ def check_parameter_closeness(model: nn.Module) -> bool:
     ### END SOLUTION
 
 
+def require_same_parameters(model: nn.Module, step: int) -> None:
+    """--check: stop before `step` if the ranks' parameters differ, and say what that points to."""
+    if check_parameter_closeness(model):
+        return
+    if step == 0:
+        raise RuntimeError("ranks hold different parameters before the first step: does the wrapper start every rank from rank 0's parameters?")
+    raise RuntimeError(f"ranks hold different parameters after step {step - 1}: does every rank step with the same averaged gradients?")
+
+
 def train(config: ModelConfig, check: bool = False, wrap: Callable[[nn.Module], nn.Module] = wrap_ddp) -> dict:
     """Train an MLP; in a process group, data-parallel with wrap(model). Returns final figures.
 
@@ -149,7 +158,10 @@ def train(config: ModelConfig, check: bool = False, wrap: Callable[[nn.Module], 
     distributed = dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     device = current_device()
-    torch.manual_seed(config.seed)
+    # Each rank draws its own initial weights, as separate machines would: only the wrapper's
+    # broadcast makes them start alike, so the scripts show a missing broadcast. The data comes
+    # from its own generator, the same on every rank.
+    torch.manual_seed(config.seed + rank)
     train_set, test_set = split_dataset(*(t.to(device) for t in gen_dataset(config, rand_state=config.seed)))
     model = MLP(config).to(device)
     if distributed:
@@ -170,6 +182,8 @@ def train(config: ModelConfig, check: bool = False, wrap: Callable[[nn.Module], 
             if i % world_size != rank:
                 continue
             ### END SOLUTION
+        if check:
+            require_same_parameters(model, step)
         synchronize(device)  # a GPU runs queued work after the call returns: time the work, not the queueing
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=precision, enabled=config.amp):
@@ -181,8 +195,6 @@ def train(config: ModelConfig, check: bool = False, wrap: Callable[[nn.Module], 
         synchronize(device)
         step_ms = (time.perf_counter() - t0) * 1000
         step_times.append(step_ms)
-        if check and not check_parameter_closeness(model):
-            raise RuntimeError(f"ranks hold different parameters after step {step}")
         if rank == 0 and step % 100 == 0:
             test_loss = evaluate(model, test_set, max_batches=20)
             print(f"step {step} | train_loss {loss.item():.4f} | test_loss {test_loss:.4f} | step time {step_ms:.2f}ms")

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from course import impl
+from course.grade import POINTS
 from course.launch import WorldFailed
 from course.student import BEGIN, ROOT, SOLUTIONS, STUDENT_FILES, stub_source
 from tests.test_ex1_mlp import check_layers
@@ -15,6 +16,7 @@ from tests.test_ex2_dist import check_matmul
 from tests.test_ex3_ddp import check_closeness
 from tests.test_ex4_mydp import check_start_sync
 from tests.test_ex5_ring import check_ring
+from tests.mutants import make_mutant
 from tests.test_ex6_overlap import check_bucket_parameters
 
 STUB = re.compile(r'raise NotImplementedError\("(Exercise (\d+): \S+ is not written yet, see (\S+))"\)')
@@ -66,3 +68,31 @@ def test_cli_stops_at_first_stub_with_one_line(command, message):
     done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert done.stderr.strip() == message, done.stderr
+
+
+def test_readme_path_lists_every_exercise_with_its_points():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        rows = re.findall(r"^\| (\d+) \|.*\]\((exercises/\S+)\).*\| (\d+) \|$", f.read(), re.M)
+    assert {int(n): int(points) for n, _, points in rows} == POINTS, "the README's path table should list every exercise with course/grade.py's points"
+    for _, handout, _ in rows:
+        assert os.path.exists(os.path.join(ROOT, handout)), f"the README links {handout}, which does not exist"
+
+
+SMALL_RUN = ["--world-size", "2", "--n-layers", "3", "--dim-in", "12", "--n-classes", "4", "--dim-hidden", "10",
+             "--batch-size", "8", "--train-size", "160", "--niters", "3"]
+
+
+def run_script(folder, *args):
+    return subprocess.run([sys.executable, "mydp.py", *SMALL_RUN, *args], cwd=folder, capture_output=True, text=True, timeout=120)
+
+
+def test_script_shows_a_missing_broadcast(tmp_path):
+    """Ranks draw different initial weights, so a MyDP that skips its broadcast shows in the script."""
+    reference = run_script(SOLUTIONS, "--check")
+    assert reference.returncode == 0 and "parameters close across ranks: True" in reference.stdout, reference.stderr
+    mutant = make_mutant(tmp_path, "mydp.py", "dist.broadcast(tensor, src=0)", "pass")
+    unchecked = run_script(mutant)
+    assert unchecked.returncode == 0 and "parameters close across ranks: False" in unchecked.stdout, unchecked.stderr
+    checked = run_script(mutant, "--check")
+    assert checked.returncode == 1
+    assert "ranks hold different parameters before the first step: does the wrapper start every rank" in checked.stderr, checked.stderr
