@@ -121,9 +121,8 @@ def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> li
     A case that fails still gets its row, with the reason, and the cases after it still run.
     """
     backend = "nccl" if device == "cuda" else "gloo"
-    # debug=False: DDP's constructor crashes on the collective-checking process group (course/launch.py)
-    on_cpu = dict(backend="gloo", device="cpu", debug=False)
-    on_device = dict(backend=backend, device=device, debug=False)
+    on_cpu = dict(backend="gloo", device="cpu")
+    on_device = dict(backend=backend, device=device)
     ex = impl.load(folder)
     fields = asdict(config)
 

@@ -52,15 +52,14 @@ def _call(where: str, module: str, function: str, config: dict | None, args: tup
     return getattr(getattr(ex, module), function)(*args)
 
 
-def on_ranks(world_size: int, module: str, function: str, *args, config: dict | None = None, ddp: bool = False) -> list:
+def on_ranks(world_size: int, module: str, function: str, *args, config: dict | None = None) -> list:
     """Run module.function(*args) of your files on every rank of a new world; results by rank.
 
     With config (ModelConfig's fields), the function's first argument is that ModelConfig, built
-    on each rank: an object of a class from your file cannot be sent to a worker. Worlds that
-    build built-in DDP pass ddp=True: DDP cannot run with the collective checks on.
+    on each rank: an object of a class from your file cannot be sent to a worker.
     """
     impl.forget(folder())
-    return run(_call, world_size, folder(), module, function, config, args, debug=False if ddp else None)
+    return run(_call, world_size, folder(), module, function, config, args)
 
 
 @contextmanager

@@ -59,13 +59,9 @@ def forward_from(weights, x):
     return x
 
 
-def world(fn, world_size, *args, ddp=False):
-    """Run the probe fn on every rank of a new gloo world; what it returned, by rank.
-
-    Collectives are fingerprinted (COURSE_DEBUG) unless the world builds DistributedDataParallel,
-    which segfaults on the fingerprinting process group (course/launch.py).
-    """
-    return run(fn, world_size, *args, debug=False if ddp else None)
+def world(fn, world_size, *args):
+    """Run the probe fn on every rank of a new gloo world, collectives checked; what it returned, by rank."""
+    return run(fn, world_size, *args)
 
 
 def _without_process_group(fn, args):
@@ -143,7 +139,7 @@ def parallel_steps(folder, wrap_name, steps):
 
 def check_equivalence(folder, wrap_name, world_size, steps=3):
     """k parallel steps equal k steps of one process on the concatenated batch, on every rank."""
-    results = world(parallel_steps, world_size, folder, wrap_name, steps, ddp=wrap_name == "ddp")
+    results = world(parallel_steps, world_size, folder, wrap_name, steps)
     torch.manual_seed(100)  # rank 0's start
     model = SmallMLP()
     optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)

@@ -21,7 +21,7 @@ def check_ddp_steps(folder, world_size):
 
 def check_train_shares_batches(folder):
     """Two ranks with batches of 8 take the same steps as one process with batches of 16."""
-    ranks = world(train_in_world, 2, folder, {"batch_size": 8}, ddp=True)
+    ranks = world(train_in_world, 2, folder, {"batch_size": 8})
     alone_state = alone(train_in_world, folder, {"batch_size": 16})["state"]
     for name, expected in alone_state.items():
         got = ranks[0]["state"][name]
@@ -58,7 +58,7 @@ def check_closeness(folder, world_size):
 
 
 def check_rank0_prints(folder):
-    printed_by = [rank["printed"] for rank in world(train_in_world, 2, folder, {"niters": 1}, ddp=True)]
+    printed_by = [rank["printed"] for rank in world(train_in_world, 2, folder, {"niters": 1})]
     assert [out.count("step 0 |") for out in printed_by] == [1, 0], "only rank 0 should print the step lines"
 
 

@@ -55,7 +55,7 @@ def compare_with_ddp(folder):
 
 
 def check_matches_ddp(folder):
-    mine, builtin = world(compare_with_ddp, 2, folder, ddp=True)[0]
+    mine, builtin = world(compare_with_ddp, 2, folder)[0]
     assert mine.keys() == builtin.keys(), f"MyDP's model has parameters {sorted(mine)}, built-in DDP's {sorted(builtin)}"
     gap = max((mine[k] - builtin[k]).abs().max().item() for k in mine)
     assert gap < 1e-5, f"MyDP and built-in DDP trained from the same start end {gap:.3g} apart"
