@@ -1,10 +1,10 @@
 """`python -m course COMMAND`: the course's commands, for those who have no `make` (Windows).
 
     python3 -m course setup [--notebooks | --instructors]   what `make setup` does
-    python -m course grade [--ex N]    what `make grade [EX=N]` does (with .venv's python)
-"""
+    .venv/bin/python -m course grade [--ex N]               what `make grade [EX=N]` does
 
-from __future__ import annotations
+Python 3.6 must reach setup's version check: this file keeps to 3.6's syntax (tests/test_setup.py).
+"""
 
 import argparse
 import glob
@@ -12,7 +12,6 @@ import os
 import sys
 
 from course import setup
-from course.layout import ROOT
 
 
 def grade(args) -> int:
@@ -23,6 +22,7 @@ def grade(args) -> int:
     """
     from course import grade as plugin
     from course.grade import POINTS
+    from course.layout import ROOT
 
     if args.ex is not None and args.ex not in POINTS:
         print(f"no exercise {args.ex}; exercises are {min(POINTS)}–{max(POINTS)}", file=sys.stderr)
@@ -38,7 +38,8 @@ def grade(args) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command")
+    commands.required = True  # not an argument of add_subparsers before Python 3.7
     grading = commands.add_parser("grade", help="grade your mlp.py, dist.py and mydp.py")
     grading.add_argument("--ex", type=int, help="only this exercise")
     grading.add_argument("pytest", nargs="*", help="more options for pytest (after --)")

@@ -1,8 +1,10 @@
 """Set-up (course/setup.py): it runs on the student's own Python, on any system, before anything is installed."""
 
 import ast
+import glob
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -25,7 +27,10 @@ def test_python_version_is_checked_against_pyproject():
     assert setup.version_problem((3, 10, 0)) is None and setup.version_problem((3, 13, 1)) is None
     problem = setup.version_problem((3, 9, 6), executable="/usr/bin/python3")
     assert "\n" not in problem
-    assert "needs Python 3.10 or newer; /usr/bin/python3 is Python 3.9.6" in problem and "python3.10 -m course setup" in problem
+    assert (
+        "needs Python 3.10 or newer; /usr/bin/python3 is Python 3.9.6" in problem
+        and "python3.10 -m course setup" in problem
+    )
 
 
 def test_setup_stops_on_an_old_python_before_making_anything(tmp_path, monkeypatch):
@@ -35,15 +40,46 @@ def test_setup_stops_on_an_old_python_before_making_anything(tmp_path, monkeypat
     assert not os.path.exists(tmp_path / ".venv")
 
 
-def test_old_pythons_can_read_it():
-    """Python 3.6 must reach the version check, so the file may use nothing newer than 3.6's syntax."""
-    with open(setup.__file__) as f:
-        ast.parse(f.read(), feature_version=(3, 6))
+@pytest.mark.parametrize("name", ["setup.py", "__main__.py", "__init__.py"])
+def test_old_pythons_can_read_it(name):
+    """Python 3.6 must reach the version check through `python3 -m course setup`, so these files may
+    use nothing newer than 3.6's syntax, nor a __future__ feature that 3.6 does not know."""
+    with open(os.path.join(ROOT, "course", name)) as f:
+        tree = ast.parse(f.read(), feature_version=(3, 6))
+    futures = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__"
+        for alias in node.names
+    }
+    assert not futures - {"print_function", "division", "absolute_import", "generators"}, futures
+
+
+def _old_python():
+    """A Python older than the course needs, if this machine has one (pyenv's, or on PATH)."""
+    found = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.[6-9].*/bin/python")))
+    found += [shutil.which(f"python3.{minor}") for minor in range(6, 10)]  # a pyenv shim may not run: tried
+    runs = (path for path in found if path and subprocess.run([path, "-c", ""], capture_output=True).returncode == 0)
+    return next(runs, None)
+
+
+def test_an_old_python_gets_the_one_line():
+    old = _old_python()
+    if old is None:
+        pytest.skip("no Python older than 3.10 on this machine")
+    done = subprocess.run([old, "-m", "course", "setup"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.startswith("The course needs Python 3.10 or newer"), done.stderr
 
 
 def test_stdlib_only():
     """It runs before anything is installed: a Python without torch or pytest must import it."""
-    done = subprocess.run([sys.executable, "-S", "-c", "import course.setup"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", "import course.setup, course.__main__"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -55,4 +91,6 @@ def test_levels_build_on_each_other():
             assert f"-r {below}" in f.read().splitlines(), f"{above} should start from {below}"
     with open(os.path.join(ROOT, files[0])) as f:
         students = f.read()
-    assert not re.search(r"^(jupyter|nbgrader|notebook)", students, re.M), "students on the .py path need no notebook packages"
+    assert not re.search(r"^(jupyter|nbgrader|notebook)", students, re.M), (
+        "students on the .py path need no notebook packages"
+    )
