@@ -7,13 +7,14 @@ SETUP := $(PYTHON) -m course setup
 # Workers share the cores: see course/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help setup notebooks demo test grade student release autograde bench bench-launch bench-grade gpu-check
+.PHONY: help setup notebooks demo test lint grade student release autograde bench bench-launch bench-grade gpu-check
 
 help:
 	@echo "make setup    make .venv with what the .py exercises and grading need"
 	@echo "make notebooks  also JupyterLab, to open exercises/*.ipynb"
 	@echo "make demo     run every reference solution on CPU (not in the students' copy)"
 	@echo "make test     the test suite: the reference solutions and the repository's own checks"
+	@echo "make lint     ruff: the checks and the formatting of pyproject.toml (instructors)"
 	@echo "make grade    grade your mlp.py, dist.py and mydp.py (EX=2 for one exercise)"
 	@echo "make student  regenerate mlp.py, dist.py, mydp.py and exercises/*.ipynb from solutions/"
 	@echo "make release DEST=dir          instructors: write the students' copy (no solutions)"
@@ -52,6 +53,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.instructors
 	COURSE_IMPL=solutions $(PYTEST) tests
+
+lint: $(VENV)/.instructors
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 student: $(VENV)/.installed
 	$(PY) -m course.student

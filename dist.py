@@ -137,14 +137,18 @@ def do_work(m, k, n):
 def ring_work(length):
     """Run on every rank: ring_all_reduce `length` numbers and compare with dist.all_reduce."""
     rank = dist.get_rank()
-    mine = torch.arange(length, dtype=torch.float32, device=current_device()) * (rank + 1)  # whole numbers: sums are exact
+    mine = torch.arange(length, dtype=torch.float32, device=current_device()) * (
+        rank + 1
+    )  # whole numbers: sums are exact
     expected = mine.clone()
     dist.all_reduce(expected)
     ring_all_reduce(mine)
     same = torch.equal(mine, expected)
     if rank == 0:
-        print(f"ring_all_reduce of {length} numbers on {dist.get_world_size()} ranks:"
-              f" {'matches' if same else 'does NOT match'} dist.all_reduce")
+        print(
+            f"ring_all_reduce of {length} numbers on {dist.get_world_size()} ranks:"
+            f" {'matches' if same else 'does NOT match'} dist.all_reduce"
+        )
     return same
 
 
@@ -152,7 +156,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--shape", type=int, nargs=3, default=(7, 5, 3), metavar=("M", "K", "N"))
-    parser.add_argument("--ring", type=int, default=None, metavar="N", help="instead, check ring_all_reduce on N numbers (exercise 5)")
+    parser.add_argument(
+        "--ring", type=int, default=None, metavar="N", help="instead, check ring_all_reduce on N numbers (exercise 5)"
+    )
     add_launch_arguments(parser)
     args = parser.parse_args()
     if args.ring is not None:

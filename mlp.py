@@ -63,7 +63,9 @@ class MLP(nn.Module):
         # self.layers: d_in -> d_hidden -> ... -> d_hidden -> n_classes.
         raise NotImplementedError("Exercise 1: MLP.__init__ is not written yet, see exercises/01_mlp.md")
 
-    def forward(self, data: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, data: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return (logits, loss): tanh between layers, none after the last; loss only with targets."""
         # TODO(exercise 1): run data through the layers.
         raise NotImplementedError("Exercise 1: MLP.forward is not written yet, see exercises/01_mlp.md")
@@ -72,7 +74,9 @@ class MLP(nn.Module):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: tuple[torch.Tensor, torch.Tensor], batch_size: int = 50, max_batches: int | None = None) -> float:
+def evaluate(
+    model: nn.Module, dataset: tuple[torch.Tensor, torch.Tensor], batch_size: int = 50, max_batches: int | None = None
+) -> float:
     """Mean loss of model over dataset = (X, Y), in batches; the model is left in training mode."""
     # TODO(exercise 1): switch to eval mode, average the loss over the batches, switch back.
     raise NotImplementedError("Exercise 1: evaluate is not written yet, see exercises/01_mlp.md")
@@ -113,8 +117,12 @@ def require_same_parameters(model: nn.Module, step: int) -> None:
     if check_parameter_closeness(model):
         return
     if step == 0:
-        raise RuntimeError("ranks hold different parameters before the first step: does the wrapper start every rank from rank 0's parameters?")
-    raise RuntimeError(f"ranks hold different parameters after step {step - 1}: does every rank step with the same averaged gradients?")
+        raise RuntimeError(
+            "ranks hold different parameters before the first step: does the wrapper start every rank from rank 0's parameters?"
+        )
+    raise RuntimeError(
+        f"ranks hold different parameters after step {step - 1}: does every rank step with the same averaged gradients?"
+    )
 
 
 def train(config: ModelConfig, check: bool = False, wrap: Callable[[nn.Module], nn.Module] = wrap_ddp) -> dict:
@@ -188,23 +196,36 @@ def make_parser(description=__doc__):
     p.add_argument("--niters", type=int, default=ModelConfig.niters)
     p.add_argument("--seed", type=int, default=ModelConfig.seed)
     p.add_argument("--world-size", type=int, default=1, help="number of worker processes")
-    p.add_argument("--check", action="store_true", help="check after every step that all ranks hold the same parameters")
-    p.add_argument("--amp", action="store_true", help="mixed precision: bfloat16 (float16 on older GPUs) in forward and backward")
+    p.add_argument(
+        "--check", action="store_true", help="check after every step that all ranks hold the same parameters"
+    )
+    p.add_argument(
+        "--amp", action="store_true", help="mixed precision: bfloat16 (float16 on older GPUs) in forward and backward"
+    )
     add_launch_arguments(p)
     return p
 
 
 def config_from(args):
     return ModelConfig(
-        n_layers=args.n_layers, d_in=args.dim_in, n_classes=args.n_classes, d_hidden=args.dim_hidden,
-        batch_size=args.batch_size, train_size=args.train_size, niters=args.niters,
-        lr=args.learning_rate, seed=args.seed, amp=args.amp,
+        n_layers=args.n_layers,
+        d_in=args.dim_in,
+        n_classes=args.n_classes,
+        d_hidden=args.dim_hidden,
+        batch_size=args.batch_size,
+        train_size=args.train_size,
+        niters=args.niters,
+        lr=args.learning_rate,
+        seed=args.seed,
+        amp=args.amp,
     )
 
 
 def report(result):
-    print(f"final | train_loss {result['train_loss']:.4f} | test_loss {result['test_loss']:.4f}"
-          f" | parameters close across ranks: {result['parameters_close']} | median step time {result['step_ms']:.2f}ms")
+    print(
+        f"final | train_loss {result['train_loss']:.4f} | test_loss {result['test_loss']:.4f}"
+        f" | parameters close across ranks: {result['parameters_close']} | median step time {result['step_ms']:.2f}ms"
+    )
 
 
 if __name__ == "__main__":

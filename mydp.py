@@ -103,7 +103,9 @@ class OverlappedDP(nn.Module):
         # TODO(exercise 6): 1. make sure self.finish_gradient_synchronization runs once this
         #    backward pass ends; 2. count the bucket's ready gradients; 3. launch (self._launch), in
         #    bucket order, every complete bucket: every rank must start them in the same order.
-        raise NotImplementedError("Exercise 6: OverlappedDP._gradient_ready is not written yet, see exercises/06_overlap.md")
+        raise NotImplementedError(
+            "Exercise 6: OverlappedDP._gradient_ready is not written yet, see exercises/06_overlap.md"
+        )
 
     def _launch(self, bucket: Bucket) -> None:
         """Start the all-reduce of a bucket's averaged gradients in the background."""
@@ -115,7 +117,9 @@ class OverlappedDP(nn.Module):
         """Wait for every bucket's all-reduce and copy the averages into .grad; reset for the next pass."""
         # TODO(exercise 6): wait for each bucket's all-reduce, write the averages into .grad, and
         # reset the counts for the next backward pass.
-        raise NotImplementedError("Exercise 6: OverlappedDP.finish_gradient_synchronization is not written yet, see exercises/06_overlap.md")
+        raise NotImplementedError(
+            "Exercise 6: OverlappedDP.finish_gradient_synchronization is not written yet, see exercises/06_overlap.md"
+        )
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -126,13 +130,17 @@ class OverlappedDP(nn.Module):
         """
         # TODO(exercise 7): turn self.require_backward_grad_sync off for the block, and give it back
         # its previous value after the block, even when the block raises.
-        raise NotImplementedError("Exercise 7: OverlappedDP.no_sync is not written yet, see exercises/07_accumulation.md")
+        raise NotImplementedError(
+            "Exercise 7: OverlappedDP.no_sync is not written yet, see exercises/07_accumulation.md"
+        )
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
 
-def accumulation_step(model: OverlappedDP, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, micro_batches: int) -> float:
+def accumulation_step(
+    model: OverlappedDP, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, micro_batches: int
+) -> float:
     """One optimizer step on the batch (x, y), computed in micro_batches equal pieces; returns its loss.
 
     Each piece's loss is divided by micro_batches, so the gradients that accumulate in .grad add
@@ -158,7 +166,9 @@ def train_both(config, check):
 if __name__ == "__main__":
     parser = make_parser(__doc__)
     parser.add_argument("--compare", action="store_true", help="also train with built-in DDP and compare")
-    parser.add_argument("--bucket-cap-mb", type=float, default=None, help="train with OverlappedDP, buckets of this many MiB")
+    parser.add_argument(
+        "--bucket-cap-mb", type=float, default=None, help="train with OverlappedDP, buckets of this many MiB"
+    )
     args = parser.parse_args()
     config = config_from(args)
     if args.compare:

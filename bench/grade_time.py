@@ -28,8 +28,14 @@ def seconds(command, env):
     with tempfile.TemporaryDirectory() as results:
         for _ in range(REPEAT):
             start = time.perf_counter()
-            done = subprocess.run(command + ["--grade-results", os.path.join(results, "results.json")], cwd=ROOT,
-                                  env=env, capture_output=True, text=True, timeout=300)
+            done = subprocess.run(
+                command + ["--grade-results", os.path.join(results, "results.json")],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             times.append(time.perf_counter() - start)
             with open(os.path.join(results, "results.json")) as f:
                 found = json.load(f)
@@ -43,18 +49,24 @@ def main():
     base = dict(os.environ, COURSE_IMPL=SOLUTIONS)
     print(f"median of {REPEAT} runs, wall seconds, reference solutions; load average before: {os.getloadavg()[0]:.1f}")
     print(f"{'what':>22}  {'default':>8}  {'forkserver':>10}  {'target':>6}  before: pytest -n 2 (default / before)")
-    checks = sorted(os.path.join("tests", name) for name in os.listdir(os.path.join(ROOT, "tests")) if name.startswith("test_ex"))
+    checks = sorted(
+        os.path.join("tests", name) for name in os.listdir(os.path.join(ROOT, "tests")) if name.startswith("test_ex")
+    )
     xdist = [sys.executable, "-m", "pytest", "-n", "2", "-p", "course.grade", "-p", "no:cacheprovider"]
     for ex in [*sorted(POINTS), None]:
         command = grade + (["--ex", str(ex)] if ex is not None else []) + ["--"]
         default = seconds(command, base)
         forkserver = seconds(command, dict(base, COURSE_START_METHOD="forkserver"))
         # The way grading ran before, right after, so that both see the same load.
-        before = seconds(xdist + [c for c in checks if ex is None or c.startswith(os.path.join("tests", f"test_ex{ex}_"))], base)
+        before = seconds(
+            xdist + [c for c in checks if ex is None or c.startswith(os.path.join("tests", f"test_ex{ex}_"))], base
+        )
         target = TARGET_ONE if ex is not None else TARGET_ALL
         label = f"make grade EX={ex}" if ex is not None else "make grade"
         flag = "" if max(default, forkserver) <= target else "  over"
-        print(f"{label:>22}  {default:8.2f}  {forkserver:10.2f}  {target:6.0f}  {before:7.2f} ({default / before:.2f}x){flag}")
+        print(
+            f"{label:>22}  {default:8.2f}  {forkserver:10.2f}  {target:6.0f}  {before:7.2f} ({default / before:.2f}x){flag}"
+        )
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 

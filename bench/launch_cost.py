@@ -27,8 +27,13 @@ def one_all_reduce():
 def elastic_entry(store_path, world_size):
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, world_size),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
     result = one_all_reduce()
     dist.destroy_process_group()
     return result
@@ -42,7 +47,9 @@ def elastic_seconds_per_world(world_size, repeats, method):
         folder = tempfile.mkdtemp()
         start = time.perf_counter()
         context = start_processes(
-            name="bench", entrypoint=elastic_entry, start_method=method,
+            name="bench",
+            entrypoint=elastic_entry,
+            start_method=method,
             args={r: (os.path.join(folder, "store"), world_size) for r in range(world_size)},
             envs={r: {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size)} for r in range(world_size)},
             logs_specs=DefaultLogsSpecs(log_dir=folder),

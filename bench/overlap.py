@@ -48,7 +48,12 @@ def models(mlp):
 
 def variants(mydp):
     """name -> function that wraps a fresh model (None: the bare model)."""
-    out = {"bare model": None, "DDP": DDP, "MyDP (hooks)": mydp.MyDP, "overlapped": partial(mydp.OverlappedDP, bucket_cap_mb=0)}
+    out = {
+        "bare model": None,
+        "DDP": DDP,
+        "MyDP (hooks)": mydp.MyDP,
+        "overlapped": partial(mydp.OverlappedDP, bucket_cap_mb=0),
+    }
     for mb in BUCKET_MB:
         out[f"bucketed {mb} MiB"] = partial(mydp.OverlappedDP, bucket_cap_mb=mb)
     return out
@@ -112,8 +117,13 @@ def measure(folder, rounds):
             tensor = torch.ones((mb << 20) // 4)
             functions = {"gloo": partial(dist.all_reduce, tensor), "ring": partial(ex.dist.ring_all_reduce, tensor)}
             reduces[mb], reduce_medians[mb] = interleaved(functions, rounds, 1)
-    return {"steps": steps, "all_reduce": reduces, "median_steps": step_medians, "median_all_reduce": reduce_medians,
-            "threads": torch.get_num_threads()}
+    return {
+        "steps": steps,
+        "all_reduce": reduces,
+        "median_steps": step_medians,
+        "median_all_reduce": reduce_medians,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def derived(results):
@@ -188,7 +198,9 @@ def plot(results, path):
     ax = axes[-1]
     for w in WORLD_SIZES[1:]:
         for name, style in (("gloo", "-o"), ("ring", "--s")):
-            ax.plot(RING_MB, [results[w]["all_reduce"][mb][name] * 1000 for mb in RING_MB], style, label=f"{name} W={w}")
+            ax.plot(
+                RING_MB, [results[w]["all_reduce"][mb][name] * 1000 for mb in RING_MB], style, label=f"{name} W={w}"
+            )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("MiB of float32")
@@ -212,8 +224,18 @@ def main(rounds=4):
     load = f"load average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores"
     print(f"{text}\n{load}")
     with open(os.path.join(HERE, "overlap.json"), "w") as f:
-        json.dump({"implementation": os.path.relpath(folder), "models": config, "ratios": ratios, "results": results,
-                   "machine_load": load, "seconds": time.perf_counter() - start}, f, indent=1)
+        json.dump(
+            {
+                "implementation": os.path.relpath(folder),
+                "models": config,
+                "ratios": ratios,
+                "results": results,
+                "machine_load": load,
+                "seconds": time.perf_counter() - start,
+            },
+            f,
+            indent=1,
+        )
     plot(results, os.path.join(HERE, "overlap.png"))
     print(f"wrote bench/overlap.json and bench/overlap.png in {time.perf_counter() - start:.0f} s")
 

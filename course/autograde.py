@@ -75,8 +75,12 @@ def _nbgrader_config(out: str):
 
     config = Config()
     config.CourseDirectory.root = out
-    config.Autograde.sanitize_preprocessors = [p for p in Autograde.class_traits()["sanitize_preprocessors"].default() if p is not ClearOutput]
-    config.Autograde.autograde_preprocessors = [p for p in Autograde.class_traits()["autograde_preprocessors"].default() if p is not Execute]
+    config.Autograde.sanitize_preprocessors = [
+        p for p in Autograde.class_traits()["sanitize_preprocessors"].default() if p is not ClearOutput
+    ]
+    config.Autograde.autograde_preprocessors = [
+        p for p in Autograde.class_traits()["autograde_preprocessors"].default() if p is not Execute
+    ]
     return config
 
 
@@ -108,7 +112,9 @@ def make_assignments(out: str, config) -> dict:
 
     missing = sorted(set(graded_exercises()) - {exercise_of(path) for path in sources()})
     if missing:
-        raise RuntimeError(f"exercises {missing} have checks but no notebook in solutions/notebooks/: autograding would leave them out")
+        raise RuntimeError(
+            f"exercises {missing} have checks but no notebook in solutions/notebooks/: autograding would leave them out"
+        )
     assignments = {}
     for path in sources():
         name = f"ex{exercise_of(path)}"
@@ -205,7 +211,11 @@ async def execute(out: str, student: str, assignments: dict, code: str, cell_tim
         reason = f"{type(error).__name__}: {error}".strip().splitlines()[0]
         for cell in cells:
             if cell.execution_count is None:
-                cell.outputs = [nbformat.v4.new_output("error", ename="NotGraded", evalue=f"the notebook could not be graded: {reason}", traceback=[])]
+                cell.outputs = [
+                    nbformat.v4.new_output(
+                        "error", ename="NotGraded", evalue=f"the notebook could not be graded: {reason}", traceback=[]
+                    )
+                ]
     else:
         said = [o["text"] for o in probe.outputs if o.get("name") == "stdout"]
         if not said:
@@ -259,7 +269,11 @@ def collect(out: str, student: str, assignments: dict, failures: dict) -> list:
     checks = []
     with Gradebook(f"sqlite:///{os.path.join(out, 'gradebook.db')}") as gradebook:
         for assignment, stem in assignments.items():
-            graded = {c["metadata"]["nbgrader"]["grade_id"]: c for c in _notebook(out, "autograded", student, assignment, stem) if "nbgrader" in c["metadata"]}
+            graded = {
+                c["metadata"]["nbgrader"]["grade_id"]: c
+                for c in _notebook(out, "autograded", student, assignment, stem)
+                if "nbgrader" in c["metadata"]
+            }
             try:
                 grades = {g.name: g for g in gradebook.find_submission_notebook(stem, assignment, student).grades}
             except MissingEntry:
@@ -273,7 +287,9 @@ def collect(out: str, student: str, assignments: dict, failures: dict) -> list:
                     grade.auto_score, grade.needs_manual_grade = 0.0, False
                 passed = grade is not None and (grade.auto_score or 0.0) >= grading["points"]
                 reason = failures.get(assignment) or _reason(graded.get(grading["grade_id"], {})) or "no points"
-                checks.append(Check(int(assignment[2:]), grading["grade_id"], passed, "" if passed else reason, grading["points"]))
+                checks.append(
+                    Check(int(assignment[2:]), grading["grade_id"], passed, "" if passed else reason, grading["points"])
+                )
         gradebook.db.commit()
     return checks
 
@@ -284,21 +300,32 @@ def feedback_html(student: str, checks: list, out: str, assignments: dict) -> st
     from nbconvert import HTMLExporter
 
     md = nbformat.v4.new_markdown_cell
-    cells = [md(f"# Feedback for {html.escape(student)}\n\nThe checks are graded automatically, the written answers by hand.\n\n<pre>{html.escape(table(checks))}</pre>")]
+    cells = [
+        md(
+            f"# Feedback for {html.escape(student)}\n\nThe checks are graded automatically, the written answers by hand.\n\n<pre>{html.escape(table(checks))}</pre>"
+        )
+    ]
     for assignment, stem in assignments.items():
         exercise = int(assignment[2:])
         items = [
             f"<li><b>{html.escape(c.name)}</b>: {'passed' if c.passed else 'failed'}, {c.score:g}/{c.max_score:g}"
-            + ("" if c.passed else f"<br><code>{html.escape(c.message)}</code>") + "</li>"
-            for c in checks if c.exercise == exercise
+            + ("" if c.passed else f"<br><code>{html.escape(c.message)}</code>")
+            + "</li>"
+            for c in checks
+            if c.exercise == exercise
         ]
         cells.append(md(f"## Exercise {exercise}\n\n<ul>\n{chr(10).join(items)}\n</ul>"))
         for cell in _notebook(out, "submitted", student, assignment, stem):
             if cell["metadata"].get("nbgrader", {}).get("solution"):
                 answer = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
                 # Escaped: the answer's Markdown shows, any HTML or script in it is only text.
-                cells += [md(f"**Your answer to {html.escape(cell['id'])}** (graded by hand):"), md(html.escape(answer))]
-    body, _ = HTMLExporter().from_notebook_node(nbformat.v4.new_notebook(cells=cells, metadata={"title": f"Feedback for {student}"}))
+                cells += [
+                    md(f"**Your answer to {html.escape(cell['id'])}** (graded by hand):"),
+                    md(html.escape(answer)),
+                ]
+    body, _ = HTMLExporter().from_notebook_node(
+        nbformat.v4.new_notebook(cells=cells, metadata={"title": f"Feedback for {student}"})
+    )
     return body
 
 
@@ -320,7 +347,9 @@ def grade_all(submissions: str, out: str, cell_timeout: int, jobs: int = 1) -> d
     os.makedirs(out, exist_ok=True)
     config = _nbgrader_config(out)
     assignments = make_assignments(out, config)
-    students = sorted(d for d in os.listdir(submissions) if os.path.isdir(os.path.join(submissions, d)) and not d.startswith("."))
+    students = sorted(
+        d for d in os.listdir(submissions) if os.path.isdir(os.path.join(submissions, d)) and not d.startswith(".")
+    )
     codes = {student: take_in(os.path.join(submissions, student), student, out, assignments) for student in students}
     executed = asyncio.run(execute_all(out, codes, assignments, cell_timeout, jobs))
     results = {}
@@ -341,7 +370,10 @@ def grade_all(submissions: str, out: str, cell_timeout: int, jobs: int = 1) -> d
         with open(os.path.join(feedback, "feedback.html"), "w") as f:
             f.write(feedback_html(student, checks, out, assignments))
         results[student] = checks
-        print(f"{student}: {sum(c.score for c in checks):g}/{sum(c.max_score for c in checks):g}, its checks ran {executed[student]:.1f} s", flush=True)
+        print(
+            f"{student}: {sum(c.score for c in checks):g}/{sum(c.max_score for c in checks):g}, its checks ran {executed[student]:.1f} s",
+            flush=True,
+        )
     export_csv(out)
     return results
 
@@ -351,7 +383,12 @@ def main(argv=None) -> int:
     parser.add_argument("submissions", help="a folder with one folder per student")
     parser.add_argument("--out", default="grading", help="nbgrader's course folder and the grades (default: grading)")
     parser.add_argument("--cell-timeout", type=int, default=300, help="seconds one notebook cell may run")
-    parser.add_argument("--jobs", type=int, default=env.usable_cores(), help="students whose checks run at once (default: the usable cores)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=env.usable_cores(),
+        help="students whose checks run at once (default: the usable cores)",
+    )
     args = parser.parse_args(argv)
     os.environ.update(env.check_settings())
     warnings.filterwarnings("ignore", module=r"nbgrader\.")  # its own SQLAlchemy session warnings

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Optional
 
 import torch
 
@@ -41,7 +40,7 @@ def current_device() -> torch.device:
     return torch.device(os.environ.get(_VARIABLE, "cpu"))
 
 
-def bound_device(backend: str) -> Optional[torch.device]:
+def bound_device(backend: str) -> torch.device | None:
     """init_process_group's device_id: this rank's GPU under nccl, None otherwise.
 
     Bound to a GPU, NCCL sets up the world's communicator inside init_process_group, with every
@@ -57,7 +56,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def ddp_device_ids(model: torch.nn.Module) -> Optional[list]:
+def ddp_device_ids(model: torch.nn.Module) -> list | None:
     """DistributedDataParallel's device_ids for a model: its GPU, or None for a CPU model."""
     device = next(model.parameters()).device
     return [device] if device.type == "cuda" else None

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Optional
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class ExternalWorld:
     rank: int
     world_size: int
     local_rank: int
-    local_world_size: Optional[int]  # ranks on this machine, where the launcher says
+    local_world_size: int | None  # ranks on this machine, where the launcher says
 
 
 class _Launcher(NamedTuple):
@@ -28,7 +29,7 @@ class _Launcher(NamedTuple):
     rank: str  # the variables it sets: this process's rank,
     size: str  # the world size,
     local_rank: str  # the rank among the ranks on this machine,
-    local_size: Optional[str]  # and their number, where it says
+    local_size: str | None  # and their number, where it says
     local_rank_required: bool = False  # match only where local_rank is set too
 
 
@@ -43,7 +44,13 @@ class _Launcher(NamedTuple):
 #   runs with SLURM_PROCID=0 and SLURM_NTASKS=N and would otherwise wait for N-1 ranks that never come.
 _LAUNCHERS = (
     _Launcher("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    _Launcher("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    _Launcher(
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
     _Launcher("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", local_rank_required=True),
     _Launcher("slurm", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", None),
 )
@@ -54,7 +61,7 @@ LAUNCHER_VARIABLES = tuple(name for launcher in _LAUNCHERS for name in (launcher
 DEFAULT_PORT = 29500  # torch's customary MASTER_PORT
 
 
-def external_world(environ: Mapping[str, str] = os.environ) -> Optional[ExternalWorld]:
+def external_world(environ: Mapping[str, str] = os.environ) -> ExternalWorld | None:
     """The world a cluster launcher put this process in, or None when we must start our own."""
     for launcher in _LAUNCHERS:
         required = (launcher.rank, launcher.size) + ((launcher.local_rank,) if launcher.local_rank_required else ())
@@ -82,7 +89,10 @@ def first_host(nodelist: str) -> str:
 
 
 def rendezvous(
-    world: ExternalWorld, environ: Mapping[str, str] = os.environ, master_addr: Optional[str] = None, port: Optional[int] = None
+    world: ExternalWorld,
+    environ: Mapping[str, str] = os.environ,
+    master_addr: str | None = None,
+    port: int | None = None,
 ) -> tuple[str, int]:
     """Host and port where rank 0 serves the store that the ranks meet at.
 
@@ -108,7 +118,9 @@ def rendezvous(
     return addr, port or (int(env_port) if env_port else DEFAULT_PORT)
 
 
-def choose_device(requested: Optional[str], backend: Optional[str], local_rank: int, gpus: int, ranks_here: Optional[int]) -> str:
+def choose_device(
+    requested: str | None, backend: str | None, local_rank: int, gpus: int, ranks_here: int | None
+) -> str:
     """The device one rank computes on: 'cpu' or 'cuda:N'.
 
     ``requested`` is --device (None: choose), ``backend`` --backend (None: choose), ``gpus`` the
@@ -122,7 +134,9 @@ def choose_device(requested: Optional[str], backend: Optional[str], local_rank: 
     if requested != "cuda":
         return requested
     if gpus == 0:
-        raise ValueError("no GPU is visible here (torch.cuda.device_count() is 0): leave out --device cuda and --backend nccl")
+        raise ValueError(
+            "no GPU is visible here (torch.cuda.device_count() is 0): leave out --device cuda and --backend nccl"
+        )
     if local_rank < gpus:
         return f"cuda:{local_rank}"
     if gpus == 1:
@@ -133,17 +147,24 @@ def choose_device(requested: Optional[str], backend: Optional[str], local_rank: 
     )
 
 
-def choose_backend(requested: Optional[str], device: str) -> str:
+def choose_backend(requested: str | None, device: str) -> str:
     """nccl for GPU tensors, gloo for CPU ones, unless --backend says otherwise."""
     backend = requested or ("nccl" if device.startswith("cuda") else "gloo")
     if backend == "nccl" and not device.startswith("cuda"):
-        raise ValueError(f"the nccl backend moves GPU tensors only, and this rank computes on {device}: use --backend gloo")
+        raise ValueError(
+            f"the nccl backend moves GPU tensors only, and this rank computes on {device}: use --backend gloo"
+        )
     return backend
 
 
 # How every check runs (the tests, the notebooks, autograding): one thread per worker, so
 # workers fork fast and share the cores; collectives compared on every call; nothing waits long.
-CHECK_SETTINGS = {"OMP_NUM_THREADS": "1", "COURSE_DEBUG": "1", "COURSE_TIMEOUT": "60", "COURSE_COLLECTIVE_TIMEOUT": "10"}
+CHECK_SETTINGS = {
+    "OMP_NUM_THREADS": "1",
+    "COURSE_DEBUG": "1",
+    "COURSE_TIMEOUT": "60",
+    "COURSE_COLLECTIVE_TIMEOUT": "10",
+}
 
 
 def check_settings(environ: Mapping[str, str] = os.environ) -> dict[str, str]:

@@ -16,7 +16,6 @@ import re
 import sysconfig
 import traceback
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -32,7 +31,9 @@ POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 _STUB = re.compile(r"Exercise (\d+): (\S+) is not written yet, see (\S+)")  # course/student.py's stubs
 _MISMATCH = "Detected mismatch between collectives"
-_FINGERPRINT = r"Rank {rank} is running collective: CollectiveFingerPrint\(.*?OpType=(\w+)(?:, TensorShape=(\[[^\]]*\]))?"
+_FINGERPRINT = (
+    r"Rank {rank} is running collective: CollectiveFingerPrint\(.*?OpType=(\w+)(?:, TensorShape=(\[[^\]]*\]))?"
+)
 _SECONDARY = ("Connection closed by peer", "Connection reset by peer")
 # A collective that not every rank joined: gloo's own timeout, or the checking group's barrier.
 _WAITED = ("Timed out", "failed to pass monitoredBarrier")
@@ -50,9 +51,9 @@ class RankFact:
     func: str = ""
     collective: str = ""  # torch.distributed function the rank was in or called ("all_reduce", "send", "wait")
     shape: str = ""  # tensor shape of that call when known
-    peer: Optional[int] = None  # for point-to-point: the rank it sent to / received from
+    peer: int | None = None  # for point-to-point: the rank it sent to / received from
     traceback: str = ""
-    exit_code: Optional[int] = None  # for a rank that ended without reporting
+    exit_code: int | None = None  # for a rank that ended without reporting
     when: float = float("inf")  # when it went wrong (time.time()): the first failure is the cause
     op: str = ""  # with collectives checked: the OpType torch's fingerprint gave ("ALLREDUCE")
 
@@ -77,46 +78,66 @@ class RankFact:
 
 @dataclass
 class Failure:
-    kind: str  # "stub" | "error" | "crash" | "mismatch" | "p2p_deadlock" | "wait" | "timeout" | "unwaited" | "no_result"
+    kind: (
+        str  # "stub" | "error" | "crash" | "mismatch" | "p2p_deadlock" | "wait" | "timeout" | "unwaited" | "no_result"
+    )
     world_size: int
     ranks: list = field(default_factory=list)  # RankFact, by rank
-    first: Optional[int] = None  # the rank that went wrong first
-    stub: Optional[dict] = None  # for kind "stub": {"exercise": N, "func": name, "handout": path}
+    first: int | None = None  # the rank that went wrong first
+    stub: dict | None = None  # for kind "stub": {"exercise": N, "func": name, "handout": path}
     limit: float = 0.0  # for kind "timeout": the world's limit in seconds
     interrupted: bool = False  # the user pressed Ctrl-C: a "timeout" they chose
 
-    def fact(self, rank: int) -> Optional[RankFact]:
+    def fact(self, rank: int) -> RankFact | None:
         return next((f for f in self.ranks if f.rank == rank), None)
 
     def _rank_lines(self) -> list:
         facts = self.ranks
-        verb = {"waited": "waits", "running": "runs", "raised": "raised", "crashed": "crashed", "echo": "lost a peer",
-                "no_result": "ended", "unwaited": "returned"}
+        verb = {
+            "waited": "waits",
+            "running": "runs",
+            "raised": "raised",
+            "crashed": "crashed",
+            "echo": "lost a peer",
+            "no_result": "ended",
+            "unwaited": "returned",
+        }
         if self.kind == "mismatch":
-            return [f"rank {f.rank} called {f.op or 'a collective'}{f' of shape {f.shape}' if f.shape else ''}"
-                    f"{f' in {f.collective}' if f.collective else ''} at {f.where()}" for f in facts]
+            return [
+                f"rank {f.rank} called {f.op or 'a collective'}{f' of shape {f.shape}' if f.shape else ''}"
+                f"{f' in {f.collective}' if f.collective else ''} at {f.where()}"
+                for f in facts
+            ]
         return [f"rank {f.rank} {verb.get(f.state, f.state)} {f.doing()}" for f in facts]
 
     def _head(self) -> str:
         first = self.fact(self.first) if self.first is not None else None
         w = self.world_size
         if self.kind == "stub":
-            return f"Exercise {self.stub['exercise']}: {self.stub['func']} is not written yet, see {self.stub['handout']}"
+            return (
+                f"Exercise {self.stub['exercise']}: {self.stub['func']} is not written yet, see {self.stub['handout']}"
+            )
         if self.kind == "mismatch":
             return f"Ranks called different collectives (world of {w}):"
         if self.kind == "p2p_deadlock":
-            return (f"Deadlock (world of {w}): every rank waits in a send or receive that no peer answers."
-                    " Start sends and receives with isend/irecv before waiting for any:")
+            return (
+                f"Deadlock (world of {w}): every rank waits in a send or receive that no peer answers."
+                " Start sends and receives with isend/irecv before waiting for any:"
+            )
         if self.kind == "wait":
-            return (f"Ranks {[f.rank for f in self.ranks if f.state == 'waited']} waited in a collective that not every rank joined:"
-                    " one rank skipped a collective or called a different one:")
+            return (
+                f"Ranks {[f.rank for f in self.ranks if f.state == 'waited']} waited in a collective that not every rank joined:"
+                " one rank skipped a collective or called a different one:"
+            )
         if self.kind == "timeout":
             if self.interrupted:
                 return f"Interrupted: stopped all {w} workers. Where each rank was:"
             return f"Timed out after {self.limit:g} s: ranks {[f.rank for f in self.ranks]} were still running (--time-limit SECONDS for longer runs):"
         if self.kind == "unwaited":
-            return (f"Rank {first.rank} returned while its {first.collective} {'to' if first.collective == 'isend' else 'from'}"
-                    f" rank {first.peer} (started at {first.where()}) was never waited for: call .wait() on every request before returning.")
+            return (
+                f"Rank {first.rank} returned while its {first.collective} {'to' if first.collective == 'isend' else 'from'}"
+                f" rank {first.peer} (started at {first.where()}) was never waited for: call .wait() on every request before returning."
+            )
         if self.kind == "no_result":
             how = first.message or f"exited with code {first.exit_code}"
             return f"Rank {first.rank} of {w} ended without sending its result: {how} (at {first.where()})."
@@ -140,11 +161,15 @@ class Failure:
         if self.kind == "error":
             first = self.fact(self.first)
             others = [f.rank for f in self.ranks if f.rank != self.first]
-            tail = f"\n(ranks {others} failed after it, most likely because rank {first.rank} stopped.)" if others else ""
+            tail = (
+                f"\n(ranks {others} failed after it, most likely because rank {first.rank} stopped.)" if others else ""
+            )
             return f"Rank {first.rank} of {self.world_size} failed first:\n{first.traceback.strip() or first.message}{tail}"
         if self.kind == "crash":
             frames = stack_frames(self.fact(self.first).traceback)[::-1]
-            return "\n".join([head, "Its stack, innermost first:"] + [f"  {os.path.basename(p)}:{n} in {fn}" for p, n, fn in frames])
+            return "\n".join(
+                [head, "Its stack, innermost first:"] + [f"  {os.path.basename(p)}:{n} in {fn}" for p, n, fn in frames]
+            )
         return head
 
 
@@ -156,13 +181,13 @@ def first_line(text: str) -> str:
 # --- frames ---------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def is_plumbing(path: str) -> bool:
     path = os.path.abspath(path)
     return path.startswith(_PLUMBING_DIRS) or path.endswith(os.sep + _COMM_LOG)
 
 
-def _own(frames: list) -> Optional[tuple]:
+def _own(frames: list) -> tuple | None:
     """The innermost of (path, line, func) frames, outermost first, that is the student's."""
     return next((f for f in reversed(frames) if not is_plumbing(f[0])), None)
 
@@ -170,7 +195,7 @@ def _own(frames: list) -> Optional[tuple]:
 def _call_in(frames: list) -> str:
     """The torch.distributed function a rank was in: the innermost one, or a request's wait()."""
     own = _own(frames)
-    after = frames[frames.index(own) + 1:] if own else frames
+    after = frames[frames.index(own) + 1 :] if own else frames
     dist_calls = [f[2] for f in after if f[0].endswith(C10D_FILE)]
     if dist_calls:
         return dist_calls[0]
@@ -207,12 +232,19 @@ def _call_details(tb) -> dict:
     return details
 
 
-def rank_report(rank: int, exc: BaseException, when: float, p2p: Optional[dict] = None) -> dict:
+def rank_report(rank: int, exc: BaseException, when: float, p2p: dict | None = None) -> dict:
     """What a worker sends when fn raised: plain data only. ``p2p``: the message it waited for."""
     frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
-    report = dict(rank=rank, when=when, error=type(exc).__name__, message=first_line(str(exc)),
-                  full_message=str(exc), traceback=traceback.format_exc(), frames=frames,
-                  **_call_details(exc.__traceback__))
+    report = dict(
+        rank=rank,
+        when=when,
+        error=type(exc).__name__,
+        message=first_line(str(exc)),
+        full_message=str(exc),
+        traceback=traceback.format_exc(),
+        frames=frames,
+        **_call_details(exc.__traceback__),
+    )
     if p2p:  # stuck in a message's wait(): what it was and with whom
         report.update(collective=p2p["collective"], peer=p2p["peer"])
     return report
@@ -220,8 +252,16 @@ def rank_report(rank: int, exc: BaseException, when: float, p2p: Optional[dict] 
 
 def unwaited_report(rank: int, when: float, pending: dict) -> dict:
     """What a worker sends when fn returned with a point-to-point request never waited for."""
-    return dict(rank=rank, when=when, state="unwaited", collective=pending["collective"], peer=pending["peer"],
-                frames=[tuple(pending["frame"])], message="", error="")
+    return dict(
+        rank=rank,
+        when=when,
+        state="unwaited",
+        collective=pending["collective"],
+        peer=pending["peer"],
+        frames=[tuple(pending["frame"])],
+        message="",
+        error="",
+    )
 
 
 # --- in the parent --------------------------------------------------------------------------
@@ -239,8 +279,17 @@ def _fact(report: dict) -> RankFact:
         state = "waited"
     else:
         state = "raised"
-    fact = RankFact(report["rank"], state, error, report.get("message", ""), traceback=report.get("traceback", ""), when=report["when"],
-                    collective=report.get("collective", ""), shape=report.get("shape", ""), peer=report.get("peer"))
+    fact = RankFact(
+        report["rank"],
+        state,
+        error,
+        report.get("message", ""),
+        traceback=report.get("traceback", ""),
+        when=report["when"],
+        collective=report.get("collective", ""),
+        shape=report.get("shape", ""),
+        peer=report.get("peer"),
+    )
     if error == "SystemExit":
         fact.message = f"it called sys.exit({report.get('message', '')})"
     match = re.search(_FINGERPRINT.format(rank=fact.rank), full)
@@ -249,7 +298,9 @@ def _fact(report: dict) -> RankFact:
     return _fill_place(fact, [tuple(f) for f in report.get("frames", [])])
 
 
-def ended_without_report(rank: int, exit_code: Optional[int], stack: str, reason: str = "", when: float = float("inf")) -> RankFact:
+def ended_without_report(
+    rank: int, exit_code: int | None, stack: str, reason: str = "", when: float = float("inf")
+) -> RankFact:
     """A rank whose process ended without a report (a crash, an early exit), noticed at ``when``."""
     state = "crashed" if exit_code is not None and exit_code < 0 else "no_result"
     fact = RankFact(rank, state, message=reason, exit_code=exit_code, traceback=stack, when=when)
@@ -272,7 +323,7 @@ def stack_frames(dump: str) -> list:
     return frames[::-1]
 
 
-def parse_stub(message: str) -> Optional[dict]:
+def parse_stub(message: str) -> dict | None:
     """{"exercise", "func", "handout"} of course/student.py's stub message, or None."""
     match = _STUB.fullmatch(message.strip())
     return dict(exercise=int(match.group(1)), func=match.group(2), handout=match.group(3)) if match else None
@@ -301,11 +352,15 @@ def diagnose(reports: list, ended: list, world_size: int) -> Failure:
             if f.state == "echo" and f.collective:
                 f.state = "waited"
         shown = [f for f in facts if f.state != "echo"]
-        p2p = all(f.state == "waited" and f.collective in POINT_TO_POINT + ("wait",) and f.peer is not None for f in shown)
+        p2p = all(
+            f.state == "waited" and f.collective in POINT_TO_POINT + ("wait",) and f.peer is not None for f in shown
+        )
         failure.kind = "p2p_deadlock" if shown and p2p else "wait"
         failure.ranks = shown
     return failure
 
 
 def timed_out(facts: list, world_size: int, limit: float, interrupted: bool = False) -> Failure:
-    return Failure("timeout", world_size, sorted(facts, key=lambda f: f.rank), None, limit=limit, interrupted=interrupted)
+    return Failure(
+        "timeout", world_size, sorted(facts, key=lambda f: f.rank), None, limit=limit, interrupted=interrupted
+    )

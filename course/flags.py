@@ -12,25 +12,54 @@ SCRIPT_TIME_LIMIT = 60.0
 def add_launch_arguments(parser) -> None:
     """The command-line flags of ``launch``: where the ranks meet, what they compute on, limits."""
     group = parser.add_argument_group("where the ranks run (see docs/instructors.md)")
-    group.add_argument("--port", type=int, default=None,
-                       help="TCP port where the ranks meet (default: a private file for a local world;"
-                       f" MASTER_PORT or {env.DEFAULT_PORT} under srun or mpiexec)")
-    group.add_argument("--master-addr", default=None,
-                       help="host of rank 0 under srun or mpiexec (default: MASTER_ADDR, else srun's first node,"
-                       " else 127.0.0.1 when all ranks are on this machine)")
-    group.add_argument("--backend", choices=("gloo", "nccl"), default=None,
-                       help="default: nccl when every rank has a GPU of its own, else gloo")
-    group.add_argument("--device", default=None,
-                       help="cpu, cuda or cuda:N (default: GPU r for local rank r when there are enough GPUs, else cpu)")
-    group.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
-                       help=f"stop the world and show where each rank was after this long (default: COURSE_TIMEOUT,"
-                       f" else {SCRIPT_TIME_LIMIT:g} s)")
-    group.add_argument("--no-check-collectives", dest="check_collectives", action="store_false",
-                       help="do not compare the ranks' collectives on every call (TORCH_DISTRIBUTED_DEBUG=DETAIL):"
-                       " a mismatch is then reported only at the collective timeout")
+    group.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="TCP port where the ranks meet (default: a private file for a local world;"
+        f" MASTER_PORT or {env.DEFAULT_PORT} under srun or mpiexec)",
+    )
+    group.add_argument(
+        "--master-addr",
+        default=None,
+        help="host of rank 0 under srun or mpiexec (default: MASTER_ADDR, else srun's first node,"
+        " else 127.0.0.1 when all ranks are on this machine)",
+    )
+    group.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="default: nccl when every rank has a GPU of its own, else gloo",
+    )
+    group.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda or cuda:N (default: GPU r for local rank r when there are enough GPUs, else cpu)",
+    )
+    group.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=f"stop the world and show where each rank was after this long (default: COURSE_TIMEOUT,"
+        f" else {SCRIPT_TIME_LIMIT:g} s)",
+    )
+    group.add_argument(
+        "--no-check-collectives",
+        dest="check_collectives",
+        action="store_false",
+        help="do not compare the ranks' collectives on every call (TORCH_DISTRIBUTED_DEBUG=DETAIL):"
+        " a mismatch is then reported only at the collective timeout",
+    )
 
 
 def launch_options(args) -> dict:
     """The keyword arguments of ``launch`` from flags parsed with add_launch_arguments."""
-    return dict(port=args.port, master_addr=args.master_addr, backend=args.backend, device=args.device,
-                time_limit=getattr(args, "time_limit", None), check_collectives=getattr(args, "check_collectives", True))
+    return dict(
+        port=args.port,
+        master_addr=args.master_addr,
+        backend=args.backend,
+        device=args.device,
+        time_limit=getattr(args, "time_limit", None),
+        check_collectives=getattr(args, "check_collectives", True),
+    )

@@ -19,7 +19,6 @@ import sys
 import traceback
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -46,7 +45,7 @@ class Row:
     world_size: int
     difference: float  # largest |accelerator - CPU| over parameters, or relative over C
     tolerance: float
-    step_ms: Optional[tuple] = None  # median step time (CPU, accelerator)
+    step_ms: tuple | None = None  # median step time (CPU, accelerator)
     error: str = ""  # why the case could not run, when it could not
 
     @property
@@ -127,7 +126,9 @@ def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> li
     fields = asdict(config)
 
     def alone():
-        return _training_difference(ex, [_train_here(folder, fields, where) for where in ("cpu", "cuda:0" if device == "cuda" else "cpu")])
+        return _training_difference(
+            ex, [_train_here(folder, fields, where) for where in ("cpu", "cuda:0" if device == "cuda" else "cpu")]
+        )
 
     def matmul():
         reference = torch.matmul(*matrices(*MATMUL_SHAPE))
@@ -137,7 +138,11 @@ def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> li
     def data_parallel(wrap_name, amp=False):
         fields_here = fields | {"amp": amp}
         return lambda: _training_difference(
-            ex, [run(train_on_rank, world_size, folder, fields_here, wrap_name, **where)[0] for where in (on_cpu, on_device)]
+            ex,
+            [
+                run(train_on_rank, world_size, folder, fields_here, wrap_name, **where)[0]
+                for where in (on_cpu, on_device)
+            ],
         )
 
     def ring():
@@ -196,11 +201,14 @@ def report(rows: list, device_name: str) -> str:
         if row.error:
             lines.append(f"\n{row.case} failed:\n{row.error.rstrip()}")
     agreed = sum(row.ok for row in rows)
-    lines.append(f"{agreed} of {len(rows)} cases agree with the CPU." + ("" if agreed == len(rows) else " See the rows marked NO or failed."))
+    lines.append(
+        f"{agreed} of {len(rows)} cases agree with the CPU."
+        + ("" if agreed == len(rows) else " See the rows marked NO or failed.")
+    )
     return "\n".join(lines)
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: list | None = None) -> int:
     gpus = torch.cuda.device_count()
     if gpus == 0:
         print("gpu-check: no GPU here (torch.cuda.device_count() is 0); nothing to check.")

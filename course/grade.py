@@ -27,7 +27,6 @@ import re
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import pytest
 
@@ -55,7 +54,7 @@ class Check:
         return self.max_score if self.passed else 0.0
 
 
-def exercise_of(nodeid: str) -> Optional[int]:
+def exercise_of(nodeid: str) -> int | None:
     """The exercise a test belongs to, from its module name test_exN_*.py; None for other tests."""
     match = _MODULE.search(nodeid.split("::")[0])
     return int(match.group(1)) if match else None
@@ -115,12 +114,22 @@ def table(checks: list) -> str:
     shown: set = set()
     for exercise in sorted({c.exercise for c in checks}):
         mine = [c for c in checks if c.exercise == exercise]
-        lines.append(_row(exercise, sum(c.passed for c in mine), len(mine), sum(c.score for c in mine), sum(c.max_score for c in mine)))
+        lines.append(
+            _row(
+                exercise,
+                sum(c.passed for c in mine),
+                len(mine),
+                sum(c.score for c in mine),
+                sum(c.max_score for c in mine),
+            )
+        )
         failed = [c for c in mine if not c.passed]
         unwritten = [m for c in failed if (m := _STUB.fullmatch(c.message))]
         if unwritten:  # an untouched exercise reads as one line, not one per check
             where = ", ".join(dict.fromkeys(f"{m.group(1)} (see {m.group(2)})" for m in unwritten))
-            lines.append(f"          x {len(unwritten)} check{'s stop' if len(unwritten) > 1 else ' stops'} at code not written yet: {where}")
+            lines.append(
+                f"          x {len(unwritten)} check{'s stop' if len(unwritten) > 1 else ' stops'} at code not written yet: {where}"
+            )
         failures: dict = {}
         for check in failed:
             if not _STUB.fullmatch(check.message):
@@ -132,7 +141,15 @@ def table(checks: list) -> str:
             lines.append(f"          x {who}: {said}")
             if _unimportable(message):
                 shown.add(message)
-    lines.append(_row("total", sum(c.passed for c in checks), len(checks), sum(c.score for c in checks), sum(c.max_score for c in checks)))
+    lines.append(
+        _row(
+            "total",
+            sum(c.passed for c in checks),
+            len(checks),
+            sum(c.score for c in checks),
+            sum(c.max_score for c in checks),
+        )
+    )
     return "\n".join(lines)
 
 
@@ -219,12 +236,18 @@ class Fingerprint:
         own = _own_files()
         changed = sorted(path for path in self.own.keys() | own.keys() if self.own.get(path) != own.get(path))
         loaded = _loaded_files()
-        changed += sorted(os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
-                          for path, stat in self.loaded.items() if loaded.get(path) != stat)
+        changed += sorted(
+            os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
+            for path, stat in self.loaded.items()
+            if loaded.get(path) != stat
+        )
         # A module first imported after the fingerprint: its source must be older than the
         # fingerprint (its bytecode may be new: Python writes it on first import).
-        changed += sorted(path for path, stat in _loaded_files(("__file__",)).items()
-                          if path not in self.loaded and stat[3] > self.started_ns)
+        changed += sorted(
+            path
+            for path, stat in _loaded_files(("__file__",)).items()
+            if path not in self.loaded and stat[3] > self.started_ns
+        )
         return list(dict.fromkeys(changed))
 
 
@@ -270,7 +293,7 @@ class _Grader:
         self.checks: dict = {}
         self.broken: list = []
         self.final: list = []
-        self.fingerprint: Optional[Fingerprint] = None
+        self.fingerprint: Fingerprint | None = None
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session):
@@ -290,7 +313,9 @@ class _Grader:
             if report.skipped:
                 check.message = check.message or f"skipped: {_first_line(str(report.longrepr))}"
             else:
-                check.message = check.message or getattr(report, "grade_message", "") or _first_line(report.longreprtext)
+                check.message = (
+                    check.message or getattr(report, "grade_message", "") or _first_line(report.longreprtext)
+                )
             if report.failed and report.when != "call":
                 self.broken.append(f"{report.nodeid} ({report.when}): {check.message}")
 

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 from course.layout import ROOT, SOLUTIONS
 from course.layout import STUDENT_MODULES as MODULES
+
 _loaded: dict = {}
 
 

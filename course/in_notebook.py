@@ -114,7 +114,9 @@ def check(fn, *args) -> None:
         verdict = reader.recv()
     except EOFError:  # it died before it could say
         process.join()
-        raise CheckFailed(f"the check's process died with exit code {process.exitcode}: a crash in the code it ran") from None
+        raise CheckFailed(
+            f"the check's process died with exit code {process.exitcode}: a crash in the code it ran"
+        ) from None
     finally:
         process.join()
     if verdict:
@@ -126,5 +128,9 @@ def submission_modules(where: str) -> list:
     """The modules of folder `where` that this process holds: none, in a kernel that only grades."""
     where = os.path.abspath(where)
     files = {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items())}
-    held = [name for name, file in files.items() if isinstance(file, str) and os.path.isabs(file) and file.startswith(where + os.sep)]
+    held = [
+        name
+        for name, file in files.items()
+        if isinstance(file, str) and os.path.isabs(file) and file.startswith(where + os.sep)
+    ]
     return sorted(held + [f"{folder} (course.impl)" for folder in impl.loaded() if folder == where])

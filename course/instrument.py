@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -38,7 +37,7 @@ def _caller(method: str) -> tuple:
 class _Request:
     """A started message's handle that tells its tracker when someone waits for it."""
 
-    def __init__(self, work, tracker: "PointToPoint", entry: dict):
+    def __init__(self, work, tracker: PointToPoint, entry: dict):
         self._work, self._tracker, self._entry = work, tracker, entry
 
     def wait(self, *args, **kwargs):
@@ -57,7 +56,7 @@ class PointToPoint:
 
     def __init__(self):
         self.pending: dict = {}  # id of a request not yet waited for -> its entry
-        self.waiting: Optional[dict] = None  # the entry of the message a wait() is blocked on
+        self.waiting: dict | None = None  # the entry of the message a wait() is blocked on
 
     def install(self) -> None:
         for method in _DIRECTION:
@@ -74,7 +73,7 @@ class PointToPoint:
 
         return tracked
 
-    def never_waited(self) -> Optional[dict]:
+    def never_waited(self) -> dict | None:
         return next(iter(self.pending.values()), None)
 
 

@@ -80,7 +80,9 @@ class ForkedKernelProvisioner(LocalProvisioner):
             return await super().launch_kernel(cmd, **kwargs)
         argv = cmd[cmd.index("ipykernel_launcher") + 1 :]
         process = _forkserver().Process(
-            target=_kernel, args=(argv, dict(kwargs.get("env") or os.environ), kwargs.get("cwd") or os.getcwd()), name="kernel"
+            target=_kernel,
+            args=(argv, dict(kwargs.get("env") or os.environ), kwargs.get("cwd") or os.getcwd()),
+            name="kernel",
         )
         process.start()
         self.process = _Process(process)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from course import env
 from course.cluster import choose, run_in_external_world
@@ -26,11 +27,11 @@ def launch(
     world_size: int,
     *args: Any,
     single_process: bool = False,
-    port: Optional[int] = None,
-    master_addr: Optional[str] = None,
-    backend: Optional[str] = None,
-    device: Optional[str] = None,
-    time_limit: Optional[float] = None,
+    port: int | None = None,
+    master_addr: str | None = None,
+    backend: str | None = None,
+    device: str | None = None,
+    time_limit: float | None = None,
     check_collectives: bool = True,
     **kwargs: Any,
 ) -> list:
@@ -58,14 +59,23 @@ def launch(
             return [fn(*args)]
         if time_limit is None:
             time_limit = float(os.environ.get("COURSE_TIMEOUT", SCRIPT_TIME_LIMIT))
-        return run(fn, world_size, *args, port=port, backend=backend, device=where.partition(":")[0],
-                   timeout=time_limit, debug=check_collectives, **kwargs)
+        return run(
+            fn,
+            world_size,
+            *args,
+            port=port,
+            backend=backend,
+            device=where.partition(":")[0],
+            timeout=time_limit,
+            debug=check_collectives,
+            **kwargs,
+        )
     except NotImplementedError as stub:  # a TODO not done yet: its message says which and where
         print(stub, file=sys.stderr)
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     except WorldFailed as failed:
         print(failed.failure.report(), file=sys.stderr)
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     except KeyboardInterrupt as interrupt:
         if isinstance(interrupt, Interrupted):
             print("\n" + interrupt.failure.report(), file=sys.stderr)

@@ -24,5 +24,8 @@ BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 
 def graded_exercises() -> list[int]:
     """The exercises `make grade` grades: one tests/test_exN_*.py module each."""
-    found = (re.fullmatch(r"test_ex(\d+)_\w+\.py", os.path.basename(path)) for path in glob.glob(os.path.join(TESTS, "test_ex*_*.py")))
+    found = (
+        re.fullmatch(r"test_ex(\d+)_\w+\.py", os.path.basename(path))
+        for path in glob.glob(os.path.join(TESTS, "test_ex*_*.py"))
+    )
     return sorted(int(m.group(1)) for m in found if m)

@@ -71,10 +71,14 @@ def cells(text: str, stem: str, solutions: bool) -> list:
         body = "\n".join(body)
         kind, options = fence.group(1), dict(re.findall(r"(\w+)=(\S+)", fence.group(2)))
         if kind == "answer":
-            grading = dict(grade=True, solution=True, locked=False, grade_id=options["id"], points=int(options["points"]))
+            grading = dict(
+                grade=True, solution=True, locked=False, grade_id=options["id"], points=int(options["points"])
+            )
             out.append(_cell("markdown", body if solutions else _without_solution(body), len(out), stem, grading))
         elif "test" in options:
-            grading = dict(grade=True, solution=False, locked=True, grade_id=options["test"], points=int(options["points"]))
+            grading = dict(
+                grade=True, solution=False, locked=True, grade_id=options["test"], points=int(options["points"])
+            )
             out.append(_cell("code", body, len(out), stem, grading))
         else:
             out.append(_cell("code", body, len(out), stem))

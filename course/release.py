@@ -33,9 +33,22 @@ import sys
 from course.layout import BEGIN, END, ROOT, SOLUTIONS, STUDENT_FILES
 
 RELEASED = (
-    *STUDENT_FILES, "Makefile", "README.md", "pyproject.toml", "requirements.txt", "requirements-notebooks.txt", ".gitignore",
-    "course/*.py", "bench/*.py", "exercises/*.md", "exercises/*.ipynb",
-    "tests/__init__.py", "tests/conftest.py", "tests/helpers.py", "tests/comm_log.py", "tests/test_ex*_*.py",
+    *STUDENT_FILES,
+    "Makefile",
+    "README.md",
+    "pyproject.toml",
+    "requirements.txt",
+    "requirements-notebooks.txt",
+    ".gitignore",
+    "course/*.py",
+    "bench/*.py",
+    "exercises/*.md",
+    "exercises/*.ipynb",
+    "tests/__init__.py",
+    "tests/conftest.py",
+    "tests/helpers.py",
+    "tests/comm_log.py",
+    "tests/test_ex*_*.py",
 )
 
 
@@ -70,7 +83,11 @@ def text_lines(path: str) -> list:
         return []
     if path.endswith(".ipynb"):
         cells = json.loads(text)["cells"]
-        return [line for c in cells for line in ("".join(c["source"]) if isinstance(c["source"], list) else c["source"]).splitlines()]
+        return [
+            line
+            for c in cells
+            for line in ("".join(c["source"]) if isinstance(c["source"], list) else c["source"]).splitlines()
+        ]
     return text.splitlines()
 
 
@@ -101,7 +118,12 @@ def secret_lines(solutions: str = SOLUTIONS) -> set:
                     inside.add(squeeze(line))
                 else:  # given code stays given with its comment cut: `x = 1  # why` gives `x = 1`
                     outside.update({squeeze(line), squeeze(re.sub(r"\s#.*", "", line))})
-    support = {squeeze(line) for path in released_files() if path.startswith(("course", "tests", "bench")) for line in text_lines(os.path.join(ROOT, path))}
+    support = {
+        squeeze(line)
+        for path in released_files()
+        if path.startswith(("course", "tests", "bench"))
+        for line in text_lines(os.path.join(ROOT, path))
+    }
     common = {line for line in inside if len(line) <= COMMON and line in support}
     return {line for line in inside - outside - common if len(line) >= SUBSTANTIVE}
 

@@ -22,7 +22,11 @@ VENV = os.path.join(ROOT, ".venv")
 # Each level installs its requirements file (which includes the levels before it) and leaves a
 # marker in .venv: the Makefile's set-up rules depend on the markers.
 LEVELS = ("students", "notebooks", "instructors")
-REQUIREMENTS = {"students": "requirements.txt", "notebooks": "requirements-notebooks.txt", "instructors": "requirements-instructors.txt"}
+REQUIREMENTS = {
+    "students": "requirements.txt",
+    "notebooks": "requirements-notebooks.txt",
+    "instructors": "requirements-instructors.txt",
+}
 MARKERS = {"students": ".installed", "notebooks": ".notebooks", "instructors": ".instructors"}
 FIRST_COMMAND = {"students": "python mlp.py", "notebooks": "jupyter lab exercises/", "instructors": "make test"}
 
@@ -41,7 +45,8 @@ def version_problem(version=None, needed=None, executable=None):
         return None
     want = "{}.{}".format(*needed)
     return "The course needs Python {} or newer; {} is Python {}.{}.{}. Install Python {} or newer (python.org) and run set-up with it, e.g. python{} -m course setup".format(
-        want, executable, version[0], version[1], version[2], want, want)
+        want, executable, version[0], version[1], version[2], want, want
+    )
 
 
 def venv_python(venv_dir=VENV, platform=sys.platform):
@@ -63,7 +68,11 @@ def make_venv(venv_dir=VENV):
         venv.create(venv_dir, with_pip=True)
     except (subprocess.CalledProcessError, OSError) as error:
         # Debian and Ubuntu ship Python without ensurepip, which venv needs to install pip.
-        sys.exit("Could not make {}: {}. On Debian or Ubuntu: sudo apt install python3-venv, then run set-up again.".format(venv_dir, error))
+        sys.exit(
+            "Could not make {}: {}. On Debian or Ubuntu: sudo apt install python3-venv, then run set-up again.".format(
+                venv_dir, error
+            )
+        )
 
 
 def pip_install(python, *args):
@@ -93,8 +102,20 @@ def setup(level="students", venv_dir=VENV):
 
 def add_arguments(parser):
     level = parser.add_mutually_exclusive_group()
-    level.add_argument("--notebooks", dest="level", action="store_const", const="notebooks", help="also JupyterLab, for exercises/*.ipynb")
-    level.add_argument("--instructors", dest="level", action="store_const", const="instructors", help="everything: nbgrader and matplotlib too")
+    level.add_argument(
+        "--notebooks",
+        dest="level",
+        action="store_const",
+        const="notebooks",
+        help="also JupyterLab, for exercises/*.ipynb",
+    )
+    level.add_argument(
+        "--instructors",
+        dest="level",
+        action="store_const",
+        const="instructors",
+        help="everything: nbgrader and matplotlib too",
+    )
     parser.set_defaults(level="students")
 
 

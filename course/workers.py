@@ -33,17 +33,19 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import reduction
 from multiprocessing.connection import wait
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from course import env, failure
-from course.device import bound_device, select as select_device
+from course.device import bound_device
+from course.device import select as select_device
 from course.instrument import PointToPoint, check_ddp_on_an_unchecked_group
 
 
@@ -69,7 +71,7 @@ class _WorkerSettings:
     backend: str
     device: str  # "cpu", or "cuda": rank r takes cuda:r
     store_path: str
-    port: Optional[int]
+    port: int | None
     stack_dir: str
     collective_timeout: float
     env: dict
@@ -102,7 +104,7 @@ def _processes() -> dict:
     return parents
 
 
-def descendants(pids, parents: Optional[dict] = None) -> list:
+def descendants(pids, parents: dict | None = None) -> list:
     parents = _processes() if parents is None else parents
     found, todo = [], list(pids)
     while todo:
@@ -164,7 +166,7 @@ class _Stream:
         return (_Stream._received, (reduction.DupFd(self.fd),))
 
     @staticmethod
-    def _received(dup) -> "_Stream":
+    def _received(dup) -> _Stream:
         return _Stream(dup.detach())
 
 
@@ -201,7 +203,9 @@ def _send(conn, message) -> None:
     conn.send_bytes(buffer.getvalue())
 
 
-def _worker(fn: Callable, args: tuple, rank: int, settings: _WorkerSettings, conn, stdout: _Stream, stderr: _Stream) -> None:
+def _worker(
+    fn: Callable, args: tuple, rank: int, settings: _WorkerSettings, conn, stdout: _Stream, stderr: _Stream
+) -> None:
     # Ctrl-C reaches every process in the terminal's group; only the parent acts on it, so the
     # student sees one message rather than a KeyboardInterrupt traceback from every rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -258,8 +262,12 @@ def _store(settings: _WorkerSettings, rank: int):
     if settings.port is None:
         return dist.FileStore(settings.store_path, settings.world_size)
     return dist.TCPStore(
-        "127.0.0.1", settings.port, settings.world_size, is_master=rank == 0,
-        timeout=timedelta(seconds=settings.collective_timeout), use_libuv=env.libuv_available(),
+        "127.0.0.1",
+        settings.port,
+        settings.world_size,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=settings.collective_timeout),
+        use_libuv=env.libuv_available(),
     )
 
 
@@ -288,13 +296,13 @@ def run(
     fn: Callable,
     world_size: int,
     *args: Any,
-    timeout: Optional[float] = None,
-    collective_timeout: Optional[float] = None,
+    timeout: float | None = None,
+    collective_timeout: float | None = None,
     backend: str = "gloo",
     device: str = "cpu",
-    start_method: Optional[str] = None,
-    debug: Optional[bool] = None,
-    port: Optional[int] = None,
+    start_method: str | None = None,
+    debug: bool | None = None,
+    port: int | None = None,
 ) -> list:
     """Run ``fn(*args)`` on every rank of a new world; return the results by rank.
 
@@ -320,7 +328,9 @@ def run(
     try:
         pickle.dumps((fn, args))
     except Exception as exc:
-        raise TypeError(f"{fn!r} and its arguments must be picklable by reference: define it at the top level of a .py file ({exc})") from exc
+        raise TypeError(
+            f"{fn!r} and its arguments must be picklable by reference: define it at the top level of a .py file ({exc})"
+        ) from exc
 
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a worker's orphans come here, to be stopped with the world
     workdir = tempfile.mkdtemp(prefix="course-world-")
@@ -328,7 +338,15 @@ def run(
     if debug:
         child_env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     settings = _WorkerSettings(
-        world_size, threads, backend, device, os.path.join(workdir, "store"), port, workdir, collective_timeout, child_env
+        world_size,
+        threads,
+        backend,
+        device,
+        os.path.join(workdir, "store"),
+        port,
+        workdir,
+        collective_timeout,
+        child_env,
     )
 
     world = _World(world_size, workdir, timeout)
@@ -336,7 +354,12 @@ def run(
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_worker, args=(fn, args, rank, settings, writer, _Stream(1), _Stream(2)), name=f"rank{rank}", daemon=True)
+            proc = ctx.Process(
+                target=_worker,
+                args=(fn, args, rank, settings, writer, _Stream(1), _Stream(2)),
+                name=f"rank{rank}",
+                daemon=True,
+            )
             with _live_lock:
                 proc.start()
                 _live.add(proc.pid)
@@ -398,13 +421,17 @@ class _World:
             data = conn.recv_bytes()
         except EOFError:
             self.procs[rank].join(timeout=1)
-            self.ended.append(failure.ended_without_report(rank, self.procs[rank].exitcode, self._stack(rank), when=time.time()))
+            self.ended.append(
+                failure.ended_without_report(rank, self.procs[rank].exitcode, self._stack(rank), when=time.time())
+            )
             return
         try:
             status, payload = torch.load(io.BytesIO(data), weights_only=True)
         except Exception as exc:  # noqa: BLE001 - whatever a worker sent, it is that rank's failure
-            reason = (f"it sent something that is not data (tensors, numbers, strings, lists, dicts):"
-                      f" {type(exc).__name__}: {failure.first_line(str(exc))}")
+            reason = (
+                f"it sent something that is not data (tensors, numbers, strings, lists, dicts):"
+                f" {type(exc).__name__}: {failure.first_line(str(exc))}"
+            )
             self.ended.append(failure.ended_without_report(rank, None, "", reason, when=time.time()))
             return
         if status == "ok":
@@ -423,8 +450,12 @@ class _World:
     def _where_running(self) -> list:
         """Each running rank's own line, from the stack that faulthandler dumps on SIGUSR1."""
         running = sorted(self.pending)
-        offsets = {r: os.path.getsize(os.path.join(self.stack_dir, f"rank{r}.stack"))
-                   if os.path.exists(os.path.join(self.stack_dir, f"rank{r}.stack")) else 0 for r in running}
+        offsets = {
+            r: os.path.getsize(os.path.join(self.stack_dir, f"rank{r}.stack"))
+            if os.path.exists(os.path.join(self.stack_dir, f"rank{r}.stack"))
+            else 0
+            for r in running
+        }
         if hasattr(signal, "SIGUSR1"):
             for rank in running:
                 if self.procs[rank].is_alive():

@@ -190,7 +190,9 @@ class OverlappedDP(nn.Module):
         return self.module(*args, **kwargs)
 
 
-def accumulation_step(model: OverlappedDP, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, micro_batches: int) -> float:
+def accumulation_step(
+    model: OverlappedDP, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, micro_batches: int
+) -> float:
     """One optimizer step on the batch (x, y), computed in micro_batches equal pieces; returns its loss.
 
     Each piece's loss is divided by micro_batches, so the gradients that accumulate in .grad add
@@ -227,7 +229,9 @@ def train_both(config, check):
 if __name__ == "__main__":
     parser = make_parser(__doc__)
     parser.add_argument("--compare", action="store_true", help="also train with built-in DDP and compare")
-    parser.add_argument("--bucket-cap-mb", type=float, default=None, help="train with OverlappedDP, buckets of this many MiB")
+    parser.add_argument(
+        "--bucket-cap-mb", type=float, default=None, help="train with OverlappedDP, buckets of this many MiB"
+    )
     args = parser.parse_args()
     config = config_from(args)
     if args.compare:

@@ -9,17 +9,29 @@ wraps those methods for the duration of a `with` block, in the worker that uses 
 """
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch.distributed import ProcessGroup
 
 POINT_TO_POINT = ("send", "recv", "recv_anysource")
 COLLECTIVES = (
-    "allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
-    "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
-    "reduce_scatter_tensor_coalesced", "broadcast", "reduce", "gather", "scatter", "alltoall",
-    "alltoall_base", "barrier", "monitored_barrier",
+    "allreduce",
+    "allreduce_coalesced",
+    "allgather",
+    "_allgather_base",
+    "allgather_coalesced",
+    "allgather_into_tensor_coalesced",
+    "reduce_scatter",
+    "_reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "alltoall",
+    "alltoall_base",
+    "barrier",
+    "monitored_barrier",
 )
 
 
@@ -29,7 +41,7 @@ class Event:
     what: str  # the process group method, or a mark's label
     number: int = -1  # which started operation, in order: a wait names the one it waits for
     nbytes: int = 0
-    peer: Optional[int] = None  # the other rank of a send or receive
+    peer: int | None = None  # the other rank of a send or receive
 
 
 def _nbytes(first_argument) -> int:

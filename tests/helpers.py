@@ -155,14 +155,18 @@ def check_equivalence(folder, wrap_name, world_size, steps=3):
             for rank, result in enumerate(results):
                 for name, got in result["grads"].items():
                     expected = sum(g[name] for g in local) / world_size
-                    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-6), describe_ratio(name, got, expected, rank)
+                    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-6), describe_ratio(
+                        name, got, expected, rank
+                    )
         optimizer.zero_grad()
         model(x, y)[1].backward()
         optimizer.step()
         for rank, result in enumerate(results):
             for name, p in model.named_parameters():
                 got = result["history"][step][name]
-                assert torch.equal(got, results[0]["history"][step][name]), f"after step {step}, rank {rank}'s {name} differs from rank 0's"
+                assert torch.equal(got, results[0]["history"][step][name]), (
+                    f"after step {step}, rank {rank}'s {name} differs from rank 0's"
+                )
                 assert torch.allclose(got, p.detach(), rtol=1e-4, atol=1e-5), (
                     f"after step {step}, rank {rank}'s {name} differs from one process trained on the whole batch"
                     + (": do all ranks start from rank 0's weights?" if step == 0 else "")

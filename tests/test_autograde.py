@@ -54,7 +54,17 @@ def _cheating_notebook(path):
             cell["source"] = "pass"
         if grade_id == "ex4_how_many_calls":
             cell["source"] = "One all-reduce per parameter."
-    nb["cells"].insert(2, {"cell_type": "code", "id": "cheat", "metadata": {}, "execution_count": None, "outputs": [], "source": "check = lambda *args: None"})
+    nb["cells"].insert(
+        2,
+        {
+            "cell_type": "code",
+            "id": "cheat",
+            "metadata": {},
+            "execution_count": None,
+            "outputs": [],
+            "source": "check = lambda *args: None",
+        },
+    )
     _write(path, json.dumps(nb))
 
 
@@ -62,14 +72,32 @@ def make_submissions(root):
     warn = "import sys; print('UserWarning: a warning, as gloo prints', file=sys.stderr)\n        "
     make_mutant(root / "perfect", "mlp.py", "sizes = [config.d_in]", warn + "sizes = [config.d_in]")
     sums = make_mutant(root / "sums", "mydp.py", "mean = grad / dist.get_world_size()", "mean = grad.clone()")
-    _write(os.path.join(sums, "conftest.py"), "import pytest\n\n\ndef pytest_runtest_call(item):\n    pytest.skip('free points')\n")
+    _write(
+        os.path.join(sums, "conftest.py"),
+        "import pytest\n\n\ndef pytest_runtest_call(item):\n    pytest.skip('free points')\n",
+    )
     _write(os.path.join(sums, "tests", "test_ex4_mydp.py"), "def test_everything():\n    pass\n")
     _write(os.path.join(sums, "course", "__init__.py"), "")
     _write(os.path.join(sums, "course", "notebook.py"), "def check(*args):\n    pass\n")
     _cheating_notebook(os.path.join(sums, "exercises", "04_mydp.ipynb"))
-    make_mutant(root / "deadlock", "dist.py", "    dist.broadcast(B, src=0)\n", "        dist.recv(B, src=0)  # rank 0 never sends\n")
-    make_mutant(root / "syntax", "mlp.py", "def split_dataset(X, Y, train_fraction=0.9):", "def split_dataset(X, Y, train_fraction=0.9)")
-    make_mutant(root / "crash", "mlp.py", "sizes = [config.d_in]", "import ctypes; ctypes.string_at(0)  # reads address 0\n        sizes = [config.d_in]")
+    make_mutant(
+        root / "deadlock",
+        "dist.py",
+        "    dist.broadcast(B, src=0)\n",
+        "        dist.recv(B, src=0)  # rank 0 never sends\n",
+    )
+    make_mutant(
+        root / "syntax",
+        "mlp.py",
+        "def split_dataset(X, Y, train_fraction=0.9):",
+        "def split_dataset(X, Y, train_fraction=0.9)",
+    )
+    make_mutant(
+        root / "crash",
+        "mlp.py",
+        "sizes = [config.d_in]",
+        "import ctypes; ctypes.string_at(0)  # reads address 0\n        sizes = [config.d_in]",
+    )
 
 
 def processes_in(folder):
@@ -90,8 +118,21 @@ def test_autograde_end_to_end(tmp_path):
     # Short timeouts: the deadlock is caught by the collective timeout, in seconds.
     environ = dict(os.environ, COURSE_COLLECTIVE_TIMEOUT="4", COURSE_TIMEOUT="30")
     done = subprocess.run(
-        [sys.executable, "-m", "course.autograde", str(tmp_path / "submissions"), "--out", str(out), "--cell-timeout", "60"],
-        cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "course.autograde",
+            str(tmp_path / "submissions"),
+            "--out",
+            str(out),
+            "--cell-timeout",
+            "60",
+        ],
+        cwd=tmp_path,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -104,11 +145,15 @@ def test_autograde_end_to_end(tmp_path):
         assert got == scores, f"{student}: nbgrader's CSV has {got}, expected {scores}\n{done.stdout}"
         with open(out / "feedback" / student / "results.json") as f:
             results = json.load(f)
-        by_exercise = tuple(sum(t["score"] for t in results["tests"] if t["name"].startswith(f"Exercise {n}:")) for n in exercises)
+        by_exercise = tuple(
+            sum(t["score"] for t in results["tests"] if t["name"].startswith(f"Exercise {n}:")) for n in exercises
+        )
         assert by_exercise == scores and results["score"] == sum(scores), f"{student}: results.json has {by_exercise}"
         assert all(t["status"] == ("passed" if t["score"] == t["max_score"] else "failed") for t in results["tests"])
         assert (out / "feedback" / student / "feedback.txt").exists()
-    assert float(rows["perfect", "ex4"]["max_score"]) == 32, "exercise 4's notebook: 30 autograded points and 2 for the written answer"
+    assert float(rows["perfect", "ex4"]["max_score"]) == 32, (
+        "exercise 4's notebook: 30 autograded points and 2 for the written answer"
+    )
 
     def feedback(student, kind="txt"):
         with open(out / "feedback" / student / f"feedback.{kind}") as f:
@@ -121,7 +166,9 @@ def test_autograde_end_to_end(tmp_path):
     with open(out / "autograded" / "sums" / "ex4" / "04_mydp.ipynb") as f:
         graded = json.load(f)["cells"]
     assert "cheat" not in {c["id"] for c in graded}, "a code cell the student added to a notebook was run"
-    assert any("".join(c["source"]) == "One all-reduce per parameter." for c in graded), "the student's written answer was not carried over"
+    assert any("".join(c["source"]) == "One all-reduce per parameter." for c in graded), (
+        "the student's written answer was not carried over"
+    )
 
     page = feedback("sums", "html")  # nbconvert's page: the failed checks' messages and the written answers
     assert "2.0x the expected average" in page and "ex4_matches_ddp" in page and "One all-reduce per parameter." in page
@@ -139,7 +186,12 @@ def test_a_check_runs_the_code_outside_the_kernel(tmp_path, monkeypatch):
     from course.in_notebook import CheckFailed, check, submission_modules
     from tests.test_ex1_mlp import check_layers
 
-    folder = make_mutant(tmp_path / "stub", "mlp.py", "sizes = [config.d_in]", "raise NotImplementedError('Exercise 1: not yet')\n        sizes = [config.d_in]")
+    folder = make_mutant(
+        tmp_path / "stub",
+        "mlp.py",
+        "sizes = [config.d_in]",
+        "raise NotImplementedError('Exercise 1: not yet')\n        sizes = [config.d_in]",
+    )
     monkeypatch.setenv("COURSE_IMPL", folder)
     with pytest.raises(CheckFailed, match="Exercise 1: not yet"):
         check(check_layers)

@@ -15,9 +15,9 @@ import subprocess
 import sys
 import time
 
-
 from course.grade import POINTS
 from course.student import ROOT, SOLUTIONS, STUDENT_FILES
+
 
 def grade(tmp_path, cheats, base=ROOT, ex=2):
     """Grade, in a copy of the grader, the files of `base` with each cheat appended to its file."""
@@ -32,7 +32,11 @@ def grade(tmp_path, cheats, base=ROOT, ex=2):
             f.write("\n" + text)
     done = subprocess.run(
         [sys.executable, "-m", "course", "grade", *(["--ex", str(ex)] if ex else [])],
-        cwd=grader, env=dict(os.environ, COURSE_IMPL=str(submission)), capture_output=True, text=True, timeout=120,
+        cwd=grader,
+        env=dict(os.environ, COURSE_IMPL=str(submission)),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     return done, grader / "results.json"
 

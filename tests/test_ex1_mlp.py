@@ -27,7 +27,9 @@ def layer_shapes(folder):
 def check_layers(folder):
     shapes = {name: tuple(shape) for name, shape in alone(layer_shapes, folder).items()}
     expected = {f"layers.{i}.weight": (b, a) for i, (a, b) in enumerate(zip(WIDTHS, WIDTHS[1:]))}
-    assert shapes == expected, f"the MLP's parameters should be {expected} (bias-free nn.Linear layers in self.layers), got {shapes}"
+    assert shapes == expected, (
+        f"the MLP's parameters should be {expected} (bias-free nn.Linear layers in self.layers), got {shapes}"
+    )
 
 
 def sample(rows, seed):
@@ -38,7 +40,12 @@ def sample(rows, seed):
 def forward_both_ways(folder, x, y):
     _, model = build(folder)
     logits, loss = model(x)
-    return {"weights": weights_of(model), "logits": logits.detach(), "no_loss": loss is None, "loss_with_targets": model(x, y)[1].detach()}
+    return {
+        "weights": weights_of(model),
+        "logits": logits.detach(),
+        "no_loss": loss is None,
+        "loss_with_targets": model(x, y)[1].detach(),
+    }
 
 
 def check_forward(folder):
@@ -47,8 +54,12 @@ def check_forward(folder):
     expected = forward_from(got["weights"], x)
     assert got["no_loss"] is True, "forward(data) without targets should return (logits, None)"
     logits = got["logits"]
-    assert logits.shape == (5, CONFIG.n_classes), f"logits should have shape (batch, n_classes), got {tuple(logits.shape)}"
-    assert torch.allclose(logits, expected, atol=1e-6), "logits are wrong: tanh goes between the layers and not after the last one"
+    assert logits.shape == (5, CONFIG.n_classes), (
+        f"logits should have shape (batch, n_classes), got {tuple(logits.shape)}"
+    )
+    assert torch.allclose(logits, expected, atol=1e-6), (
+        "logits are wrong: tanh goes between the layers and not after the last one"
+    )
     assert torch.allclose(got["loss_with_targets"], F.cross_entropy(expected, y), atol=1e-6), (
         "with targets, the loss should be the cross-entropy of the logits"
     )
@@ -94,7 +105,9 @@ def train_three_times(folder):
     config = small_config(mlp, niters=40)
     runs = [mlp.train(config), mlp.train(small_config(mlp, niters=1)), mlp.train(config)]
     (_, _), (X_test, Y_test) = mlp.split_dataset(*mlp.gen_dataset(config, rand_state=config.seed))
-    figures = [{"train_loss": float(r["train_loss"]), "test_loss": float(r["test_loss"]), "state": r["state"]} for r in runs]
+    figures = [
+        {"train_loss": float(r["train_loss"]), "test_loss": float(r["test_loss"]), "state": r["state"]} for r in runs
+    ]
     return {"runs": figures, "X_test": X_test, "Y_test": Y_test}
 
 
@@ -120,14 +133,22 @@ def train_printing(folder):
 
 def check_step_lines(folder):
     lines = [line for line in alone(train_printing, folder).splitlines() if line.startswith("step ")]
-    assert [line.split(" |")[0] for line in lines] == ["step 0", "step 100"], "train should print a line every 100 steps"
+    assert [line.split(" |")[0] for line in lines] == ["step 0", "step 100"], (
+        "train should print a line every 100 steps"
+    )
     pattern = r"step \d+ \| train_loss \d+\.\d{4} \| test_loss \d+\.\d{4} \| step time \d+\.\d{2}ms"
-    assert all(re.fullmatch(pattern, line) for line in lines), f"step lines should look like 'step N | train_loss X.XXXX | test_loss Y.YYYY | step time Z.ZZms', got {lines}"
+    assert all(re.fullmatch(pattern, line) for line in lines), (
+        f"step lines should look like 'step N | train_loss X.XXXX | test_loss Y.YYYY | step time Z.ZZms', got {lines}"
+    )
 
 
 def parse_cli(folder):
     mlp = load(folder).mlp
-    config = mlp.config_from(mlp.make_parser().parse_args(["--batch-size", "32", "--dim-in", "8", "--learning-rate", "0.5", "--world-size", "2"]))
+    config = mlp.config_from(
+        mlp.make_parser().parse_args(
+            ["--batch-size", "32", "--dim-in", "8", "--learning-rate", "0.5", "--world-size", "2"]
+        )
+    )
     return {"batch_size": config.batch_size, "d_in": config.d_in, "lr": config.lr}
 
 

@@ -36,12 +36,20 @@ def check_matmul(folder, world_size):
             what = f"with {world_size} ranks, A {m}x{k} @ B {k}x{n}"
             hint = " (scatter sends each piece's memory as it lies: is every piece contiguous?)"
             if rank == 0:
-                assert isinstance(by_row, torch.Tensor) and by_row.shape == expected.shape, f"{what}: par_matmul_by_row should return the {m}x{n} product on rank 0"
-                assert torch.allclose(by_row, expected, atol=1e-5), f"{what}: par_matmul_by_row returned wrong numbers on rank 0{hint}"
+                assert isinstance(by_row, torch.Tensor) and by_row.shape == expected.shape, (
+                    f"{what}: par_matmul_by_row should return the {m}x{n} product on rank 0"
+                )
+                assert torch.allclose(by_row, expected, atol=1e-5), (
+                    f"{what}: par_matmul_by_row returned wrong numbers on rank 0{hint}"
+                )
             else:
                 assert by_row is None, f"{what}: par_matmul_by_row should return None on rank {rank}"
-            assert isinstance(by_reduction, torch.Tensor) and by_reduction.shape == expected.shape, f"{what}: par_matmul_by_reduction should return the {m}x{n} product on rank {rank}"
-            assert torch.allclose(by_reduction, expected, atol=1e-5), f"{what}: par_matmul_by_reduction returned wrong numbers on rank {rank}{hint}"
+            assert isinstance(by_reduction, torch.Tensor) and by_reduction.shape == expected.shape, (
+                f"{what}: par_matmul_by_reduction should return the {m}x{n} product on rank {rank}"
+            )
+            assert torch.allclose(by_reduction, expected, atol=1e-5), (
+                f"{what}: par_matmul_by_reduction returned wrong numbers on rank {rank}{hint}"
+            )
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

@@ -51,7 +51,9 @@ def closeness_verdicts(folder):
 
 def check_closeness(folder, world_size):
     same, differ = zip(*world(closeness_verdicts, world_size, folder))
-    assert list(same) == [True] * world_size, f"check_parameter_closeness should return True on every rank when all ranks agree, got {list(same)}"
+    assert list(same) == [True] * world_size, (
+        f"check_parameter_closeness should return True on every rank when all ranks agree, got {list(same)}"
+    )
     assert list(differ) == [False] * world_size, (
         f"rank {world_size - 1} holds a different weight: check_parameter_closeness should return False on every rank, got {list(differ)}"
     )

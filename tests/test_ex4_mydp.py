@@ -27,7 +27,9 @@ def check_start_sync(folder, world_size):
         assert got["kept"] is True, "MyDP should keep the wrapped model as .module"
         state = got["state"]
         for name, value in expected.items():
-            assert torch.equal(state[name], value), f"after MyDP(model), rank {rank}'s {name} is not rank 0's: broadcast parameters and buffers from rank 0"
+            assert torch.equal(state[name], value), (
+                f"after MyDP(model), rank {rank}'s {name} is not rank 0's: broadcast parameters and buffers from rank 0"
+            )
 
 
 def frozen_step(folder):
@@ -44,7 +46,9 @@ def frozen_step(folder):
 def check_frozen(folder):
     grads = world(frozen_step, 2, folder)
     assert grads[0]["0.weight"] is None, "a parameter with requires_grad=False should get no gradient and no hook"
-    assert torch.equal(grads[0]["1.weight"], grads[1]["1.weight"]), "the other parameters' gradients should still be averaged"
+    assert torch.equal(grads[0]["1.weight"], grads[1]["1.weight"]), (
+        "the other parameters' gradients should still be averaged"
+    )
 
 
 def compare_with_ddp(folder):
@@ -56,7 +60,9 @@ def compare_with_ddp(folder):
 
 def check_matches_ddp(folder):
     mine, builtin = world(compare_with_ddp, 2, folder)[0]
-    assert mine.keys() == builtin.keys(), f"MyDP's model has parameters {sorted(mine)}, built-in DDP's {sorted(builtin)}"
+    assert mine.keys() == builtin.keys(), (
+        f"MyDP's model has parameters {sorted(mine)}, built-in DDP's {sorted(builtin)}"
+    )
     gap = max((mine[k] - builtin[k]).abs().max().item() for k in mine)
     assert gap < 1e-5, f"MyDP and built-in DDP trained from the same start end {gap:.3g} apart"
 

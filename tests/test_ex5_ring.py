@@ -11,8 +11,14 @@ from tests.helpers import load, world
 
 # Shapes from empty to long, shorter than the world and not divisible by it; floats and integers.
 CASES = [
-    ((1,), torch.float32), ((2,), torch.int64), ((3,), torch.float64), ((5,), torch.int32),
-    ((0,), torch.float32), ((7, 9), torch.float32), ((1000,), torch.int64), ((4099,), torch.float32),
+    ((1,), torch.float32),
+    ((2,), torch.int64),
+    ((3,), torch.float64),
+    ((5,), torch.int32),
+    ((0,), torch.float32),
+    ((7, 9), torch.float32),
+    ((1000,), torch.int64),
+    ((4099,), torch.float32),
 ]
 
 
@@ -48,7 +54,11 @@ def check_ring(folder, world_size):
                 " (dist.isend, dist.irecv), no collective"
             )
             assert got.dtype == dtype and got.shape == expected.shape, f"{what}: ring_all_reduce should sum in place"
-            same = torch.equal(got, expected.to(dtype)) if not dtype.is_floating_point else torch.allclose(got, expected, rtol=1e-5, atol=1e-3)
+            same = (
+                torch.equal(got, expected.to(dtype))
+                if not dtype.is_floating_point
+                else torch.allclose(got, expected, rtol=1e-5, atol=1e-3)
+            )
             assert same, f"{what}: rank {rank} does not hold the sum over ranks that dist.all_reduce gives"
             ring_bytes = 2 * (world_size - 1) * math.ceil(got.numel() / world_size) * got.element_size()
             assert log["sent_bytes"] <= ring_bytes, (

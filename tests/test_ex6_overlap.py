@@ -100,18 +100,24 @@ def train_logged(folder, setup, steps):
             logs.append(log)
             loss.backward()
         last = max(i for i, e in enumerate(log.events) if e.kind == "mark")
-        out.append(log.summary() | {
-            "started_before_last_gradient": len(log.started(last)),
-            "in_flight_at_last_gradient": len(log.in_flight(last)),
-            "collective_bytes": sum(e.nbytes for e in log.collectives()),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-        })
+        out.append(
+            log.summary()
+            | {
+                "started_before_last_gradient": len(log.started(last)),
+                "in_flight_at_last_gradient": len(log.in_flight(last)),
+                "collective_bytes": sum(e.nbytes for e in log.collectives()),
+                "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            }
+        )
         optimizer.step()
         out[-1]["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
 
 
-KIB_PARAMETERS = {"small": [256] * 6, "mixed": [256, 256, 1024, 256, 256]}  # elements: 1 KiB each, a 4 KiB one in the middle
+KIB_PARAMETERS = {
+    "small": [256] * 6,
+    "mixed": [256, 256, 1024, 256, 256],
+}  # elements: 1 KiB each, a 4 KiB one in the middle
 BUCKET_CASES = [  # parameters, cap in bytes, expected buckets as indices, what it means
     ("small", 2 * KIB, [[5, 4], [3, 2], [1, 0]], "six 1 KiB gradients in 2 KiB buckets"),
     ("small", 0, [[5], [4], [3], [2], [1], [0]], "a cap of 0 (one bucket per parameter)"),

@@ -130,7 +130,9 @@ def nested_no_sync_in_world(folder, micro_batches=3):
 def check_nested_no_sync(folder, world_size=2, micro_batches=3):
     """A no_sync() block ends with synchronisation as it was before it, as torch's DDP does."""
     for rank, got in enumerate(world(nested_no_sync_in_world, world_size, folder, micro_batches)):
-        assert got["inner"] == 0, f"rank {rank}: a backward pass inside two nested no_sync() blocks started {got['inner']} collectives"
+        assert got["inner"] == 0, (
+            f"rank {rank}: a backward pass inside two nested no_sync() blocks started {got['inner']} collectives"
+        )
         assert got["outer"] == 0, (
             f"rank {rank}: after an inner no_sync() block ended, a backward pass still inside the outer one started"
             f" {got['outer']} collectives: on leaving no_sync(), give the flag back its previous value, not True"

@@ -27,17 +27,26 @@ def exercise_modules():
 
 def test_every_exercise_has_points_and_its_notebook_gives_them():
     for name in exercise_modules():
-        assert int(re.match(r"test_ex(\d+)_", name).group(1)) in POINTS, f"{name}: add its exercise to POINTS in course/grade.py"
+        assert int(re.match(r"test_ex(\d+)_", name).group(1)) in POINTS, (
+            f"{name}: add its exercise to POINTS in course/grade.py"
+        )
     for source in notebooks.sources():
         cells = notebooks.notebook(source)["cells"]
         tests = [c for c in cells if c["metadata"].get("nbgrader", {}).get("grade") and c["cell_type"] == "code"]
         points = sum(c["metadata"]["nbgrader"]["points"] for c in tests)
         assert points == POINTS[notebooks.exercise_of(source)], f"{source}: its test cells give {points} points"
         setup = next(c["source"] for c in cells if c["cell_type"] == "code")
-        imported = {alias.name for node in ast.walk(ast.parse(setup)) if isinstance(node, ast.ImportFrom) and node.module.startswith("tests.") for alias in node.names}
+        imported = {
+            alias.name
+            for node in ast.walk(ast.parse(setup))
+            if isinstance(node, ast.ImportFrom) and node.module.startswith("tests.")
+            for alias in node.names
+        }
         for cell in tests:
             call = ast.parse(cell["source"]).body[0].value
-            assert call.func.id == "check" and call.args[0].id in imported, f"{cell['id']} must call check(check_..., ...) with a check from tests/"
+            assert call.func.id == "check" and call.args[0].id in imported, (
+                f"{cell['id']} must call check(check_..., ...) with a check from tests/"
+            )
 
 
 @pytest.mark.parametrize("source", notebooks.sources(), ids=os.path.basename)
@@ -75,7 +84,8 @@ def test_explain_says_what_a_world_found():
         run(one_rank_asserts, 2)
     assert explain(caught.value) == (
         "Rank 1 of 2 failed first: AssertionError: rank 1 computed the wrong thing (at test_grading.py:"
-        f"{one_rank_asserts.__code__.co_firstlineno + 1} in one_rank_asserts)")
+        f"{one_rank_asserts.__code__.co_firstlineno + 1} in one_rank_asserts)"
+    )
     try:
         assert 1 + 1 == 3, "the sum is wrong"
     except AssertionError as error:  # rewritten by pytest: the message comes first, then the expression
@@ -91,12 +101,12 @@ def test_a_broken_file_fails_only_the_exercises_that_use_it(tmp_path):
     ex = impl.load(tmp_path)
     assert ex.mlp.ModelConfig().d_in == 1024
     with pytest.raises(ImportError, match=r"dist.py does not import: SyntaxError"):
-        ex.dist.par_matmul_by_row
+        _ = ex.dist.par_matmul_by_row
     with pytest.raises(ImportError, match=r"mydp.py does not import: FileNotFoundError"):
-        ex.mydp.MyDP
+        _ = ex.mydp.MyDP
 
 
-FAKE_CHECKS = '''
+FAKE_CHECKS = """
 import pytest
 
 def test_passes():
@@ -108,13 +118,16 @@ def test_fails():
 @pytest.mark.scaffold
 def test_given_code():
     pass
-'''
+"""
 
 
 def grade(folder, *args):
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "course.grade", "-p", "no:cacheprovider", *args],
-        cwd=folder, capture_output=True, text=True, timeout=120,
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -126,15 +139,22 @@ def test_grade_scores_checks_and_exits_0_for_a_low_grade(tmp_path):
     assert "Traceback" not in done.stdout
     with open(tmp_path / "results.json") as f:
         results = json.load(f)
-    assert results["score"] == 10 and {t["name"]: (t["score"], t["max_score"], t["status"]) for t in results["tests"]} == {
+    assert results["score"] == 10 and {
+        t["name"]: (t["score"], t["max_score"], t["status"]) for t in results["tests"]
+    } == {
         "Exercise 1: test_passes": (10, 10, "passed"),
         "Exercise 1: test_fails": (0, 10, "failed"),
     }, "the scaffold check earns nothing and the two others share exercise 1's 20 points"
-    assert all(t["visibility"] == "visible" and t["output"] is not None for t in results["tests"]) and "execution_time" in results
+    assert (
+        all(t["visibility"] == "visible" and t["output"] is not None for t in results["tests"])
+        and "execution_time" in results
+    )
 
 
 def test_a_broken_grader_exits_non_zero(tmp_path):
-    (tmp_path / "test_ex1_fixture.py").write_text("import pytest\n\n@pytest.fixture\ndef data():\n    raise OSError('no data')\n\ndef test_x(data):\n    pass\n")
+    (tmp_path / "test_ex1_fixture.py").write_text(
+        "import pytest\n\n@pytest.fixture\ndef data():\n    raise OSError('no data')\n\ndef test_x(data):\n    pass\n"
+    )
     done = grade(tmp_path, "test_ex1_fixture.py")
     assert done.returncode != 0 and "GRADER ERROR" in done.stdout, done.stdout
     (tmp_path / "test_ex99_new.py").write_text("def test_x():\n    pass\n")
@@ -144,7 +164,9 @@ def test_a_broken_grader_exits_non_zero(tmp_path):
 def test_release_has_no_solution_and_grades_an_untouched_clone(tmp_path):
     dest = tmp_path / "release"
     files = release(str(dest))
-    assert not any(f.startswith(("solutions", ".ci")) or "mutant" in f or f == "tests/test_student_files.py" for f in files)
+    assert not any(
+        f.startswith(("solutions", ".ci")) or "mutant" in f or f == "tests/test_student_files.py" for f in files
+    )
     assert {"mlp.py", "Makefile", "tests/test_ex2_dist.py", "exercises/03_ddp.ipynb", "course/grade.py"} <= set(files)
     assert leaks(str(dest)) == []
     secret = sorted(secret_lines())[0]
@@ -153,22 +175,30 @@ def test_release_has_no_solution_and_grades_an_untouched_clone(tmp_path):
     (dest / "notes.txt").unlink()
 
     dry = subprocess.run(["make", "-n", "test"], cwd=dest, capture_output=True, text=True, timeout=60)
-    assert "-m course grade" in dry.stdout and "COURSE_IMPL=solutions" not in dry.stdout, "without solutions/, make test is make grade"
+    assert "-m course grade" in dry.stdout and "COURSE_IMPL=solutions" not in dry.stdout, (
+        "without solutions/, make test is make grade"
+    )
     done = subprocess.run(
         [sys.executable, "-m", "course", "grade"],
-        cwd=dest, env=dict(os.environ, COURSE_IMPL="student"), capture_output=True, text=True, timeout=120,
+        cwd=dest,
+        env=dict(os.environ, COURSE_IMPL="student"),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     with open(dest / "results.json") as f:
         results = json.load(f)
     assert results["score"] == 0 and results["tests"]
     messages, exercise = {}, None
-    for line in done.stdout[done.stdout.index("exercise"):].splitlines():
+    for line in done.stdout[done.stdout.index("exercise") :].splitlines():
         if re.match(r" +\d+ ", line):
             exercise = int(line.split()[0])
         elif line.strip().startswith("x "):
             messages.setdefault(exercise, []).append(line)
-    assert sorted(messages) == sorted(POINTS) and all(len(m) == 1 and "not written yet" in m[0] for m in messages.values()), messages
+    assert sorted(messages) == sorted(POINTS) and all(
+        len(m) == 1 and "not written yet" in m[0] for m in messages.values()
+    ), messages
 
 
 def test_max_scores_add_up_to_each_exercise_points_exactly():
@@ -185,7 +215,11 @@ def test_max_scores_add_up_to_each_exercise_points_exactly():
 def course_grade(*args, impl, cwd):
     return subprocess.run(
         [sys.executable, "-m", "course", "grade", *args],
-        cwd=cwd, env=dict(os.environ, COURSE_IMPL=str(impl)), capture_output=True, text=True, timeout=120,
+        cwd=cwd,
+        env=dict(os.environ, COURSE_IMPL=str(impl)),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -202,7 +236,7 @@ def test_a_syntax_error_is_said_once_and_no_pytest_summary_follows_the_table(tmp
     (tmp_path / "mlp.py").write_text("def broken(:\n")
     done = course_grade("--ex", "1", impl=tmp_path, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    table = done.stdout[done.stdout.index("exercise"):]
+    table = done.stdout[done.stdout.index("exercise") :]
     assert table.count("mlp.py does not import: SyntaxError") == 1, table
     assert re.search(r"\d+ (failed|passed)", done.stdout) is None, done.stdout
     with open(tmp_path / "results.json") as f:

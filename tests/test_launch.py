@@ -149,16 +149,22 @@ def test_mismatched_collectives_are_named():
     assert f.kind == "mismatch" and [r.op for r in f.ranks] == ["ALLREDUCE", "BROADCAST"]
     assert [(r.file, r.line, r.func) for r in f.ranks] == [
         ("test_launch.py", line_with(mismatched, "all_reduce"), "mismatched"),
-        ("test_launch.py", line_with(mismatched, "broadcast"), "mismatched")]
+        ("test_launch.py", line_with(mismatched, "broadcast"), "mismatched"),
+    ]
     assert failed.summary == f.report()
-    assert f.report().startswith("Ranks called different collectives (world of 2):\n  rank 0 called ALLREDUCE of shape [3] in all_reduce at test_launch.py:")
+    assert f.report().startswith(
+        "Ranks called different collectives (world of 2):\n  rank 0 called ALLREDUCE of shape [3] in all_reduce at test_launch.py:"
+    )
 
 
 def test_mismatch_without_fingerprints_ends_at_the_collective_timeout():
     failed, seconds = timed_failure(mismatched, debug=False, collective_timeout=1)
     assert seconds < 6
     f = failed.failure
-    assert f.kind == "wait" and [(r.rank, r.state, r.collective) for r in f.ranks] == [(0, "waited", "all_reduce"), (1, "waited", "broadcast")]
+    assert f.kind == "wait" and [(r.rank, r.state, r.collective) for r in f.ranks] == [
+        (0, "waited", "all_reduce"),
+        (1, "waited", "broadcast"),
+    ]
     assert "rank 0 waits in all_reduce of shape [3] at test_launch.py" in f.sentence()
 
 
@@ -189,7 +195,11 @@ def test_a_stub_is_parsed_once_into_fields():
     message = "Exercise 2: par_matmul_by_row is not written yet, see exercises/02_dist.md"
     failed, _ = timed_failure(stub, 2, message, collective_timeout=30)
     f = failed.failure
-    assert f.kind == "stub" and f.stub == {"exercise": 2, "func": "par_matmul_by_row", "handout": "exercises/02_dist.md"}
+    assert f.kind == "stub" and f.stub == {
+        "exercise": 2,
+        "func": "par_matmul_by_row",
+        "handout": "exercises/02_dist.md",
+    }
     assert f.sentence() == f.report() == message
 
 
@@ -217,7 +227,9 @@ def test_a_spinning_rank_is_named_beside_the_waiting_one():
     f = failed.failure
     assert f.kind == "wait" and f.first == 0
     assert [(r.rank, r.state, r.func, r.collective) for r in f.ranks] == [
-        (0, "running", "endless_on_rank_0", ""), (1, "waited", "endless_on_rank_0", "all_reduce")]
+        (0, "running", "endless_on_rank_0", ""),
+        (1, "waited", "endless_on_rank_0", "all_reduce"),
+    ]
     assert "rank 0 runs at test_launch.py" in f.sentence() and "rank 1 waits in all_reduce" in f.sentence()
 
 
@@ -244,7 +256,8 @@ def test_a_send_recv_deadlock_is_not_called_a_collective_mismatch(ring):
     assert f.kind == "p2p_deadlock", f.report()
     sends = line_with(blocking_ring, "dist.send")
     assert [(r.rank, r.collective, r.peer, r.line, r.func) for r in f.ranks] == [
-        (r, "send", (r + 1) % 3, sends, "blocking_ring") for r in range(3)]
+        (r, "send", (r + 1) % 3, sends, "blocking_ring") for r in range(3)
+    ]
     assert f"rank 0 waits in send to rank 1 at test_launch.py:{sends} in blocking_ring" in f.report()
 
 
@@ -262,7 +275,12 @@ def test_an_isend_never_waited_for_is_reported_not_hung():
     f = failed.failure
     assert f.kind == "unwaited" and f.first == 0
     fact = f.fact(0)
-    assert (fact.collective, fact.peer, fact.line, fact.func) == ("isend", 1, line_with(unwaited_isend, "dist.isend"), "unwaited_isend")
+    assert (fact.collective, fact.peer, fact.line, fact.func) == (
+        "isend",
+        1,
+        line_with(unwaited_isend, "dist.isend"),
+        "unwaited_isend",
+    )
     assert "never waited for" in f.sentence()
 
 
@@ -379,8 +397,16 @@ def prints_lines():
 
 def test_ranks_print_whole_lines():
     out = subprocess.run(
-        [sys.executable, "-c", "from course.launch import run; from tests.test_launch import prints_lines; run(prints_lines, 2)"],
-        cwd=ROOT, env=os.environ | {"PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-c",
+            "from course.launch import run; from tests.test_launch import prints_lines; run(prints_lines, 2)",
+        ],
+        cwd=ROOT,
+        env=os.environ | {"PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=60,
     ).stdout.splitlines()
     assert len(out) == 600 and all(re.fullmatch(r"rank [01] line \d+ x{200}", line) for line in out)
 
@@ -418,7 +444,18 @@ def test_a_script_names_each_rank_line_at_its_time_limit(capsys):
 
 # --- 4. nothing left behind -----------------------------------------------------------------
 
-SMALL_FOREVER = ["--niters", "100000000", "--dim-in", "16", "--dim-hidden", "8", "--n-classes", "4", "--train-size", "400"]
+SMALL_FOREVER = [
+    "--niters",
+    "100000000",
+    "--dim-in",
+    "16",
+    "--dim-hidden",
+    "8",
+    "--n-classes",
+    "4",
+    "--train-size",
+    "400",
+]
 
 
 def wait_for(condition, seconds):
@@ -445,7 +482,12 @@ def training_script(sigint):
     plain = {k: v for k, v in os.environ.items() if k != "COURSE_DEBUG"}
     script = subprocess.Popen(
         [sys.executable, "solutions/mlp.py", "--world-size", "4", *SMALL_FOREVER],
-        cwd=ROOT, env=plain, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        cwd=ROOT,
+        env=plain,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
         preexec_fn=sigint,
     )
     for line in script.stdout:  # rank 0 prints step 0 once every rank is training
@@ -491,7 +533,8 @@ def test_a_script_started_with_sigint_ignored_keeps_ignoring_it():
 def test_workers_die_with_a_killed_parent():
     script = subprocess.Popen(
         [sys.executable, "-c", "from course.launch import run; from tests.test_launch import endless; run(endless, 2)"],
-        cwd=ROOT, env=os.environ | {"PYTHONPATH": ROOT},
+        cwd=ROOT,
+        env=os.environ | {"PYTHONPATH": ROOT},
     )
     workers = wait_for(lambda: len(descendants(script.pid)) >= 2 and descendants(script.pid), 30)
     script.kill()
@@ -550,9 +593,14 @@ def test_libuv_switch():
 
 def test_a_rank_missing_the_checked_barrier_reads_as_a_wait():
     """With collectives checked, a rank that never arrives can surface as torch's monitored barrier."""
-    report = dict(rank=0, when=1.0, error="RuntimeError", message="[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 4000 ms",
-                  full_message="[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 4000 ms",
-                  frames=[("/x/dist.py", 9, "par_matmul_by_row")])
+    report = dict(
+        rank=0,
+        when=1.0,
+        error="RuntimeError",
+        message="[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 4000 ms",
+        full_message="[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 4000 ms",
+        frames=[("/x/dist.py", 9, "par_matmul_by_row")],
+    )
     f = diagnose([report], [], 2)
     assert f.kind == "wait" and (f.ranks[0].file, f.ranks[0].line) == ("dist.py", 9)
     assert f.report().startswith("Ranks [0] waited in a collective that not every rank joined")

@@ -6,43 +6,62 @@ known mistake and shows that the check for it fails, with a message that points 
 
 import pytest
 
+from tests.helpers import check_equivalence
 from tests.mutants import assert_caught
 from tests.test_ex1_mlp import check_training
 from tests.test_ex2_dist import check_matmul
 from tests.test_ex3_ddp import check_train_shares_batches
 from tests.test_ex4_mydp import check_start_sync
-from tests.helpers import check_equivalence
 
 MUTANTS = {
     "gradients summed instead of averaged": (
-        "mydp.py", "mean = grad / dist.get_world_size()", "mean = grad.clone()",
-        lambda folder: check_equivalence(folder, "mydp", 2), "2.0x the expected average",
+        "mydp.py",
+        "mean = grad / dist.get_world_size()",
+        "mean = grad.clone()",
+        lambda folder: check_equivalence(folder, "mydp", 2),
+        "2.0x the expected average",
     ),
     "hook all-reduces the parameter, not its gradient": (
-        "mydp.py", "param.register_hook(self._average_across_ranks)",
+        "mydp.py",
+        "param.register_hook(self._average_across_ranks)",
         "param.register_hook(lambda grad, p=param: dist.all_reduce(p.data))",
-        lambda folder: check_equivalence(folder, "mydp", 2), "gradient of layers",
+        lambda folder: check_equivalence(folder, "mydp", 2),
+        "gradient of layers",
     ),
     "no initial broadcast": (
-        "mydp.py", "dist.broadcast(tensor, src=0)", "pass",
-        lambda folder: check_start_sync(folder, 2), "broadcast parameters and buffers from rank 0",
+        "mydp.py",
+        "dist.broadcast(tensor, src=0)",
+        "pass",
+        lambda folder: check_start_sync(folder, 2),
+        "broadcast parameters and buffers from rank 0",
     ),
     "non-contiguous scatter pieces": (
-        "dist.py", "blocks.append(torch.cat([block, block.new_zeros(pad)], dim=dim).contiguous())",
+        "dist.py",
+        "blocks.append(torch.cat([block, block.new_zeros(pad)], dim=dim).contiguous())",
         "blocks.append(block if pad[dim] == 0 else torch.cat([block, block.new_zeros(pad)], dim=dim))",
-        lambda folder: check_matmul(folder, 2), "par_matmul_by_reduction returned wrong numbers",
+        lambda folder: check_matmul(folder, 2),
+        "par_matmul_by_reduction returned wrong numbers",
     ),
     "torch.split given a chunk size where a number of chunks was meant": (
-        "dist.py", "torch.split(matrix, sizes, dim=dim)", "torch.split(matrix, len(sizes), dim=dim)",
-        lambda folder: check_matmul(folder, 3), "Input list size should be 3",
+        "dist.py",
+        "torch.split(matrix, sizes, dim=dim)",
+        "torch.split(matrix, len(sizes), dim=dim)",
+        lambda folder: check_matmul(folder, 3),
+        "Input list size should be 3",
     ),
     "every rank trains on the same batches": (
-        "mlp.py", "if i % world_size != rank:", "if False:",
-        check_train_shares_batches, "i % world_size == r",
+        "mlp.py",
+        "if i % world_size != rank:",
+        "if False:",
+        check_train_shares_batches,
+        "i % world_size == r",
     ),
     "test loss computed on training data": (
-        "mlp.py", '"test_loss": evaluate(model, test_set),', '"test_loss": evaluate(model, train_set),',
-        check_training, "measured on the training data",
+        "mlp.py",
+        '"test_loss": evaluate(model, test_set),',
+        '"test_loss": evaluate(model, train_set),',
+        check_training,
+        "measured on the training data",
     ),
 }
 

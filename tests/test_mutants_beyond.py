@@ -27,52 +27,80 @@ LAUNCH_WHEN_FULL = """        if bucket.ready == len(bucket.params):
 MUTANTS = {
     # With 2 ranks the sums are right, but each step moves the whole tensor, not half of it.
     "ring sends the whole tensor at every step": (
-        "dist.py", "chunks = tensor.view(-1).tensor_split(world_size)", "chunks = [tensor.view(-1)] * world_size",
-        lambda folder: check_ring(folder, 2), "send one chunk per step",
+        "dist.py",
+        "chunks = tensor.view(-1).tensor_split(world_size)",
+        "chunks = [tensor.view(-1)] * world_size",
+        lambda folder: check_ring(folder, 2),
+        "send one chunk per step",
     ),
     "ring calls dist.all_reduce": (
-        "dist.py", "    # Rank r now holds the complete sum", "    return dist.all_reduce(tensor)\n    # Rank r now holds the complete sum",
-        lambda folder: check_ring(folder, 2), "no collective",
+        "dist.py",
+        "    # Rank r now holds the complete sum",
+        "    return dist.all_reduce(tensor)\n    # Rank r now holds the complete sum",
+        lambda folder: check_ring(folder, 2),
+        "no collective",
     ),
     # Right numbers, no overlap: each bucket's all-reduce ends before autograd goes on.
     "hook waits for its all-reduce": (
-        "mydp.py", "bucket.work = dist.all_reduce(bucket.buffer, async_op=True)",
+        "mydp.py",
+        "bucket.work = dist.all_reduce(bucket.buffer, async_op=True)",
         "bucket.work = dist.all_reduce(bucket.buffer, async_op=True)\n        bucket.work.wait()",
-        check_overlap, "none overlapped the backward pass",
+        check_overlap,
+        "none overlapped the backward pass",
     ),
     # The first layer's gradient, ready last, is in the first bucket: nothing can start early.
     "buckets filled in registration order": (
-        "mydp.py", "for param in reversed(params):", "for param in params:",
-        check_overlap, "fill buckets last parameter first",
+        "mydp.py",
+        "for param in reversed(params):",
+        "for param in params:",
+        check_overlap,
+        "fill buckets last parameter first",
     ),
     # A weight shared by two layers is listed, bucketed and hooked once per layer.
     "hook fires twice for a parameter used twice": (
-        "mydp.py", "params = [p for p in model.parameters() if p.requires_grad]",
+        "mydp.py",
+        "params = [p for p in model.parameters() if p.requires_grad]",
         "params = [p for m in model.modules() for p in m.parameters(recurse=False) if p.requires_grad]",
-        check_shared_parameters, "fire twice",
+        check_shared_parameters,
+        "fire twice",
     ),
     # A tensor hook runs before .grad is written: it reads last pass's or the no_sync() gradient.
     "tensor hook instead of post-accumulate hook": (
-        "mydp.py", "param.register_post_accumulate_grad_hook(partial(self._gradient_ready, bucket))",
+        "mydp.py",
+        "param.register_post_accumulate_grad_hook(partial(self._gradient_ready, bucket))",
         "param.register_hook(lambda grad, param=param, bucket=bucket: self._gradient_ready(bucket, param))",
-        check_accumulation, "register_post_accumulate_grad_hook",
+        check_accumulation,
+        "register_post_accumulate_grad_hook",
     ),
     "buckets launched in the order they fill": (
-        "mydp.py", WAIT_IN_ORDER, LAUNCH_WHEN_FULL, check_bucket_order, "in bucket order",
+        "mydp.py",
+        WAIT_IN_ORDER,
+        LAUNCH_WHEN_FULL,
+        check_bucket_order,
+        "in bucket order",
     ),
     # Right numbers (averaging is linear), but every micro-batch pays a full all-reduce.
     "no_sync still all-reduces": (
-        "mydp.py", "        if not self.require_backward_grad_sync:\n            return", "        if False:\n            return",
-        check_accumulation, "inside no_sync()",
+        "mydp.py",
+        "        if not self.require_backward_grad_sync:\n            return",
+        "        if False:\n            return",
+        check_accumulation,
+        "inside no_sync()",
     ),
     # Right for one block; a nested block's end turns synchronisation on inside the outer one.
     "no_sync turns synchronisation on at its end": (
-        "mydp.py", "self.require_backward_grad_sync = previous", "self.require_backward_grad_sync = True",
-        check_nested_no_sync, "previous value",
+        "mydp.py",
+        "self.require_backward_grad_sync = previous",
+        "self.require_backward_grad_sync = True",
+        check_nested_no_sync,
+        "previous value",
     ),
     "micro-batch loss not divided by their number": (
-        "mydp.py", "(loss / micro_batches).backward()", "loss.backward()",
-        check_accumulation, "divided by the number of micro-batches",
+        "mydp.py",
+        "(loss / micro_batches).backward()",
+        "loss.backward()",
+        check_accumulation,
+        "divided by the number of micro-batches",
     ),
 }
 

@@ -20,7 +20,9 @@ def test_leak_check_finds_solution_statements_in_handouts_and_notebooks(tmp_path
     original = handout.read_text()
     respaced = "Register `param.register_post_accumulate_grad_hook( partial(self._gradient_ready,bucket) )` on each."
     handout.write_text(original + respaced + "\n")
-    assert leaks(str(dest)) == [("exercises/06_overlap.md", respaced)], "a solution statement with other spacing, inside prose"
+    assert leaks(str(dest)) == [("exercises/06_overlap.md", respaced)], (
+        "a solution statement with other spacing, inside prose"
+    )
     wrapped = ["Then `param.register_post_accumulate_grad_hook(partial(", "self._gradient_ready, bucket))` and done."]
     handout.write_text(original + "\n".join(wrapped) + "\n")
     assert leaks(str(dest)) == [("exercises/06_overlap.md", wrapped[0])], "a solution statement wrapped over two lines"
@@ -31,4 +33,6 @@ def test_leak_check_finds_solution_statements_in_handouts_and_notebooks(tmp_path
     answer = "R means, which is the mean gradient over all R x B rows: the step one process would take on a"  # the model answer of solutions/notebooks/03_ddp.md
     nb["cells"].append({"cell_type": "markdown", "id": "leak", "metadata": {}, "source": [f"Hint: {answer} batch.\n"]})
     notebook.write_text(json.dumps(nb))
-    assert leaks(str(dest)) == [("exercises/03_ddp.ipynb", f"Hint: {answer} batch.")], "a model answer in a released notebook"
+    assert leaks(str(dest)) == [("exercises/03_ddp.ipynb", f"Hint: {answer} batch.")], (
+        "a model answer in a released notebook"
+    )

@@ -82,8 +82,16 @@ def torchrun_forked_workers(name, *argv):
     def main():
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
-                              rdzv_endpoint="localhost:0", run_id=name, max_restarts=0, start_method="fork")
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=2,
+            rdzv_backend="c10d",
+            rdzv_endpoint="localhost:0",
+            run_id=name,
+            max_restarts=0,
+            start_method="fork",
+        )
         elastic_launch(config, run_script)(name, *argv)
 
     return main
@@ -172,7 +180,9 @@ def test_dist_accepts_a_large_product_rounded_in_float32(tmp_path):
     shape = (100, 3000, 100)
     by_row, by_reduction = run(gpu_check.matmul_on_rank, 2, SOLUTIONS, *shape)[0]
     rounding = (by_reduction - torch.matmul(*gpu_check.matrices(*shape))).abs().max().item()
-    assert rounding > 1e-5, f"this shape no longer shows float32 rounding beyond 1e-5 ({rounding:.1e}): choose a larger k"
+    assert rounding > 1e-5, (
+        f"this shape no longer shows float32 rounding beyond 1e-5 ({rounding:.1e}): choose a larger k"
+    )
     [(code, out)] = processes(tmp_path, (script("dist", "--world-size", "2", "--shape", *map(str, shape)), {}))
     check_dist_output(code, out)
 
@@ -198,7 +208,12 @@ def test_torchrun_runs_each_script(tmp_path):
 
 def mpi_variables(rank, kind):
     names = {
-        "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        "openmpi": (
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        ),
         "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     }[kind]
     return dict(zip(names, (str(rank), "2", str(rank), "2")))
@@ -209,7 +224,10 @@ def test_mpiexec_openmpi_ranks_join(tmp_path):
     port = str(free_port())
     rank0, rank1 = processes(
         tmp_path,
-        *[(script("dist"), mpi_variables(r, "openmpi") | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in (0, 1)],
+        *[
+            (script("dist"), mpi_variables(r, "openmpi") | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+            for r in (0, 1)
+        ],
     )
     check_dist_output(rank0[0], rank0[1] + rank1[1])
     assert rank1[0] == 0 and "matches" not in rank1[1], "only rank 0 should go on after launch()"
@@ -218,7 +236,9 @@ def test_mpiexec_openmpi_ranks_join(tmp_path):
 def test_mpiexec_mpich_ranks_join(tmp_path):
     """MPICH/Intel MPI's PMI_* variables; no MASTER_ADDR (all ranks here), the port from --port."""
     port = str(free_port())
-    rank0, rank1 = processes(tmp_path, *[(script("mlp", *TINY, "--port", port), mpi_variables(r, "mpich")) for r in (0, 1)])
+    rank0, rank1 = processes(
+        tmp_path, *[(script("mlp", *TINY, "--port", port), mpi_variables(r, "mpich")) for r in (0, 1)]
+    )
     check_mlp_output(*rank0, "mpich")
     assert rank1[0] == 0 and "final |" not in rank1[1], rank1[1]
 
@@ -226,8 +246,13 @@ def test_mpiexec_mpich_ranks_join(tmp_path):
 def test_srun_ranks_on_two_nodes_join(tmp_path):
     """`srun` tasks, each local rank 0 as on two nodes, meeting on the step's first node."""
     port = str(free_port())
-    variables = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
-                 "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": port}
+    variables = {
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_NODELIST": "localhost",
+        "MASTER_PORT": port,
+    }
     rank0, rank1 = processes(
         tmp_path, *[(script("mydp", "--compare", *TINY), variables | {"SLURM_PROCID": str(r)}) for r in (0, 1)]
     )
@@ -238,8 +263,15 @@ def test_srun_ranks_on_two_nodes_join(tmp_path):
 def test_srun_with_pmi2_ranks_join_as_slurm(tmp_path):
     """`srun --mpi=pmi2`: SLURM's pmi2 plugin adds PMI_RANK and PMI_SIZE, which MPICH sets too."""
     port = str(free_port())
-    variables = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
-                 "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": port, "PMI_SIZE": "2", "PMI_JOBID": "4242.0"}
+    variables = {
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_NODELIST": "localhost",
+        "MASTER_PORT": port,
+        "PMI_SIZE": "2",
+        "PMI_JOBID": "4242.0",
+    }
     rank0, rank1 = processes(
         tmp_path, *[(script("dist"), variables | {"SLURM_PROCID": str(r), "PMI_RANK": str(r)}) for r in (0, 1)]
     )
@@ -254,7 +286,12 @@ def test_launcher_detection():
     assert env.external_world({}) is None
     torchrun_vars = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     assert env.external_world(torchrun_vars) == env.ExternalWorld("torchrun", 3, 8, 1, 2)
-    ompi = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}
+    ompi = {
+        "OMPI_COMM_WORLD_RANK": "5",
+        "OMPI_COMM_WORLD_SIZE": "6",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "3",
+    }
     assert env.external_world(ompi) == env.ExternalWorld("openmpi", 5, 6, 2, 3)
     mpich = {"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
     assert env.external_world(mpich) == env.ExternalWorld("mpich", 1, 4, 1, 2)
@@ -265,7 +302,9 @@ def test_launcher_detection():
     mpiexec_in_slurm_job = ompi | {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0"}
     assert env.external_world(mpiexec_in_slurm_job).launcher == "openmpi"
     srun_pmi2 = srun | {"PMI_RANK": "7", "PMI_SIZE": "8", "PMI_FD": "5", "PMI_JOBID": "4242.0"}
-    assert env.external_world(srun_pmi2) == env.ExternalWorld("slurm", 7, 8, 3, None), "pmi2 sets PMI_* but is not MPICH"
+    assert env.external_world(srun_pmi2) == env.ExternalWorld("slurm", 7, 8, 3, None), (
+        "pmi2 sets PMI_* but is not MPICH"
+    )
     hydra_in_slurm_job = mpich | {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0"}
     assert env.external_world(hydra_in_slurm_job) == env.ExternalWorld("mpich", 1, 4, 1, 2)
 
@@ -280,8 +319,13 @@ def test_first_host_of_slurm_node_lists():
 def test_rendezvous():
     srun = env.ExternalWorld("slurm", 1, 4, 1, None)
     assert env.rendezvous(srun, {"SLURM_STEP_NODELIST": "gpu[3-4]"}) == ("gpu3", env.DEFAULT_PORT)
-    assert env.rendezvous(srun, {"SLURM_STEP_NODELIST": "gpu[3-4]", "MASTER_ADDR": "head", "MASTER_PORT": "1234"}) == ("head", 1234)
-    assert env.rendezvous(srun, {"MASTER_ADDR": "head", "MASTER_PORT": "1234"}, "other", 99) == ("other", 99), "flags win"
+    assert env.rendezvous(srun, {"SLURM_STEP_NODELIST": "gpu[3-4]", "MASTER_ADDR": "head", "MASTER_PORT": "1234"}) == (
+        "head",
+        1234,
+    )
+    assert env.rendezvous(srun, {"MASTER_ADDR": "head", "MASTER_PORT": "1234"}, "other", 99) == ("other", 99), (
+        "flags win"
+    )
     one_machine = env.ExternalWorld("openmpi", 0, 2, 0, 2)
     assert env.rendezvous(one_machine, {}, port=99) == ("127.0.0.1", 99)
     with pytest.raises(ValueError, match="--master-addr"):
@@ -353,9 +397,13 @@ def check_amp(folder):
     mine, builtin = world(train_both_with, 2, folder, {"amp": True})[0]
     alone = ex.mlp.train(small_config(ex.mlp, batch_size=16, amp=True))
     full = ex.mlp.train(small_config(ex.mlp, batch_size=16))
-    assert difference(mine["state"], builtin["state"]) < 1e-5, "with --amp, MyDP and built-in DDP should take the same steps"
+    assert difference(mine["state"], builtin["state"]) < 1e-5, (
+        "with --amp, MyDP and built-in DDP should take the same steps"
+    )
     # bfloat16 keeps 8 bits of mantissa: parameters near 0.3 round to steps of about 1e-3.
-    assert difference(mine["state"], alone["state"]) < 2e-3, "with --amp, 2 ranks should train like one process on both batches"
+    assert difference(mine["state"], alone["state"]) < 2e-3, (
+        "with --amp, 2 ranks should train like one process on both batches"
+    )
     assert difference(alone["state"], full["state"]) > 1e-5, "--amp changed nothing: is autocast on?"
 
 
@@ -406,8 +454,14 @@ def test_gpu_check_compares_every_case():
     """The check itself, run with the CPU standing in for the GPU: every case, and a report."""
     rows = gpu_check.compare("cpu", 2, small_config(impl.load(SOLUTIONS).mlp))
     assert [row.case for row in rows] == [
-        "1 MLP, one process", "2 matmul, by row and by reduction", "3 DDP", "3 DDP --amp", "4 MyDP", "4 MyDP --amp",
-        "5 ring all-reduce", "6 OverlappedDP, 1 MiB buckets",
+        "1 MLP, one process",
+        "2 matmul, by row and by reduction",
+        "3 DDP",
+        "3 DDP --amp",
+        "4 MyDP",
+        "4 MyDP --amp",
+        "5 ring all-reduce",
+        "6 OverlappedDP, 1 MiB buckets",
     ]
     assert all(row.ok for row in rows), gpu_check.report(rows, "CPU")
     assert "8 of 8 cases agree with the CPU." in gpu_check.report(rows, "CPU")
@@ -417,9 +471,13 @@ def test_gpu_check_compares_every_case():
 
 def test_gpu_check_keeps_the_table_when_a_case_fails(tmp_path):
     """A ring that raises on rank 1: its row says so, with rank 1's error below the table, and case 6 still runs."""
-    folder = make_mutant(tmp_path, "dist.py", "    for step in range(world_size - 1):\n        # The chunk sent on",
-                         "    if rank == 1:\n        raise RuntimeError('lost the ring')\n"
-                         "    for step in range(world_size - 1):\n        # The chunk sent on")
+    folder = make_mutant(
+        tmp_path,
+        "dist.py",
+        "    for step in range(world_size - 1):\n        # The chunk sent on",
+        "    if rank == 1:\n        raise RuntimeError('lost the ring')\n"
+        "    for step in range(world_size - 1):\n        # The chunk sent on",
+    )
     rows = gpu_check.compare("cpu", 2, small_config(impl.load(SOLUTIONS).mlp), folder)
     failed = [row.case for row in rows if not row.ok]
     assert failed == ["5 ring all-reduce"] and len(rows) == 8, gpu_check.report(rows, "CPU")

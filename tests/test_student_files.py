@@ -11,12 +11,12 @@ from course import impl
 from course.grade import POINTS
 from course.launch import WorldFailed
 from course.student import BEGIN, ROOT, SOLUTIONS, STUDENT_FILES, stub_source
+from tests.mutants import make_mutant
 from tests.test_ex1_mlp import check_layers
 from tests.test_ex2_dist import check_matmul
 from tests.test_ex3_ddp import check_closeness
 from tests.test_ex4_mydp import check_start_sync
 from tests.test_ex5_ring import check_ring
-from tests.mutants import make_mutant
 from tests.test_ex6_overlap import check_bucket_parameters
 
 STUB = re.compile(r'raise NotImplementedError\("(Exercise (\d+): \S+ is not written yet, see (\S+))"\)')
@@ -27,7 +27,9 @@ def test_student_file_is_generated_from_solution(name):
     with open(os.path.join(SOLUTIONS, name)) as f:
         expected = stub_source(f.read(), name)
     with open(os.path.join(ROOT, name)) as f:
-        assert f.read() == expected, f"{name} differs from what `make student` makes of solutions/{name}: run `make student`"
+        assert f.read() == expected, (
+            f"{name} differs from what `make student` makes of solutions/{name}: run `make student`"
+        )
 
 
 @pytest.mark.parametrize("name", STUDENT_FILES)
@@ -47,8 +49,15 @@ def test_student_files_import():
 
 
 @pytest.mark.parametrize(
-    "check, exercise", [(check_layers, 1), (lambda f: check_matmul(f, 2), 2), (lambda f: check_closeness(f, 2), 3), (lambda f: check_start_sync(f, 2), 4),
-     (lambda f: check_ring(f, 2), 5), (check_bucket_parameters, 6)]
+    "check, exercise",
+    [
+        (check_layers, 1),
+        (lambda f: check_matmul(f, 2), 2),
+        (lambda f: check_closeness(f, 2), 3),
+        (lambda f: check_start_sync(f, 2), 4),
+        (lambda f: check_ring(f, 2), 5),
+        (check_bucket_parameters, 6),
+    ],
 )
 def test_untouched_stubs_fail_fast_with_their_message(check, exercise):
     with pytest.raises((NotImplementedError, WorldFailed)) as caught:
@@ -60,8 +69,14 @@ def test_untouched_stubs_fail_fast_with_their_message(check, exercise):
     "command, message",
     [
         (["mlp.py", "--niters", "5"], "Exercise 1: MLP.__init__ is not written yet, see exercises/01_mlp.md"),
-        (["dist.py", "--world-size", "2"], "Exercise 2: par_matmul_by_row is not written yet, see exercises/02_dist.md"),
-        (["mydp.py", "--world-size", "2", "--niters", "5"], "Exercise 1: MLP.__init__ is not written yet, see exercises/01_mlp.md"),
+        (
+            ["dist.py", "--world-size", "2"],
+            "Exercise 2: par_matmul_by_row is not written yet, see exercises/02_dist.md",
+        ),
+        (
+            ["mydp.py", "--world-size", "2", "--niters", "5"],
+            "Exercise 1: MLP.__init__ is not written yet, see exercises/01_mlp.md",
+        ),
     ],
 )
 def test_cli_stops_at_first_stub_with_one_line(command, message):
@@ -73,17 +88,37 @@ def test_cli_stops_at_first_stub_with_one_line(command, message):
 def test_readme_path_lists_every_exercise_with_its_points():
     with open(os.path.join(ROOT, "README.md")) as f:
         rows = re.findall(r"^\| (\d+) \|.*\]\((exercises/\S+)\).*\| (\d+) \|$", f.read(), re.M)
-    assert {int(n): int(points) for n, _, points in rows} == POINTS, "the README's path table should list every exercise with course/grade.py's points"
+    assert {int(n): int(points) for n, _, points in rows} == POINTS, (
+        "the README's path table should list every exercise with course/grade.py's points"
+    )
     for _, handout, _ in rows:
         assert os.path.exists(os.path.join(ROOT, handout)), f"the README links {handout}, which does not exist"
 
 
-SMALL_RUN = ["--world-size", "2", "--n-layers", "3", "--dim-in", "12", "--n-classes", "4", "--dim-hidden", "10",
-             "--batch-size", "8", "--train-size", "160", "--niters", "3"]
+SMALL_RUN = [
+    "--world-size",
+    "2",
+    "--n-layers",
+    "3",
+    "--dim-in",
+    "12",
+    "--n-classes",
+    "4",
+    "--dim-hidden",
+    "10",
+    "--batch-size",
+    "8",
+    "--train-size",
+    "160",
+    "--niters",
+    "3",
+]
 
 
 def run_script(folder, *args):
-    return subprocess.run([sys.executable, "mydp.py", *SMALL_RUN, *args], cwd=folder, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "mydp.py", *SMALL_RUN, *args], cwd=folder, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_script_shows_a_missing_broadcast(tmp_path):
@@ -95,4 +130,6 @@ def test_script_shows_a_missing_broadcast(tmp_path):
     assert unchecked.returncode == 0 and "parameters close across ranks: False" in unchecked.stdout, unchecked.stderr
     checked = run_script(mutant, "--check")
     assert checked.returncode == 1
-    assert "ranks hold different parameters before the first step: does the wrapper start every rank" in checked.stderr, checked.stderr
+    assert (
+        "ranks hold different parameters before the first step: does the wrapper start every rank" in checked.stderr
+    ), checked.stderr
