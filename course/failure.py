@@ -29,6 +29,7 @@ _COMM_LOG = os.path.join("tests", "comm_log.py")
 C10D_FILE = "distributed_c10d.py"
 POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
+_LIST_SIZE = re.compile(r"Incorrect (?:input|output) list size (\d+)")  # gloo's scatter/gather
 _STUB = re.compile(r"Exercise (\d+): (\S+) is not written yet, see (\S+)")  # course/student.py's stubs
 _MISMATCH = "Detected mismatch between collectives"
 _FINGERPRINT = (
@@ -56,6 +57,7 @@ class RankFact:
     exit_code: int | None = None  # for a rank that ended without reporting
     when: float = float("inf")  # when it went wrong (time.time()): the first failure is the cause
     op: str = ""  # with collectives checked: the OpType torch's fingerprint gave ("ALLREDUCE")
+    pieces: int | None = None  # a scatter/gather given a list of this many tensors for world_size ranks
 
     def where(self) -> str:
         if self.file:
@@ -144,6 +146,11 @@ class Failure:
         if self.kind == "crash":
             sig = f" (signal {-first.exit_code})" if first.exit_code is not None and first.exit_code < 0 else ""
             return f"Rank {first.rank} of {w} crashed with exit code {first.exit_code}{sig} at {first.where()}."
+        if first.pieces is not None:
+            return (
+                f"Rank {first.rank} of {w} gave {first.collective} {first.pieces} tensors for {w} ranks: its list takes"
+                f" one tensor per rank (at {first.where()})"
+            )
         return f"Rank {first.rank} of {w} failed first: {first.error}: {first.message} (at {first.where()})"
 
     def sentence(self) -> str:
@@ -295,7 +302,11 @@ def _fact(report: dict) -> RankFact:
     match = re.search(_FINGERPRINT.format(rank=fact.rank), full)
     if match:
         fact.op, fact.shape = match.group(1), match.group(2) or ""
-    return _fill_place(fact, [tuple(f) for f in report.get("frames", [])])
+    fact = _fill_place(fact, [tuple(f) for f in report.get("frames", [])])
+    pieces = _LIST_SIZE.search(full)  # torch's own words, read in one place
+    if pieces and fact.collective:
+        fact.pieces = int(pieces.group(1))
+    return fact
 
 
 def ended_without_report(

@@ -7,7 +7,7 @@ cannot silently stop applying when the reference changes.
 import os
 import shutil
 
-from course.student import SOLUTIONS, STUDENT_FILES
+from course.layout import SOLUTIONS, STUDENT_FILES
 
 
 def make_mutant(dest, file, old, new):
@@ -32,6 +32,8 @@ def assert_caught(dest, mistake, file, old, new, check, hint):
     try:
         check(folder)
     except (AssertionError, WorldFailed) as caught:
-        assert hint in str(caught), f"the check caught '{mistake}' but its message does not say so: {caught}"
+        # A failed world shows as its sentence in the grade table and as its report in a script.
+        said = str(caught) + ("\n" + caught.failure.sentence() if isinstance(caught, WorldFailed) else "")
+        assert hint in said, f"the check caught '{mistake}' but its message does not say so: {said}"
         return
     raise AssertionError(f"the check passed a mutant with '{mistake}'")

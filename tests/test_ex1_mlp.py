@@ -41,11 +41,32 @@ def forward_both_ways(folder, x, y):
     _, model = build(folder)
     logits, loss = model(x)
     return {
+        "parameters": [name for name, _ in model.named_parameters()],
         "weights": weights_of(model),
         "logits": logits.detach(),
         "no_loss": loss is None,
         "loss_with_targets": model(x, y)[1].detach(),
     }
+
+
+def wrong_activation(weights, x, logits):
+    """The one way of placing an activation that gives these logits, or the fact that none does."""
+
+    def through(activation, after_last=False):
+        out = x
+        for i, weight in enumerate(weights):
+            out = out @ weight.T
+            if i < len(weights) - 1 or after_last:
+                out = activation(out)
+        return out
+
+    ways = {
+        "tanh after the last layer too: the logits are the last layer's output as it is": through(torch.tanh, True),
+        "no tanh between the layers": through(lambda t: t),
+        "relu between the layers where tanh is asked": through(torch.relu),
+    }
+    found = next((said for said, out in ways.items() if torch.allclose(logits, out, atol=1e-6)), None)
+    return found or "they are not the layers' weights applied in order with tanh between them"
 
 
 def check_forward(folder):
@@ -57,8 +78,13 @@ def check_forward(folder):
     assert logits.shape == (5, CONFIG.n_classes), (
         f"logits should have shape (batch, n_classes), got {tuple(logits.shape)}"
     )
-    assert torch.allclose(logits, expected, atol=1e-6), (
-        "logits are wrong: tanh goes between the layers and not after the last one"
+    extra = [name for name in got["parameters"] if not re.fullmatch(r"layers\.\d+\.weight", name)]
+    assert not extra, (
+        f"the layers hold {', '.join(extra)}: the MLP's nn.Linear layers are bias-free (bias=False),"
+        " so the logits come from the weights alone"
+    )
+    assert torch.allclose(logits, expected, atol=1e-6), "logits are wrong: " + wrong_activation(
+        got["weights"], x, logits
     )
     assert torch.allclose(got["loss_with_targets"], F.cross_entropy(expected, y), atol=1e-6), (
         "with targets, the loss should be the cross-entropy of the logits"

@@ -27,28 +27,105 @@ def multiply_everything(folder):
     return out
 
 
+def block_sizes(total, parts):
+    """The blocks dist.py cuts: as even as possible, the larger first (its block_sizes, computed here)."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def _bounds(sizes):
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(a, a + size) for a, size in zip(starts, sizes)]
+
+
+def _rows(first, last):
+    return f"row {first}" if last == first + 1 else f"rows {first}-{last - 1}"
+
+
+def _as_sent_without_copy(A, parts):
+    """A @ B's by-reduction terms as scatter delivers them when a full-width column block of A is a
+    view: gloo reads its memory as it lies, so the rank gets A's storage from the block's start."""
+    largest, flat = max(parts), A.contiguous().view(-1)
+    blocks = []
+    for a, b in _bounds(parts):
+        raw = b - a == largest and b - a < A.shape[1]
+        blocks.append(flat[a : a + A.shape[0] * (b - a)].view(A.shape[0], b - a) if raw else A[:, a:b])
+    return blocks
+
+
+def wrong_product(method, got, expected, A, B, world_size, rank, right_on_rank0):
+    """What is wrong with a product, said with the one cause that fits, or as plain facts."""
+    m, n = expected.shape
+    if tuple(got.shape) != (m, n):
+        said = f"got {'x'.join(map(str, got.shape))}, expected {m}x{n}"
+        padded = world_size * max(block_sizes(m, world_size))
+        if method == "par_matmul_by_row" and tuple(got.shape) == (padded, n):
+            said += ": the zero rows that pad the last blocks are still there: keep each block's own rows"
+        return said
+    close = lambda x, y: torch.allclose(x, y, atol=1e-5)  # noqa: E731
+    if method == "par_matmul_by_reduction":
+        if rank != 0 and right_on_rank0:
+            return "right on rank 0 only: every rank must end with the sum of the partial products"
+        parts = block_sizes(A.shape[1], world_size)
+        for r, (a, b) in enumerate(_bounds(parts)):
+            if b > a and world_size > 1 and close(got, A[:, a:b] @ B[a:b]):
+                return f"this is rank {r}'s partial product alone: the partial products must be summed on every rank"
+        if world_size > 1 and close(got, world_size * expected):
+            return f"{world_size} times the product: each term is counted once per rank"
+        raw = _as_sent_without_copy(A, parts)
+        if close(got, sum(block @ B[a:b] for block, (a, b) in zip(raw, _bounds(parts)))):
+            return (
+                "the numbers are those of column blocks of A sent as views: a column block is not contiguous,"
+                " and scatter sends its memory as it lies (.contiguous())"
+            )
+    matches = [next((j for j in range(m) if close(got[i], expected[j])), None) for i in range(m)]
+    if None not in matches and matches != list(range(m)):
+        return "the right rows in the wrong order: join the row blocks in rank order"
+    if method == "par_matmul_by_row":
+        wrong = [
+            f"{_rows(a, b)} (rank {r}'s block)"
+            for r, (a, b) in enumerate(_bounds(block_sizes(m, world_size)))
+            if b > a and not close(got[a:b], expected[a:b])
+        ]
+        zero = "" if got.abs().sum() else ", all zero"
+        return (
+            f"{', '.join(wrong)} wrong{zero}; the other rows right"
+            if len(wrong) < world_size
+            else "every row block wrong"
+        )
+    error = (got - expected).abs()
+    i, j = divmod(int(error.argmax()), n)
+    return f"off by up to {error.max():.3g} (at C[{i}, {j}])"
+
+
 def check_matmul(folder, world_size):
     results = world(multiply_everything, world_size, folder)
-    for rank, per_shape in enumerate(results):
-        for i, ((m, k, n), (by_row, by_reduction)) in enumerate(zip(SHAPES, per_shape)):
-            A, B = operands(i)
-            expected = A @ B
-            what = f"with {world_size} ranks, A {m}x{k} @ B {k}x{n}"
-            hint = " (scatter sends each piece's memory as it lies: is every piece contiguous?)"
+    for i, (m, k, n) in enumerate(SHAPES):
+        A, B = operands(i)
+        expected = A @ B
+        what = f"with {world_size} ranks, A {m}x{k} @ B {k}x{n}"
+        on_rank0 = results[0][i][1]
+        right_on_rank0 = isinstance(on_rank0, torch.Tensor) and on_rank0.shape == expected.shape
+        right_on_rank0 = right_on_rank0 and torch.allclose(on_rank0, expected, atol=1e-5)
+        for rank, per_shape in enumerate(results):
+            by_row, by_reduction = per_shape[i]
             if rank == 0:
-                assert isinstance(by_row, torch.Tensor) and by_row.shape == expected.shape, (
-                    f"{what}: par_matmul_by_row should return the {m}x{n} product on rank 0"
+                assert isinstance(by_row, torch.Tensor), (
+                    f"{what}: par_matmul_by_row should return the {m}x{n} product on rank 0, got {by_row!r}"
                 )
-                assert torch.allclose(by_row, expected, atol=1e-5), (
-                    f"{what}: par_matmul_by_row returned wrong numbers on rank 0{hint}"
+                assert by_row.shape == expected.shape and torch.allclose(by_row, expected, atol=1e-5), (
+                    f"{what}: par_matmul_by_row on rank 0: "
+                    + wrong_product("par_matmul_by_row", by_row, expected, A, B, world_size, 0, True)
                 )
             else:
                 assert by_row is None, f"{what}: par_matmul_by_row should return None on rank {rank}"
-            assert isinstance(by_reduction, torch.Tensor) and by_reduction.shape == expected.shape, (
-                f"{what}: par_matmul_by_reduction should return the {m}x{n} product on rank {rank}"
+            assert isinstance(by_reduction, torch.Tensor), (
+                f"{what}: par_matmul_by_reduction should return the {m}x{n} product on rank {rank}, got {by_reduction!r}"
             )
-            assert torch.allclose(by_reduction, expected, atol=1e-5), (
-                f"{what}: par_matmul_by_reduction returned wrong numbers on rank {rank}{hint}"
+            assert by_reduction.shape == expected.shape and torch.allclose(by_reduction, expected, atol=1e-5), (
+                f"{what}: par_matmul_by_reduction on rank {rank}: "
+                + wrong_product(
+                    "par_matmul_by_reduction", by_reduction, expected, A, B, world_size, rank, right_on_rank0
+                )
             )
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers import check_equivalence
 from tests.mutants import assert_caught
-from tests.test_ex1_mlp import check_training
+from tests.test_ex1_mlp import check_forward, check_training
 from tests.test_ex2_dist import check_matmul
 from tests.test_ex3_ddp import check_train_shares_batches
 from tests.test_ex4_mydp import check_start_sync
@@ -40,14 +40,49 @@ MUTANTS = {
         "blocks.append(torch.cat([block, block.new_zeros(pad)], dim=dim).contiguous())",
         "blocks.append(block if pad[dim] == 0 else torch.cat([block, block.new_zeros(pad)], dim=dim))",
         lambda folder: check_matmul(folder, 2),
-        "par_matmul_by_reduction returned wrong numbers",
+        "column blocks of A sent as views",
+    ),
+    "row blocks joined in the wrong order": (
+        "dist.py",
+        "zip(pieces, rows)",
+        "zip(pieces[::-1], rows[::-1])",
+        lambda folder: check_matmul(folder, 2),
+        "the right rows in the wrong order",
+    ),
+    "padding rows kept after the gather": (
+        "dist.py",
+        "torch.cat([piece[:size] for piece, size in zip(pieces, rows)])",
+        "torch.cat(pieces)",
+        lambda folder: check_matmul(folder, 3),
+        "got 9x8, expected 8x8: the zero rows that pad the last blocks are still there",
+    ),
+    "B never broadcast": (
+        "dist.py",
+        "    dist.broadcast(B, src=0)\n",
+        "    B = torch.zeros(k, n, dtype=dtype) if rank != 0 else B\n",
+        lambda folder: check_matmul(folder, 2),
+        "rows 4-7 (rank 1's block) wrong; the other rows right",
+    ),
+    "reduce where all_reduce is needed": (
+        "dist.py",
+        "dist.all_reduce(C, op=dist.ReduceOp.SUM)",
+        "dist.reduce(C, dst=0, op=dist.ReduceOp.SUM)",
+        lambda folder: check_matmul(folder, 2),
+        "right on rank 0 only",
+    ),
+    "partial products never summed": (
+        "dist.py",
+        "    dist.all_reduce(C, op=dist.ReduceOp.SUM)\n",
+        "",
+        lambda folder: check_matmul(folder, 2),
+        "partial product alone",
     ),
     "torch.split given a chunk size where a number of chunks was meant": (
         "dist.py",
         "torch.split(matrix, sizes, dim=dim)",
         "torch.split(matrix, len(sizes), dim=dim)",
         lambda folder: check_matmul(folder, 3),
-        "Input list size should be 3",
+        "gave scatter 4 tensors for 3 ranks: its list takes one tensor per rank",
     ),
     "every rank trains on the same batches": (
         "mlp.py",
@@ -55,6 +90,20 @@ MUTANTS = {
         "if False:",
         check_train_shares_batches,
         "i % world_size == r",
+    ),
+    "layers with a bias": (
+        "mlp.py",
+        "nn.Linear(a, b, bias=False)",
+        "nn.Linear(a, b)",
+        check_forward,
+        "the layers hold layers.0.bias, layers.1.bias, layers.2.bias: the MLP's nn.Linear layers are bias-free",
+    ),
+    "tanh after the last layer too": (
+        "mlp.py",
+        "            if i < len(self.layers) - 1:\n                x = torch.tanh(x)",
+        "            x = torch.tanh(x)",
+        check_forward,
+        "logits are wrong: tanh after the last layer too",
     ),
     "test loss computed on training data": (
         "mlp.py",
