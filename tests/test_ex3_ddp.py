@@ -19,15 +19,17 @@ def check_ddp_steps(folder, world_size):
     check_equivalence(folder, "ddp", world_size)
 
 
-def check_train_shares_batches(folder):
-    """Two ranks with batches of 8 take the same steps as one process with batches of 16."""
-    ranks = world(train_in_world, 2, folder, {"batch_size": 8})
-    alone_state = alone(train_in_world, folder, {"batch_size": 16})["state"]
+def check_train_shares_batches(folder, world_size=2):
+    """W ranks with batches of 8 take the same steps as one process with batches of 8 W. With 2 ranks,
+    training on the batches i % W != r is training on i % W == r under another name: 3 tell them apart."""
+    steps = {"niters": 6}  # within one pass over the 160 samples, for 2 and 3 ranks
+    ranks = world(train_in_world, world_size, folder, {"batch_size": 8, **steps})
+    alone_state = alone(train_in_world, folder, {"batch_size": 8 * world_size, **steps})["state"]
     for name, expected in alone_state.items():
         got = ranks[0]["state"][name]
         assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5), (
-            f"after training on 2 ranks, {name} differs from one process on batches twice as large:"
-            " does rank r train on the batches i with i % world_size == r, and only those?"
+            f"after training on {world_size} ranks, {name} differs from one process on batches {world_size} times"
+            " as large: does rank r train on the batches i with i % world_size == r, and only those?"
         )
     same = all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in alone_state)
     assert same and ranks[0]["parameters_close"] is True and ranks[1]["parameters_close"] is True, (
@@ -69,8 +71,9 @@ def test_ddp_steps(impl_dir, world_size):
     check_ddp_steps(impl_dir, world_size)
 
 
-def test_train_shares_batches(impl_dir):
-    check_train_shares_batches(impl_dir)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_train_shares_batches(impl_dir, world_size):
+    check_train_shares_batches(impl_dir, world_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -33,22 +33,40 @@ def check_start_sync(folder, world_size):
 
 
 def frozen_step(folder):
+    """Probe: one backward pass with a frozen weight; the gradients, and the gradients as MyDP's hooks
+    received them (the test's own hooks run first and keep them) against copies taken then."""
     mydp = load(folder).mydp
     rank = dist.get_rank()
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     model[0].weight.requires_grad_(False)
+    received = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            p.register_hook(lambda grad, name=name: received.setdefault(name, (grad, grad.clone())) and None)
     wrapped = mydp.MyDP(model)
     x = torch.full((2, 3), float(rank + 1))
     wrapped(x).sum().backward()
-    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+    return {
+        "grads": {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()},
+        "argument_changed": sorted(n for n, (grad, copy) in received.items() if not torch.equal(grad, copy)),
+    }
 
 
 def check_frozen(folder):
-    grads = world(frozen_step, 2, folder)
+    grads = [rank["grads"] for rank in world(frozen_step, 2, folder)]
     assert grads[0]["0.weight"] is None, "a parameter with requires_grad=False should get no gradient and no hook"
     assert torch.equal(grads[0]["1.weight"], grads[1]["1.weight"]), (
         "the other parameters' gradients should still be averaged"
     )
+
+
+def check_hook_leaves_its_argument(folder):
+    """A tensor hook returns a new gradient; the one it was given may be read by others afterwards."""
+    for rank, got in enumerate(world(frozen_step, 2, folder)):
+        assert not got["argument_changed"], (
+            f"rank {rank}: the hook changed the gradient it was given, in place ({', '.join(got['argument_changed'])}):"
+            " a hook must leave its argument alone and return a new tensor"
+        )
 
 
 def compare_with_ddp(folder):
@@ -79,6 +97,10 @@ def test_mydp_steps(impl_dir, world_size):
 
 def test_frozen_parameters(impl_dir):
     check_frozen(impl_dir)
+
+
+def test_hook_leaves_its_argument(impl_dir):
+    check_hook_leaves_its_argument(impl_dir)
 
 
 def test_matches_ddp(impl_dir):

@@ -100,18 +100,35 @@ def train_logged(folder, setup, steps):
             logs.append(log)
             loss.backward()
         last = max(i for i, e in enumerate(log.events) if e.kind == "mark")
+        left_over = {
+            "bucket.ready": [bucket.ready for bucket in wrapped.buckets],
+            "self.launched": wrapped.launched,
+            "self.finish_queued": wrapped.finish_queued,
+        }
         out.append(
             log.summary()
             | {
+                "left_over": left_over,
                 "started_before_last_gradient": len(log.started(last)),
                 "in_flight_at_last_gradient": len(log.in_flight(last)),
                 "collective_bytes": sum(e.nbytes for e in log.collectives()),
                 "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
             }
         )
+        if any(left_over["bucket.ready"]) or left_over["self.launched"] or left_over["self.finish_queued"]:
+            return out  # the next pass would fail on counts not reset: every rank stops here alike
         optimizer.step()
         out[-1]["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
+
+
+def assert_reset(rank, step, got):
+    """What the end of a backward pass leaves for the next one: counts at zero, no callback queued."""
+    left = got["left_over"]
+    assert not any(left["bucket.ready"]) and not left["self.launched"] and not left["self.finish_queued"], (
+        f"rank {rank}, after backward pass {step + 1}: {left} is left for the next pass, expected 0s and False:"
+        " reset the counts in finish_gradient_synchronization for the next backward pass"
+    )
 
 
 KIB_PARAMETERS = {
@@ -152,6 +169,7 @@ def check_overlap(folder):
     for rank, per_step in enumerate(steps):
         for step, got in enumerate(per_step):
             what = f"rank {rank}, backward pass {step + 1}, six 4 KiB gradients in 8 KiB buckets"
+            assert_reset(rank, step, got)
             assert len(got["collectives"]) == buckets, (
                 f"{what}: started {len(got['collectives'])} collectives, expected one all-reduce per bucket ({buckets})"
             )
@@ -190,6 +208,7 @@ def check_same_training(folder, setup, steps, hint=""):
         optimizer.step()
         for rank, per_step in enumerate(steps):
             got = per_step[step]
+            assert_reset(rank, step, got)
             assert got["collective_bytes"] == trainable, (
                 f"backward pass {step + 1} all-reduced {got['collective_bytes']} bytes, the trainable parameters"
                 f" hold {trainable}: is a parameter in two buckets, or is its hook registered twice?"
@@ -214,6 +233,7 @@ def check_shared_parameters(folder):
     steps = world(train_logged, 2, folder, "Shared", 3)
     for rank, per_step in enumerate(steps):
         for step, got in enumerate(per_step):
+            assert_reset(rank, step, got)
             assert len(got["collectives"]) == SETUPS["Shared"][2], (
                 f"rank {rank}, backward pass {step + 1}: started {len(got['collectives'])} collectives for"
                 f" {SETUPS['Shared'][2]} buckets: does a hook fire twice for a parameter used twice?"

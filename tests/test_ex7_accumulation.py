@@ -18,17 +18,20 @@ def rank_rows(config, step, world_size, micro_batches):
     return x[mine], y[mine]
 
 
-def accumulate_in_world(folder, micro_batches, steps):
-    """Probe, on every rank: `steps` steps by hand with no_sync(), then `steps` with accumulation_step."""
+def _start(folder):
+    """Rank r's own start, which OverlappedDP replaces with rank 0's: the reference starts from seed 100."""
     mydp = load(folder).mydp
-    config = CONFIG
-    world_size = dist.get_world_size()
     torch.manual_seed(100 + dist.get_rank())
     model = mydp.OverlappedDP(SmallMLP(), bucket_cap_mb=SMALL_BUCKET_MB)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    return mydp, model, torch.optim.SGD(model.parameters(), lr=LR)
+
+
+def by_hand_in_world(folder, micro_batches, steps):
+    """Probe, on every rank: `steps` steps of micro-batches, all but the last backward inside no_sync()."""
+    _, model, optimizer = _start(folder)
     out = []
     for step in range(steps):
-        x, y = rank_rows(config, step, world_size, micro_batches)
+        x, y = rank_rows(CONFIG, step, dist.get_world_size(), micro_batches)
         optimizer.zero_grad()
         inside = 0
         for x_piece, y_piece in list(zip(x.chunk(micro_batches), y.chunk(micro_batches)))[:-1]:
@@ -39,69 +42,110 @@ def accumulate_in_world(folder, micro_batches, steps):
             (model(x.chunk(micro_batches)[-1], y.chunk(micro_batches)[-1])[1] / micro_batches).backward()
         grads = {n: p.grad.clone() for n, p in model.module.named_parameters()}
         optimizer.step()
-        out.append({"inside": inside, "after": len(log.collectives()), "grads": grads, "params": _params(model)})
-    for step in range(steps, 2 * steps):
-        x, y = rank_rows(config, step, world_size, micro_batches)
-        with CommLog() as log:
-            loss = float(mydp.accumulation_step(model, optimizer, x, y, micro_batches))
-        out.append({"step_collectives": len(log.collectives()), "loss": loss, "params": _params(model)})
+        out.append(
+            {"inside": inside, "after": len(log.collectives()), "grads": grads, "params": _params_of(model.module)}
+        )
     return out
 
 
-def _params(model):
-    return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+def accumulation_step_in_world(folder, micro_batches, steps):
+    """Probe, on every rank: `steps` calls of accumulation_step."""
+    mydp, model, optimizer = _start(folder)
+    out = []
+    for step in range(steps):
+        x, y = rank_rows(CONFIG, step, dist.get_world_size(), micro_batches)
+        with CommLog() as log:
+            loss = float(mydp.accumulation_step(model, optimizer, x, y, micro_batches))
+        out.append({"step_collectives": len(log.collectives()), "loss": loss, "params": _params_of(model.module)})
+    return out
 
 
-def check_accumulation(folder, world_size=2, micro_batches=3, steps=2):
-    """k micro-batches, all but the last inside no_sync(), equal one step on the whole batch."""
-    results = world(accumulate_in_world, world_size, folder, micro_batches, steps)
-    config = CONFIG
+def reference_steps(world_size, micro_batches, steps):
+    """One process on the whole batch of every step: per step, each rank's batch loss, the gradients
+    and the parameters after the step."""
     torch.manual_seed(100)  # rank 0's start
     model = SmallMLP()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(2 * steps):
-        x, y = global_batch(config, step, world_size * micro_batches)
+    out = []
+    for step in range(steps):
+        x, y = global_batch(CONFIG, step, world_size * micro_batches)
         rank_losses = [model(xr, yr)[1].item() for xr, yr in zip(x.chunk(world_size), y.chunk(world_size))]
         optimizer.zero_grad()
         model(x, y)[1].backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         optimizer.step()
+        out.append({"rank_losses": rank_losses, "grads": grads, "params": _params_of(model)})
+    return out
+
+
+def _params_of(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _same_parameters(what, got, expected):
+    for name, p in expected.items():
+        assert torch.allclose(got[name], p, rtol=1e-4, atol=1e-5), (
+            f"{what}: {name} differs from one process trained on the whole batch: is each micro-batch's"
+            " loss divided by the number of micro-batches?"
+        )
+
+
+def check_no_sync_accumulates(folder, world_size=2, micro_batches=3, steps=2):
+    """k micro-batches, all but the last inside no_sync(), equal one step on the whole batch."""
+    results = world(by_hand_in_world, world_size, folder, micro_batches, steps)
+    for step, expected in enumerate(reference_steps(world_size, micro_batches, steps)):
         for rank, per_step in enumerate(results):
             got = per_step[step]
             what = f"rank {rank}, step {step + 1}, {micro_batches} micro-batches"
-            if step < steps:
-                assert got["inside"] == 0, (
-                    f"{what}: the backward passes inside no_sync() started {got['inside']} collectives:"
-                    " inside no_sync() gradients only accumulate, on each rank"
+            assert got["inside"] == 0, (
+                f"{what}: the backward passes inside no_sync() started {got['inside']} collectives:"
+                " inside no_sync() gradients only accumulate, on each rank"
+            )
+            assert got["after"] == BUCKETS, (
+                f"{what}: the backward pass after no_sync() started {got['after']} collectives, expected"
+                f" one all-reduce per bucket ({BUCKETS})"
+                + (": leaving no_sync() must turn synchronisation back on" if got["after"] == 0 else "")
+            )
+            for name, grad in expected["grads"].items():
+                assert torch.allclose(got["grads"][name], grad, rtol=1e-4, atol=1e-6), (
+                    f"{what}: the gradient of {name} after the last backward pass is not the gradient of the"
+                    " whole batch's mean loss: does it all-reduce the accumulated .grad"
+                    " (register_post_accumulate_grad_hook)?"
                 )
-                assert got["after"] == BUCKETS, (
-                    f"{what}: the backward pass after no_sync() started {got['after']} collectives, expected"
-                    f" one all-reduce per bucket ({BUCKETS})"
-                )
-                for name, p in model.named_parameters():
-                    grad = got["grads"][name]
-                    assert torch.allclose(grad, p.grad, rtol=1e-4, atol=1e-6), (
-                        f"{what}: the gradient of {name} after the last backward pass is not the gradient of the"
-                        " whole batch's mean loss: does it all-reduce the accumulated .grad"
-                        " (register_post_accumulate_grad_hook)?"
-                    )
+            _same_parameters(what, got["params"], expected["params"])
+
+
+def check_accumulation_step(folder, world_size=2, micro_batches=3, steps=2):
+    """accumulation_step: one step on the whole batch, one all-reduce per bucket, the batch's mean loss."""
+    results = world(accumulation_step_in_world, world_size, folder, micro_batches, steps)
+    for step, expected in enumerate(reference_steps(world_size, micro_batches, steps)):
+        for rank, per_step in enumerate(results):
+            got = per_step[step]
+            what = f"rank {rank}, step {step + 1}, {micro_batches} micro-batches"
+            count = got["step_collectives"]
+            if count == 0:
+                advice = ": the last micro-batch's backward pass must run outside no_sync(), where it all-reduces"
+            elif count > BUCKETS:
+                advice = ": run the other micro-batches inside model.no_sync()"
             else:
-                assert got["step_collectives"] == BUCKETS, (
-                    f"{what}: accumulation_step started {got['step_collectives']} collectives, expected {BUCKETS}"
-                    " (one per bucket, in the last backward pass): run the other micro-batches inside model.no_sync()"
-                )
-                assert abs(got["loss"] - rank_losses[rank]) < 1e-4, (
-                    f"{what}: accumulation_step returned {got['loss']:.5f}, the mean loss of the rank's batch is"
-                    f" {rank_losses[rank]:.5f}"
-                )
-            for name, p in model.named_parameters():
-                assert torch.allclose(got["params"][name], p.detach(), rtol=1e-4, atol=1e-5), (
-                    f"{what}: {name} differs from one process trained on the whole batch: is each micro-batch's"
-                    " loss divided by the number of micro-batches?"
-                )
+                advice = ""
+            assert count == BUCKETS, (
+                f"{what}: accumulation_step started {count} collectives, expected {BUCKETS}"
+                f" (one per bucket, in the last backward pass){advice}"
+            )
+            assert abs(got["loss"] - expected["rank_losses"][rank]) < 1e-4, (
+                f"{what}: accumulation_step returned {got['loss']:.5f}, the mean loss of the rank's batch is"
+                f" {expected['rank_losses'][rank]:.5f}"
+            )
+            _same_parameters(what, got["params"], expected["params"])
 
 
-def test_accumulation(impl_dir):
-    check_accumulation(impl_dir)
+def test_no_sync_accumulates(impl_dir):
+    check_no_sync_accumulates(impl_dir)
+
+
+def test_accumulation_step(impl_dir):
+    check_accumulation_step(impl_dir)
 
 
 def nested_no_sync_in_world(folder, micro_batches=3):
@@ -120,15 +164,22 @@ def nested_no_sync_in_world(folder, micro_batches=3):
             inner = collectives()
         outer = collectives()
     after = collectives()
+    try:
+        with model.no_sync():
+            raise KeyError("raised inside the block")
+    except KeyError:
+        pass
+    after_raise = collectives()
     idiom = []
     for micro_step in range(micro_batches):
         model.require_backward_grad_sync = micro_step == micro_batches - 1
         idiom.append(collectives())
-    return {"inner": inner, "outer": outer, "after": after, "idiom": idiom}
+    return {"inner": inner, "outer": outer, "after": after, "after_raise": after_raise, "idiom": idiom}
 
 
 def check_nested_no_sync(folder, world_size=2, micro_batches=3):
-    """A no_sync() block ends with synchronisation as it was before it, as torch's DDP does."""
+    """A no_sync() block ends with synchronisation as it was before it, as torch's DDP does, even
+    when the block raises."""
     for rank, got in enumerate(world(nested_no_sync_in_world, world_size, folder, micro_batches)):
         assert got["inner"] == 0, (
             f"rank {rank}: a backward pass inside two nested no_sync() blocks started {got['inner']} collectives"
@@ -140,6 +191,10 @@ def check_nested_no_sync(folder, world_size=2, micro_batches=3):
         assert got["after"] == BUCKETS, (
             f"rank {rank}: the backward pass after both no_sync() blocks started {got['after']} collectives,"
             f" expected one all-reduce per bucket ({BUCKETS})"
+        )
+        assert got["after_raise"] == BUCKETS, (
+            f"rank {rank}: after a no_sync() block that raised, a backward pass started {got['after_raise']}"
+            f" collectives, expected {BUCKETS}: synchronisation must come back even when the block raises"
         )
         expected = [0] * (micro_batches - 1) + [BUCKETS]
         assert got["idiom"] == expected, (

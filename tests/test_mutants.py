@@ -11,7 +11,7 @@ from tests.mutants import assert_caught
 from tests.test_ex1_mlp import check_forward, check_training
 from tests.test_ex2_dist import check_matmul
 from tests.test_ex3_ddp import check_train_shares_batches
-from tests.test_ex4_mydp import check_start_sync
+from tests.test_ex4_mydp import check_hook_leaves_its_argument, check_start_sync
 
 MUTANTS = {
     "gradients summed instead of averaged": (
@@ -27,6 +27,13 @@ MUTANTS = {
         "param.register_hook(lambda grad, p=param: dist.all_reduce(p.data))",
         lambda folder: check_equivalence(folder, "mydp", 2),
         "gradient of layers",
+    ),
+    "hook divides its argument in place": (
+        "mydp.py",
+        "mean = grad / dist.get_world_size()",
+        "mean = grad.div_(dist.get_world_size())",
+        check_hook_leaves_its_argument,
+        "the hook changed the gradient it was given, in place",
     ),
     "no initial broadcast": (
         "mydp.py",
@@ -90,6 +97,13 @@ MUTANTS = {
         "if False:",
         check_train_shares_batches,
         "i % world_size == r",
+    ),
+    "every rank trains on the batches of the others": (
+        "mlp.py",
+        "if i % world_size != rank:",
+        "if i % world_size == rank:",
+        lambda folder: check_train_shares_batches(folder, 3),
+        "after training on 3 ranks",
     ),
     "layers with a bias": (
         "mlp.py",

@@ -10,7 +10,7 @@ import pytest
 from tests.mutants import assert_caught
 from tests.test_ex5_ring import check_ring
 from tests.test_ex6_overlap import check_bucket_order, check_overlap, check_shared_parameters
-from tests.test_ex7_accumulation import check_accumulation, check_nested_no_sync
+from tests.test_ex7_accumulation import check_accumulation_step, check_nested_no_sync, check_no_sync_accumulates
 
 WAIT_IN_ORDER = """        while self.launched < len(self.buckets):
             waiting = self.buckets[self.launched]
@@ -69,8 +69,22 @@ MUTANTS = {
         "mydp.py",
         "param.register_post_accumulate_grad_hook(partial(self._gradient_ready, bucket))",
         "param.register_hook(lambda grad, param=param, bucket=bucket: self._gradient_ready(bucket, param))",
-        check_accumulation,
+        check_no_sync_accumulates,
         "register_post_accumulate_grad_hook",
+    ),
+    "bucket counts not reset after a backward pass": (
+        "mydp.py",
+        "bucket.ready, bucket.work = 0, None",
+        "bucket.work = None",
+        check_overlap,
+        "reset the counts in finish_gradient_synchronization",
+    ),
+    "launched count not reset after a backward pass": (
+        "mydp.py",
+        "self.launched, self.finish_queued = 0, False",
+        "self.finish_queued = False",
+        check_overlap,
+        "'self.launched': 3",
     ),
     "buckets launched in the order they fill": (
         "mydp.py",
@@ -84,7 +98,7 @@ MUTANTS = {
         "mydp.py",
         "        if not self.require_backward_grad_sync:\n            return",
         "        if False:\n            return",
-        check_accumulation,
+        check_no_sync_accumulates,
         "inside no_sync()",
     ),
     # Right for one block; a nested block's end turns synchronisation on inside the outer one.
@@ -99,8 +113,29 @@ MUTANTS = {
         "mydp.py",
         "(loss / micro_batches).backward()",
         "loss.backward()",
-        check_accumulation,
+        check_accumulation_step,
         "divided by the number of micro-batches",
+    ),
+    "no_sync gives the flag back only when the block ends normally": (
+        "mydp.py",
+        "        try:\n            yield\n        finally:\n            self.require_backward_grad_sync = previous",
+        "        yield\n        self.require_backward_grad_sync = previous",
+        check_nested_no_sync,
+        "even when the block raises",
+    ),
+    "every micro-batch inside no_sync": (
+        "mydp.py",
+        "with model.no_sync() if i < len(pieces) - 1 else nullcontext():",
+        "with model.no_sync():",
+        check_accumulation_step,
+        "the last micro-batch's backward pass must run outside no_sync()",
+    ),
+    "no micro-batch inside no_sync": (
+        "mydp.py",
+        "with model.no_sync() if i < len(pieces) - 1 else nullcontext():",
+        "with nullcontext():",
+        check_accumulation_step,
+        "run the other micro-batches inside model.no_sync()",
     ),
 }
 
