@@ -246,7 +246,7 @@ def _worker(
             # collective: the barrier turns the silent hang into a reported mismatch.
             dist.barrier()
             dist.destroy_process_group()
-            _send(conn, ("ok", result))
+            _send(conn, ("ok", {"result": result, "imported": [m for m in _ON_DEMAND if m in sys.modules]}))
             code = 0
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         _send(conn, ("error", failure.rank_report(rank, exc, time.time(), messages.waiting)))
@@ -273,18 +273,22 @@ def _store(settings: _WorkerSettings, rank: int):
 
 # --- in the parent --------------------------------------------------------------------------
 
+_WORKER_MODULES = ["torch", "torch.distributed", "course.workers"]
 # A worker's first optimizer step imports torch._dynamo: 1.4 s on 2 cores, paid by every rank at
-# once. Imported before forking (here, or in the forkserver), every worker starts with it.
-_WORKER_MODULES = ["torch", "torch.distributed", "torch._dynamo", "course.workers"]
+# once. Under fork the parent imports it once a world's workers have needed it, so that later
+# worlds start with it and a grading run whose worlds never step never pays it (exercises 2, 5).
+# The forkserver starts once per process, so it preloads it from the start.
+_ON_DEMAND = ["torch._dynamo"]
+_needed: set = set()
 
 
 def _context(method: str):
     ctx = mp.get_context(method)
     if method == "fork":
-        for name in _WORKER_MODULES:
+        for name in _WORKER_MODULES + sorted(_needed):
             importlib.import_module(name)
     elif method == "forkserver":
-        ctx.set_forkserver_preload(_WORKER_MODULES)
+        ctx.set_forkserver_preload(_WORKER_MODULES + _ON_DEMAND)
     return ctx
 
 
@@ -427,6 +431,8 @@ class _World:
             return
         try:
             status, payload = torch.load(io.BytesIO(data), weights_only=True)
+            if status == "ok":
+                result, imported = payload["result"], set(payload["imported"])
         except Exception as exc:  # noqa: BLE001 - whatever a worker sent, it is that rank's failure
             reason = (
                 f"it sent something that is not data (tensors, numbers, strings, lists, dicts):"
@@ -435,7 +441,8 @@ class _World:
             self.ended.append(failure.ended_without_report(rank, None, "", reason, when=time.time()))
             return
         if status == "ok":
-            self.results[rank] = payload
+            self.results[rank] = result
+            _needed.update(imported & set(_ON_DEMAND))
         else:
             self.reports.append(payload)
 

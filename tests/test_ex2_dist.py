@@ -56,7 +56,7 @@ def wrong_product(method, got, expected, A, B, world_size, rank, right_on_rank0)
     """What is wrong with a product, said with the one cause that fits, or as plain facts."""
     m, n = expected.shape
     if tuple(got.shape) != (m, n):
-        said = f"got {'x'.join(map(str, got.shape))}, expected {m}x{n}"
+        said = f"a {'x'.join(map(str, got.shape))} tensor, expected {m}x{n}"
         padded = world_size * max(block_sizes(m, world_size))
         if method == "par_matmul_by_row" and tuple(got.shape) == (padded, n):
             said += ": the zero rows that pad the last blocks are still there: keep each block's own rows"
@@ -64,37 +64,33 @@ def wrong_product(method, got, expected, A, B, world_size, rank, right_on_rank0)
     close = lambda x, y: torch.allclose(x, y, atol=1e-5)  # noqa: E731
     if method == "par_matmul_by_reduction":
         if rank != 0 and right_on_rank0:
-            return "right on rank 0 only: every rank must end with the sum of the partial products"
+            return "wrong numbers, right on rank 0 only: every rank must end with the sum of the partial products"
         parts = block_sizes(A.shape[1], world_size)
         for r, (a, b) in enumerate(_bounds(parts)):
             if b > a and world_size > 1 and close(got, A[:, a:b] @ B[a:b]):
-                return f"this is rank {r}'s partial product alone: the partial products must be summed on every rank"
+                return f"wrong numbers: rank {r}'s partial product alone: the partial products must be summed on every rank"
         if world_size > 1 and close(got, world_size * expected):
-            return f"{world_size} times the product: each term is counted once per rank"
+            return f"wrong numbers, {world_size} times the product: each term is counted once per rank"
         raw = _as_sent_without_copy(A, parts)
         if close(got, sum(block @ B[a:b] for block, (a, b) in zip(raw, _bounds(parts)))):
             return (
-                "the numbers are those of column blocks of A sent as views: a column block is not contiguous,"
+                "wrong numbers, those of column blocks of A sent as views: a column block is not contiguous,"
                 " and scatter sends its memory as it lies (.contiguous())"
             )
     matches = [next((j for j in range(m) if close(got[i], expected[j])), None) for i in range(m)]
     if None not in matches and matches != list(range(m)):
-        return "the right rows in the wrong order: join the row blocks in rank order"
+        return "wrong numbers: the right rows in the wrong order: join the row blocks in rank order"
     if method == "par_matmul_by_row":
         wrong = [
             f"{_rows(a, b)} (rank {r}'s block)"
             for r, (a, b) in enumerate(_bounds(block_sizes(m, world_size)))
             if b > a and not close(got[a:b], expected[a:b])
         ]
-        zero = "" if got.abs().sum() else ", all zero"
-        return (
-            f"{', '.join(wrong)} wrong{zero}; the other rows right"
-            if len(wrong) < world_size
-            else "every row block wrong"
-        )
+        if len(wrong) < world_size:
+            return f"wrong numbers in {', '.join(wrong)}; the other rows right"
     error = (got - expected).abs()
     i, j = divmod(int(error.argmax()), n)
-    return f"off by up to {error.max():.3g} (at C[{i}, {j}])"
+    return f"wrong numbers, off by up to {error.max():.3g} (at C[{i}, {j}])"
 
 
 def check_matmul(folder, world_size):
@@ -113,7 +109,7 @@ def check_matmul(folder, world_size):
                     f"{what}: par_matmul_by_row should return the {m}x{n} product on rank 0, got {by_row!r}"
                 )
                 assert by_row.shape == expected.shape and torch.allclose(by_row, expected, atol=1e-5), (
-                    f"{what}: par_matmul_by_row on rank 0: "
+                    f"{what}: par_matmul_by_row on rank 0 returned "
                     + wrong_product("par_matmul_by_row", by_row, expected, A, B, world_size, 0, True)
                 )
             else:
@@ -122,7 +118,7 @@ def check_matmul(folder, world_size):
                 f"{what}: par_matmul_by_reduction should return the {m}x{n} product on rank {rank}, got {by_reduction!r}"
             )
             assert by_reduction.shape == expected.shape and torch.allclose(by_reduction, expected, atol=1e-5), (
-                f"{what}: par_matmul_by_reduction on rank {rank}: "
+                f"{what}: par_matmul_by_reduction on rank {rank} returned "
                 + wrong_product(
                     "par_matmul_by_reduction", by_reduction, expected, A, B, world_size, rank, right_on_rank0
                 )

@@ -61,14 +61,14 @@ MUTANTS = {
         "torch.cat([piece[:size] for piece, size in zip(pieces, rows)])",
         "torch.cat(pieces)",
         lambda folder: check_matmul(folder, 3),
-        "got 9x8, expected 8x8: the zero rows that pad the last blocks are still there",
+        "a 9x8 tensor, expected 8x8: the zero rows that pad the last blocks are still there",
     ),
     "B never broadcast": (
         "dist.py",
         "    dist.broadcast(B, src=0)\n",
         "    B = torch.zeros(k, n, dtype=dtype) if rank != 0 else B\n",
         lambda folder: check_matmul(folder, 2),
-        "rows 4-7 (rank 1's block) wrong; the other rows right",
+        "wrong numbers in rows 4-7 (rank 1's block); the other rows right",
     ),
     "reduce where all_reduce is needed": (
         "dist.py",
