@@ -50,6 +50,7 @@ import warnings
 sys.modules.setdefault("rfc3987_syntax", None)
 
 from course import env  # noqa: E402
+from course.failure import parse_stub  # noqa: E402
 from course.grade import Check, table, write_results  # noqa: E402
 from course.layout import STUDENT_FILES, graded_exercises  # noqa: E402
 from course.make_notebooks import dumps, exercise_of, notebook, sources  # noqa: E402
@@ -288,7 +289,14 @@ def collect(out: str, student: str, assignments: dict, failures: dict) -> list:
                 passed = grade is not None and (grade.auto_score or 0.0) >= grading["points"]
                 reason = failures.get(assignment) or _reason(graded.get(grading["grade_id"], {})) or "no points"
                 checks.append(
-                    Check(int(assignment[2:]), grading["grade_id"], passed, "" if passed else reason, grading["points"])
+                    Check(
+                        int(assignment[2:]),
+                        grading["grade_id"],
+                        passed,
+                        "" if passed else reason,
+                        grading["points"],
+                        stub=None if passed else parse_stub(reason),  # the cell's output is text: read in failure.py
+                    )
                 )
         gradebook.db.commit()
     return checks

@@ -36,7 +36,6 @@ from course.student import ROOT
 POINTS = {1: 20, 2: 25, 3: 25, 4: 30, 5: 20, 6: 25, 7: 15}
 
 _MODULE = re.compile(r"test_ex(\d+)_\w*\.py")
-_STUB = re.compile(r"Exercise \d+: (\S+) is not written yet, see (\S+)")  # course/student.py's stubs
 
 
 @dataclass
@@ -48,6 +47,8 @@ class Check:
     passed: bool
     message: str = ""
     max_score: float = 0.0
+    # Code not written yet, as course.failure.Failure.stub says: {"exercise", "func", "handout"}.
+    stub: dict | None = None
 
     @property
     def score(self) -> float:
@@ -124,15 +125,15 @@ def table(checks: list) -> str:
             )
         )
         failed = [c for c in mine if not c.passed]
-        unwritten = [m for c in failed if (m := _STUB.fullmatch(c.message))]
+        unwritten = [c.stub for c in failed if c.stub]
         if unwritten:  # an untouched exercise reads as one line, not one per check
-            where = ", ".join(dict.fromkeys(f"{m.group(1)} (see {m.group(2)})" for m in unwritten))
+            where = ", ".join(dict.fromkeys(f"{stub['func']} (see {stub['handout']})" for stub in unwritten))
             lines.append(
                 f"          x {len(unwritten)} check{'s stop' if len(unwritten) > 1 else ' stops'} at code not written yet: {where}"
             )
         failures: dict = {}
         for check in failed:
-            if not _STUB.fullmatch(check.message):
+            if not check.stub:
                 failures.setdefault(check.message, []).append(check.name)
         for message, names in failures.items():
             who = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
@@ -283,6 +284,8 @@ def pytest_runtest_makereport(item, call):
     # Only the process that ran the test has the exception; the sentence travels with the report.
     if report.failed and call.excinfo is not None:
         report.grade_message = explain(call.excinfo.value)
+        failure = getattr(call.excinfo.value, "failure", None)
+        report.grade_stub = failure.stub if failure is not None and failure.kind == "stub" else None
     return report
 
 
@@ -316,6 +319,7 @@ class _Grader:
                 check.message = (
                     check.message or getattr(report, "grade_message", "") or _first_line(report.longreprtext)
                 )
+                check.stub = check.stub or getattr(report, "grade_stub", None)
             if report.failed and report.when != "call":
                 self.broken.append(f"{report.nodeid} ({report.when}): {check.message}")
 
