@@ -1,14 +1,14 @@
 """Instructors only: `make autograde` end to end, on sample submissions made from the reference.
 
-One run grades five students through nbgrader, every exercise that has a notebook (the
-expensive part of the suite, so it runs once, in one test), the four of the course's brief and
-one that crashes:
+One run grades four students through nbgrader, every exercise that has a notebook (the
+expensive part of the suite, so it runs once, in one test): the mistakes of the course's brief,
+and one that crashes:
 - perfect: the reference, whose code also writes to stderr in the workers, as gloo and torch
   warnings do: nbgrader would zero a test cell with stderr output;
-- sums: exercise 4 sums gradients instead of averaging them. It also tries to cheat: a
-  conftest.py, its own tests/ and course/ that would pass everything, and a notebook whose test
-  cell is emptied and whose extra cell replaces `check`;
-- deadlock: exercise 2's ranks wait for a broadcast rank 0 never sends;
+- mistakes: exercise 4 sums gradients instead of averaging them, and exercise 2's ranks wait for
+  a broadcast rank 0 never sends. It also tries to cheat: a conftest.py, its own tests/ and
+  course/ that would pass everything, and a notebook whose test cell is emptied and whose extra
+  cell replaces `check`;
 - syntax: mlp.py does not parse (mydp.py imports it: every exercise but 2 and 5 fails);
 - crash: building an MLP segfaults, in workers (whose world reports it, with the line); the
   kernel that runs the checks builds none. The checks that build no MLP of the submission still
@@ -32,9 +32,8 @@ from tests.mutants import make_mutant
 # Points lost, by exercise; every other exercise with a notebook scores full marks.
 LOST = {
     "perfect": {},
-    # start_sync, frozen and the hook's argument pass; the steps and the match with DDP fail
-    "sums": {4: 30 - (8 + 4 + 2)},
-    "deadlock": {2: 25},
+    # exercise 2 hangs; in 4, start_sync, frozen and the hook's argument pass, the steps and the match with DDP fail
+    "mistakes": {2: 25, 4: 30 - (8 + 4 + 2)},
     "syntax": {1: 20, 3: 25, 4: 30, 6: 25, 7: 15},
     "crash": {1: 20, 3: 8, 4: 6},  # only train() builds its MLP: the steps checks train the tests' own model
 }
@@ -72,21 +71,22 @@ def _cheating_notebook(path):
 def make_submissions(root):
     warn = "import sys; print('UserWarning: a warning, as gloo prints', file=sys.stderr)\n        "
     make_mutant(root / "perfect", "mlp.py", "sizes = [config.d_in]", warn + "sizes = [config.d_in]")
-    sums = make_mutant(root / "sums", "mydp.py", "mean = grad / dist.get_world_size()", "mean = grad.clone()")
+    mistakes = make_mutant(root / "mistakes", "mydp.py", "mean = grad / dist.get_world_size()", "mean = grad.clone()")
+    with open(os.path.join(mistakes, "dist.py")) as f:
+        dist_py = f.read()
+    assert dist_py.count("    dist.broadcast(B, src=0)\n") == 1
     _write(
-        os.path.join(sums, "conftest.py"),
+        os.path.join(mistakes, "dist.py"),
+        dist_py.replace("    dist.broadcast(B, src=0)\n", "        dist.recv(B, src=0)  # rank 0 never sends\n"),
+    )
+    _write(
+        os.path.join(mistakes, "conftest.py"),
         "import pytest\n\n\ndef pytest_runtest_call(item):\n    pytest.skip('free points')\n",
     )
-    _write(os.path.join(sums, "tests", "test_ex4_mydp.py"), "def test_everything():\n    pass\n")
-    _write(os.path.join(sums, "course", "__init__.py"), "")
-    _write(os.path.join(sums, "course", "notebook.py"), "def check(*args):\n    pass\n")
-    _cheating_notebook(os.path.join(sums, "exercises", "04_mydp.ipynb"))
-    make_mutant(
-        root / "deadlock",
-        "dist.py",
-        "    dist.broadcast(B, src=0)\n",
-        "        dist.recv(B, src=0)  # rank 0 never sends\n",
-    )
+    _write(os.path.join(mistakes, "tests", "test_ex4_mydp.py"), "def test_everything():\n    pass\n")
+    _write(os.path.join(mistakes, "course", "__init__.py"), "")
+    _write(os.path.join(mistakes, "course", "notebook.py"), "def check(*args):\n    pass\n")
+    _cheating_notebook(os.path.join(mistakes, "exercises", "04_mydp.ipynb"))
     make_mutant(
         root / "syntax",
         "mlp.py",
@@ -160,18 +160,18 @@ def test_autograde_end_to_end(tmp_path):
         with open(out / "feedback" / student / f"feedback.{kind}") as f:
             return f.read()
 
-    assert "2.0x the expected average" in feedback("sums")
-    assert "Timed out" in feedback("deadlock") or "waited in a collective" in feedback("deadlock"), feedback("deadlock")
+    assert "2.0x the expected average" in feedback("mistakes")
+    assert "Timed out" in feedback("mistakes") or "waited in a collective" in feedback("mistakes"), feedback("mistakes")
     assert "mlp.py does not import: SyntaxError" in feedback("syntax")
     assert "exit code -11" in feedback("crash") and "mlp.py:" in feedback("crash"), feedback("crash")
-    with open(out / "autograded" / "sums" / "ex4" / "04_mydp.ipynb") as f:
+    with open(out / "autograded" / "mistakes" / "ex4" / "04_mydp.ipynb") as f:
         graded = json.load(f)["cells"]
     assert "cheat" not in {c["id"] for c in graded}, "a code cell the student added to a notebook was run"
     assert any("".join(c["source"]) == "One all-reduce per parameter." for c in graded), (
         "the student's written answer was not carried over"
     )
 
-    page = feedback("sums", "html")  # nbconvert's page: the failed checks' messages and the written answers
+    page = feedback("mistakes", "html")  # nbconvert's page: the failed checks' messages and the written answers
     assert "2.0x the expected average" in page and "ex4_matches_ddp" in page and "One all-reduce per parameter." in page
     assert "<h2" in page and f"Exercise {exercises[-1]}" in page, "a section per exercise"
 
