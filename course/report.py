@@ -80,11 +80,15 @@ def _names_student_code(mistake: dict) -> bool:
 def group_key(row: dict) -> dict:
     """The facts one row of the mistakes table stands for.
 
-    A mistake found at a place of the student's code (a crash in mlp.py's __init__, a file that
-    does not import) is one mistake whichever exercise met it; any other is one per exercise
-    (an `assert` of tests/helpers.py judges several exercises).
+    The ranks' places without their rank numbers: a crash in mlp.py's __init__ is one mistake
+    whichever rank crashed first, and a deadlock one whatever the world's size. A mistake found
+    at a place of the student's code (or a file that does not import) is one mistake whichever
+    exercise met it; any other is one per exercise (an `assert` of tests/helpers.py judges several).
     """
     mistake = row.get("mistake") or {"kind": "unknown"}
+    if "ranks" in mistake:
+        places = {json.dumps({k: v for k, v in r.items() if k != "rank"}, sort_keys=True) for r in mistake["ranks"]}
+        mistake = mistake | {"ranks": [json.loads(place) for place in sorted(places)]}
     if mistake["kind"] == "unimportable" or _names_student_code(mistake) or "exercise" in mistake:
         return mistake
     return {"exercise": row["exercise"]} | mistake
@@ -108,17 +112,15 @@ def title(mistake: dict) -> str:
     if kind in _CELL:
         return _CELL[kind]
     if kind in _WORLD:
-        ranks = [
-            f"rank {fact['rank']}"
-            + (f" {_WORLD[kind]}" if kind in _ONE_RANK else "")
-            + (f" {fact['error']}" if kind == "error" and fact.get("error") else "")
+        places = [
+            (f" {fact['error']}" if kind == "error" and fact.get("error") else "")
             + (f" in {fact['collective']}" if fact.get("collective") else "")
             + (f" at {fact['file']}, {fact['func']}" if fact.get("file") else "")
             for fact in mistake.get("ranks", [])
         ]
         if kind in _ONE_RANK:
-            return ranks[0] if ranks else _WORLD[kind]
-        return f"{_WORLD[kind]}: {'; '.join(ranks)}" if ranks else _WORLD[kind]
+            return f"a rank {_WORLD[kind]}{places[0] if places else ''}"
+        return f"{_WORLD[kind]}:{';'.join(places)}" if any(places) else _WORLD[kind]
     return kind
 
 

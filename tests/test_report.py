@@ -75,7 +75,16 @@ def test_a_world_failure_is_its_kind_and_the_ranks_facts():
 
 SUMS = {"kind": "assert", "file": "helpers.py", "func": "check_equivalence", "line": 158}
 CRASH = {"kind": "crash", "ranks": [{"rank": 0, "state": "crashed", "file": "mlp.py", "func": "__init__"}]}
-HANG = {"kind": "wait", "ranks": [{"rank": 1, "state": "waited", "collective": "recv", "file": "dist.py", "func": "f"}]}
+HANG = {
+    "kind": "wait",
+    "ranks": [
+        {"rank": 0, "state": "waited", "collective": "scatter", "file": "dist.py", "func": "f"},
+        {"rank": 1, "state": "waited", "collective": "recv", "file": "dist.py", "func": "f"},
+    ],
+}
+# The same hang in a world of 3: one more rank waits where rank 1 does.
+HANG_3 = HANG | {"ranks": HANG["ranks"] + [HANG["ranks"][1] | {"rank": 2}]}
+CRASH_1 = {"kind": "crash", "ranks": [{"rank": 1, "state": "crashed", "file": "mlp.py", "func": "__init__"}]}
 BROKEN = {"kind": "unimportable", "file": "mlp.py", "error": "SyntaxError"}
 
 
@@ -99,8 +108,10 @@ def class_results() -> dict:
         "cai": checks(ex4=SUMS, ex4_message=MESSAGE.replace("2.0x", "3.0x").replace("rank 1", "rank 2")),
         "dee": checks(ex4=SUMS, ex4_message=MESSAGE, seconds=5.0),
         "eve": checks(ex1=CRASH, ex1_message="Rank 0 of 2 crashed with exit code -11 (signal 11) at mlp.py:12"),
-        "fay": checks(ex1=HANG, ex1_message="Ranks [1] waited in a collective that not every rank joined: ..."),
+        "fay": checks(ex1=HANG, ex1_message="Ranks [0, 1] waited in a collective that not every rank joined: ..."),
         "gus": checks(ex1=BROKEN, ex1_message="mlp.py does not import: SyntaxError: expected ':'"),
+        "hal": checks(ex1=HANG_3, ex1_message="Ranks [0, 1, 2] waited in a collective that not every rank joined"),
+        "ivy": checks(ex1=CRASH_1, ex1_message="Rank 1 of 2 crashed with exit code -11 (signal 11) at mlp.py:14"),
     }
 
 
@@ -132,7 +143,12 @@ def test_the_report_groups_one_mistake_into_one_row_and_lists_the_troubled(tmp_p
     assert first["mistake"] == {"exercise": 4} | SUMS and first["count"] == 3, summary["mistakes"]
     assert first["students"] == ["ben", "cai", "dee"] and first["wordings"] == 2, "two wordings, one mistake"
     assert first["title"] == "assertion failed in check_equivalence (helpers.py:158)"
-    assert by_title["rank 0 crashed at mlp.py, __init__"]["students"] == ["eve"]
+    crashed = by_title["a rank crashed at mlp.py, __init__"]
+    assert crashed["students"] == ["eve", "ivy"], "the same crash, whichever rank crashed first"
+    hung = by_title[
+        "ranks waited in a collective that not every rank joined: in recv at dist.py, f; in scatter at dist.py, f"
+    ]
+    assert hung["students"] == ["fay", "hal"], "the same hang, whatever the world's size"
     broken = by_title["mlp.py does not import (SyntaxError)"]
     assert broken["count"] == 1 and broken["checks"] == ["ex1 ex1_layers", "ex1 ex1_train"], "one row per student"
     assert len(summary["mistakes"]) == 4
@@ -140,20 +156,22 @@ def test_the_report_groups_one_mistake_into_one_row_and_lists_the_troubled(tmp_p
         ("eve", "crashed"),
         ("fay", "hung"),
         ("gus", "did not import"),
+        ("hal", "hung"),
+        ("ivy", "crashed"),
     ]
     assert summary["troubled"][0]["reason"].startswith("Rank 0 of 2 crashed")
 
     ex4 = next(e for e in summary["exercises"] if e["exercise"] == 4)
     assert ex4["max_score"] == 30 and ex4["scores"]["ben"] == 10 and ex4["scores"]["ada"] == 30
-    assert [b["students"] for b in ex4["histogram"]] == [0, 0, 0, 3, 0, 0, 0, 0, 0, 4], "3 at 10/30, 4 at 30/30"
-    assert {c["name"]: c["share"] for c in ex4["checks"]} == {"ex4_start": 1.0, "ex4_steps": round(4 / 7, 3)}
+    assert [b["students"] for b in ex4["histogram"]] == [0, 0, 0, 3, 0, 0, 0, 0, 0, 6], "3 at 10/30, 6 at 30/30"
+    assert {c["name"]: c["share"] for c in ex4["checks"]} == {"ex4_start": 1.0, "ex4_steps": round(6 / 9, 3)}
     assert summary["timing"]["by_student"][0]["student"] == "dee", "the slowest submission comes first"
     assert summary["timing"]["by_student"][0]["median_s"] == 5.0
 
     with open(tmp_path / "report.json") as f:
         saved = json.load(f)
     assert {k: v for k, v in saved.items() if k != "checks"} == json.loads(json.dumps(summary))
-    assert len(saved["checks"]) == 7 * 4 and saved["checks"][0]["student"] == "ada"
+    assert len(saved["checks"]) == 9 * 4 and saved["checks"][0]["student"] == "ada"
 
     page = (tmp_path / "report.html").read_text()
     parsed = References()
