@@ -27,7 +27,9 @@ Only the students' own work is graded, and only by the instructor's checks:
 DIR receives nbgrader's course folder (gradebook.db, source/, release/, submitted/, autograded/),
 grades.csv (nbgrader's CSV export) and, per student, in feedback/STUDENT/: feedback.txt (the table
 `make grade` prints), feedback.html (each check with its points and what it found, and the
-written answers) and results.json (Gradescope's format).
+written answers) and results.json (Gradescope's format); and the class report, report.html and
+report.json (course/report.py), from every failed check's facts: each check that fails in a
+notebook shows them as an output of type course.grade.MISTAKE_MIME, which collect() reads.
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ def check_class_report(out, said):
     assert "class report:" in said, said
     with open(out / "report.json") as f:
         summary = json.load(f)
-    sums = [m for m in summary["mistakes"] if "ex4 ex4_steps" in m["checks"] and m["mistake"]["kind"] == "assert"]
+    sums = [m for m in summary["mistakes"] if "ex4_steps" in m["checks"] and m["mistake"]["kind"] == "assert"]
     assert len(sums) == 1, f"one mistake, one row: {[(m['title'], m['students']) for m in sums]}"
     assert sums[0]["students"] == ["sums", "sums_again", "sums_too"] and sums[0]["count"] == 3, sums[0]
     assert sums[0]["mistake"]["kind"] == "assert" and sums[0]["mistake"]["exercise"] == 4, sums[0]

@@ -150,7 +150,7 @@ def test_the_report_groups_one_mistake_into_one_row_and_lists_the_troubled(tmp_p
     ]
     assert hung["students"] == ["fay", "hal"], "the same hang, whatever the world's size"
     broken = by_title["mlp.py does not import (SyntaxError)"]
-    assert broken["count"] == 1 and broken["checks"] == ["ex1 ex1_layers", "ex1 ex1_train"], "one row per student"
+    assert broken["count"] == 1 and broken["checks"] == ["ex1_layers", "ex1_train"], "one row per student"
     assert len(summary["mistakes"]) == 4
     assert [(t["student"], t["what"]) for t in summary["troubled"]] == [
         ("eve", "crashed"),
