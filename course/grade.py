@@ -165,9 +165,10 @@ def mistake(error: BaseException) -> dict:
             ],
         }
     frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(error.__traceback__)]
+    place = _place(frames, _judge) or _place(frames, lambda path: True)  # a check kept outside tests/
     if isinstance(error, AssertionError):
-        return {"kind": "assert"} | _place(frames, _judge)
-    return {"kind": "exception", "error": type(error).__name__} | _place(frames, _judge)
+        return {"kind": "assert"} | place
+    return {"kind": "exception", "error": type(error).__name__} | place
 
 
 def _fmt(points: float) -> str:
@@ -238,6 +239,7 @@ def gradescope(checks: list, seconds: float) -> dict:
                 "output": c.message,
                 "visibility": "visible",
             }
+            | ({"extra_data": {"mistake": c.mistake}} if c.mistake else {})  # what course/report.py groups by
             for c in checks
         ],
     }
