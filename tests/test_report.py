@@ -249,3 +249,26 @@ def test_the_page_renders_in_a_headless_browser(tmp_path):
         (tmp_path / "report.html").read_text().replace("<h1>", '<img src="chart.png"><h1>')
     )
     assert console(headless(f"file://{tmp_path / 'leaky.html'}", "--dump-dom")), "a refused load must show"
+
+
+def test_what_autograding_saw_of_a_cell_is_a_mistake_too():
+    """A cell whose check could not show its facts still has a kind: a time limit, a dead kernel."""
+    from course.autograde import _mistake, _seconds
+    from course.grade import MISTAKE_MIME
+
+    def cell(*outputs, **execution):
+        return {"outputs": list(outputs), "metadata": {"execution": execution}}
+
+    def error(name):
+        return {"output_type": "error", "ename": name, "evalue": "", "traceback": []}
+
+    shown = {"output_type": "display_data", "data": {MISTAKE_MIME: {"mistake": SUMS, "seconds": 1.0}}, "metadata": {}}
+    assert _mistake(cell(shown, error("CheckFailed"))) == SUMS
+    assert _mistake(cell(error("KeyboardInterrupt"))) == {"kind": "cell_timeout"}
+    assert _mistake(cell(error("NotGraded"))) == {"kind": "kernel_died"}
+    assert _mistake(cell({"output_type": "stream", "name": "stderr", "text": "x"})) == {"kind": "stderr"}
+    assert report.TROUBLE["cell_timeout"] == "hung" and report.TROUBLE["kernel_died"] == "crashed"
+    timed = cell(
+        **{"iopub.execute_input": "2026-01-05T10:00:00.250000Z", "shell.execute_reply": "2026-01-05T10:00:02Z"}
+    )
+    assert _seconds(timed) == 1.75 and _seconds(cell()) is None
