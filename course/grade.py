@@ -152,7 +152,8 @@ def mistake(error: BaseException) -> dict:
         if failure.kind == "stub":
             return {"kind": "stub", "exercise": failure.stub["exercise"], "func": failure.stub["func"]}
         # A hang or a mismatch is the story of every rank; anything else, of the one that went wrong first.
-        ranks = failure.ranks if failure.kind in ("mismatch", "p2p_deadlock", "wait", "timeout") else [first]
+        story = failure.kind in ("mismatch", "p2p_deadlock", "wait", "timeout") or first is None
+        ranks = failure.ranks if story else [first]
         return {
             "kind": failure.kind,
             "ranks": [
