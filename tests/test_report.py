@@ -197,6 +197,7 @@ def test_the_report_groups_one_mistake_into_one_row_and_lists_the_troubled(tmp_p
         "(helpers.py:158)",
     ]
     assert len([line for line in lines if line.strip().startswith("e.g.")]) == 2, done.stdout
+    assert report.main([str(tmp_path / "not_graded_yet")]) == 1, "no report.json: say so, exit 1"
 
 
 def test_the_report_escapes_what_submissions_wrote(tmp_path):
