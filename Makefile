@@ -19,6 +19,7 @@ help:
 	@echo "make student  regenerate mlp.py, dist.py, mydp.py and exercises/*.ipynb from solutions/"
 	@echo "make release DEST=dir          instructors: write the students' copy (no solutions)"
 	@echo "make autograde SUBMISSIONS=dir instructors: grade one folder per student through nbgrader"
+	@echo "               and write the class report (grading/report.html; python -m course.report grading/)"
 	@echo "make bench    step time of DDP and MyDP variants, ring all-reduce against gloo (bench/)"
 	@echo "make bench-launch  what starting a world of workers costs, per start method"
 	@echo "make bench-grade   how long make grade takes, per exercise and in all, against its targets"
