@@ -1,6 +1,6 @@
 """What the exercise notebooks call: run your code, and grade it with the checks `make grade` runs.
 
-The notebooks hold no exercise code of their own. Your code stays in mlp.py, dist.py and mydp.py,
+The notebooks hold no exercise code of their own. Your code stays in mlp.py, dist.py, mydp.py and data.py,
 and workers find it there: a function defined in a notebook cell cannot be sent to a worker.
 COURSE_IMPL picks the files, as for the tests; unset, they are the top-level student files.
 """
@@ -41,7 +41,7 @@ def folder() -> str:
 
 
 def load():
-    """Your modules, read again from the files: .mlp, .dist, .mydp."""
+    """Your modules, read again from the files: .mlp, .dist, .mydp, .data."""
     impl.forget(folder())
     return impl.load(folder())
 
