@@ -51,6 +51,14 @@ MUTANTS = {
         check_shard_sizes,
         "the lower rank first among equal ones",
     ),
+    # Indices drawn with replacement: some twice, some never.
+    "indices drawn with replacement": (
+        "data.py",
+        "order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))",
+        "order = torch.randint(max(n, 1), (n,), generator=torch.Generator().manual_seed(seed))",
+        check_partition,
+        "exactly one shard",
+    ),
     "shards not shuffled": (
         "data.py",
         "order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))",
@@ -118,6 +126,14 @@ MUTANTS = {
         DDP_LOOP.replace("with Join([wrapped]):", "if True:"),
         check_join,
         "inside Join",
+    ),
+    # DDP's forward pass never runs: its reducer is not prepared, and Join sees no step of this rank.
+    "loop calls the model, not the DDP model": (
+        "data.py",
+        "_, loss = wrapped(X[rows], Y[rows])",
+        "_, loss = model(X[rows], Y[rows])",
+        check_join,
+        "differs from DDP's averages",
     ),
 }
 
