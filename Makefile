@@ -51,6 +51,8 @@ demo: $(VENV)/.installed
 	$(PY) solutions/dist.py --world-size 3
 	$(PY) solutions/mlp.py --world-size 2 --niters 300 --check
 	$(PY) solutions/mydp.py --world-size 2 --niters 300 --compare
+	$(PY) solutions/data.py --world-size 3
+	$(PY) solutions/data.py --world-size 2 --uneven join
 
 test: $(VENV)/.instructors
 	COURSE_IMPL=solutions $(PYTEST) tests
