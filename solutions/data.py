@@ -78,29 +78,6 @@ def average_gradients_weighted(model: nn.Module, rows: int) -> None:
     ### END SOLUTION
 
 
-def unchecked_group() -> dist.ProcessGroup:
-    """A process group of all ranks whose collectives torch does not compare first (the launcher
-    turns the comparison on for the default group; the reference notebook ran without it)."""
-    level = dist.get_debug_level()
-    dist.set_debug_level(dist.DebugLevel.OFF)
-    try:
-        return dist.new_group()
-    finally:
-        dist.set_debug_level(level)
-
-
-def average_gradients_unwaited(model: nn.Module, rows: int, group: dist.ProcessGroup | None = None) -> None:
-    """The reference notebook's "fix" (do not copy it): start each all-reduce and never wait for it.
-
-    async_op=True returns at once with a request; the sum lands in .grad whenever the request
-    completes, before or after the optimizer has read .grad, or never, if no peer joins it.
-    """
-    world_size = dist.get_world_size()
-    for param in model.parameters():
-        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group, async_op=True)  # the request is dropped
-        param.grad.div_(world_size)
-
-
 def train_shard(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -170,6 +147,29 @@ def train_joined(
             optimizer.step()
     ### END SOLUTION
     return steps
+
+
+def unchecked_group() -> dist.ProcessGroup:
+    """A process group of all ranks whose collectives torch does not compare first (the launcher
+    turns the comparison on for the default group; the reference notebook ran without it)."""
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.OFF)
+    try:
+        return dist.new_group()
+    finally:
+        dist.set_debug_level(level)
+
+
+def average_gradients_unwaited(model: nn.Module, rows: int, group: dist.ProcessGroup | None = None) -> None:
+    """The reference notebook's "fix" (do not copy it): start each all-reduce and never wait for it.
+
+    async_op=True returns at once with a request; the sum lands in .grad whenever the request
+    completes, before or after the optimizer has read .grad, or never, if no peer joins it.
+    """
+    world_size = dist.get_world_size()
+    for param in model.parameters():
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group, async_op=True)  # the request is dropped
+        param.grad.div_(world_size)
 
 
 def drain_unwaited(steps: int, model: nn.Module, group: dist.ProcessGroup) -> None:
