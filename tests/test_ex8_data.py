@@ -54,6 +54,24 @@ def fresh_model():
     return SmallMLP()
 
 
+class PlainSGD:
+    """The probes' optimizer: torch.optim.SGD's step without momentum, p -= lr * p.grad. Its first step
+    in a process imports torch._dynamo (1.4 s per rank on 2 cores), which every notebook check would pay."""
+
+    def __init__(self, params, lr):
+        self.params, self.lr = list(params), lr
+
+    def zero_grad(self):
+        for param in self.params:
+            param.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        for param in self.params:
+            if param.grad is not None:
+                param.add_(param.grad, alpha=-self.lr)
+
+
 def state(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -182,7 +200,7 @@ def weighted_step(folder):
     X, Y, sizes = union_batch(world_size)
     start = sum(sizes[:rank])
     model = fresh_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
+    optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
     optimizer.zero_grad()
     _, loss = model(X[start : start + sizes[rank]], Y[start : start + sizes[rank]])
     loss.backward()
@@ -204,7 +222,7 @@ def check_weighted_average(folder, world_size):
         start += m
     model.zero_grad()
     model(X, Y)[1].backward()  # one process, the union batch
-    optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
+    optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
     for rank, result in enumerate(results):
         for name, param in model.named_parameters():
             got, expected = result["grads"][name], param.grad
@@ -235,7 +253,7 @@ def train_as_is(folder):
     data = load(folder).data
     X, Y = dataset()
     model = fresh_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
+    optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
     return data.train_shard(model, optimizer, X, Y, shards_of(dist.get_world_size())[dist.get_rank()], BATCH)
 
 
@@ -272,7 +290,7 @@ def agreed_training(folder):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     shard = shards_of(world_size)[rank]
     model = fresh_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
+    optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
     agreed = data.common_steps(len(shard) // BATCH)
     data.train_shard(model, optimizer, X, Y, shard, BATCH, steps=agreed)
     return {"agreed": agreed, "state": state(model)}
@@ -286,7 +304,7 @@ def expected_training(world_size, joined):
     shards = shards_of(world_size)
     counts = [len(s) // BATCH for s in shards]
     model = fresh_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
+    optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
     for step in range(max(counts) if joined else min(counts)):
         total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
         for shard, count in zip(shards, counts):
@@ -335,7 +353,7 @@ def joined_training(folder):
     data = load(folder).data
     X, Y = dataset()
     model = fresh_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
+    optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
     steps = data.train_joined(model, optimizer, X, Y, shards_of(dist.get_world_size())[dist.get_rank()], BATCH)
     return {"steps": steps, "state": state(model)}
 
@@ -367,7 +385,7 @@ def unwaited_training(folder):
     X, Y = dataset()
     shard = data.partition(N, [0.7, 0.3], SHARD_SEED)[dist.get_rank()]
     model = fresh_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
+    optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
     group = data.unchecked_group()
     with CommLog() as log:
         average = lambda model, rows: data.average_gradients_unwaited(model, rows, group)  # noqa: E731
