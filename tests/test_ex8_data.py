@@ -296,10 +296,10 @@ def agreed_training(folder):
     return {"agreed": agreed, "state": state(model)}
 
 
-def expected_training(world_size, joined):
+def expected_training(world_size, joined, by_active=False):
     """The judge's parameters after the ranks' shards in batches of BATCH: step s all-reduces the gradients
     of the ranks that still have a batch s. With Join the others answer with zeros and DDP divides by the
-    world size; with the agreed number of steps, every step has every rank's batch."""
+    world size (by_active: by the ranks still training); with the agreed steps, every rank has a batch."""
     X, Y = dataset()
     shards = shards_of(world_size)
     counts = [len(s) // BATCH for s in shards]
@@ -312,8 +312,9 @@ def expected_training(world_size, joined):
                 rows = shard[step * BATCH : (step + 1) * BATCH]
                 model.zero_grad()
                 model(X[rows], Y[rows])[1].backward()
+                active = sum(step < c for c in counts) if by_active else world_size
                 for n, p in model.named_parameters():
-                    total[n] += p.grad / world_size
+                    total[n] += p.grad / active
         for n, p in model.named_parameters():
             p.grad = total[n]
         optimizer.step()
@@ -371,9 +372,15 @@ def check_join(folder, world_size=2):
     expected, counts = expected_training(world_size, joined=True)
     steps = [r["steps"] for r in results]
     assert steps == counts, f"train_joined took {steps} steps on ranks with {counts} whole batches: take all of them"
+    by_active, _ = expected_training(world_size, joined=True, by_active=True)
     for rank, result in enumerate(results):
         for name, param in expected.items():
-            assert torch.allclose(result["state"][name], param, rtol=1e-4, atol=1e-5), (
+            got = result["state"][name]
+            assert not torch.allclose(got, by_active[name], rtol=1e-4, atol=1e-5), (
+                f"after training under Join, rank {rank}'s {name} took the steps that only some ranks had a batch"
+                " for with the gradient divided by the ranks still training: DDP under Join divides by the world size"
+            )
+            assert torch.allclose(got, param, rtol=1e-4, atol=1e-5), (
                 f"after training under Join, rank {rank}'s {name} differs from DDP's averages over the ranks"
                 " that still had batches (the others count as zero gradients)"
             )

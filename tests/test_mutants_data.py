@@ -127,6 +127,14 @@ MUTANTS = {
         check_join,
         "inside Join",
     ),
+    # Join passes its keyword arguments to DDP's join hook: the late steps are then divided by fewer ranks.
+    "late steps divided by the ranks still training": (
+        "data.py",
+        "with Join([wrapped]):",
+        "with Join([wrapped], divide_by_initial_world_size=False):",
+        check_join,
+        "DDP under Join divides by the world size",
+    ),
     # DDP's forward pass never runs: its reducer is not prepared, and Join sees no step of this rank.
     "loop calls the model, not the DDP model": (
         "data.py",
