@@ -208,6 +208,8 @@ if __name__ == "__main__":
     parser = make_parser(__doc__)
     parser.set_defaults(world_size=2, n_layers=3, dim_in=32, n_classes=4, dim_hidden=32, batch_size=16)
     parser.set_defaults(train_size=2000, learning_rate=0.2)
+    # The counts, steps and gradients of this lesson are CPU tensors, which gloo moves and nccl does not.
+    parser.set_defaults(device="cpu")
     parser.add_argument("--fractions", type=float, nargs="+", default=None, help="one per rank, adding up to 1")
     parser.add_argument("--uneven", choices=("hang", "agree", "join", "async"), default=None)
     args = parser.parse_args()
