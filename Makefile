@@ -15,8 +15,8 @@ help:
 	@echo "make demo     run every reference solution on CPU (not in the students' copy)"
 	@echo "make test     the test suite: the reference solutions and the repository's own checks"
 	@echo "make lint     ruff: the checks and the formatting of pyproject.toml (instructors)"
-	@echo "make grade    grade your mlp.py, dist.py and mydp.py (EX=2 for one exercise)"
-	@echo "make student  regenerate mlp.py, dist.py, mydp.py and exercises/*.ipynb from solutions/"
+	@echo "make grade    grade your exercise files: mlp.py, dist.py, ... (EX=2 for one exercise)"
+	@echo "make student  regenerate mlp.py, dist.py, mydp.py, data.py and exercises/*.ipynb from solutions/"
 	@echo "make release DEST=dir          instructors: write the students' copy (no solutions)"
 	@echo "make autograde SUBMISSIONS=dir instructors: grade one folder per student through nbgrader"
 	@echo "               and write the class report (grading/report.html; python -m course.report grading/)"
@@ -51,6 +51,8 @@ demo: $(VENV)/.installed
 	$(PY) solutions/dist.py --world-size 3
 	$(PY) solutions/mlp.py --world-size 2 --niters 300 --check
 	$(PY) solutions/mydp.py --world-size 2 --niters 300 --compare
+	$(PY) solutions/data.py --world-size 3
+	$(PY) solutions/data.py --world-size 2 --uneven join
 
 test: $(VENV)/.instructors
 	COURSE_IMPL=solutions $(PYTEST) tests

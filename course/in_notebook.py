@@ -1,6 +1,6 @@
 """What the exercise notebooks call: run your code, and grade it with the checks `make grade` runs.
 
-The notebooks hold no exercise code of their own. Your code stays in mlp.py, dist.py and mydp.py,
+The notebooks hold no exercise code of their own. Your code stays in the exercise files (mlp.py, dist.py, ...),
 and workers find it there: a function defined in a notebook cell cannot be sent to a worker.
 COURSE_IMPL picks the files, as for the tests; unset, they are the top-level student files.
 """
@@ -24,6 +24,10 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+# A worker's first optimizer imports torch._dynamo (about 1 s, on every rank). Imported once here, in the
+# kernel, it is already there in every check process and worker forked from it.
+import torch._dynamo  # noqa: E402, F401
+
 from course.grade import MISTAKE_MIME, explain, mistake  # noqa: E402
 from course.launch import run  # noqa: E402
 
@@ -41,7 +45,7 @@ def folder() -> str:
 
 
 def load():
-    """Your modules, read again from the files: .mlp, .dist, .mydp."""
+    """Your modules, read again from the files: .mlp, .dist, .mydp, .data."""
     impl.forget(folder())
     return impl.load(folder())
 

@@ -19,7 +19,7 @@ for name in env.LAUNCHER_VARIABLES:
 
 @pytest.fixture(scope="session")
 def impl_dir():
-    """The folder whose mlp.py, dist.py and mydp.py are under test."""
+    """The folder whose student files (course/layout.py) are under test."""
     return impl.selected()
 
 

@@ -37,7 +37,7 @@ LOST = {
     "perfect": {},
     # exercise 2 hangs; in 4, start_sync, frozen and the hook's argument pass, the steps and the match with DDP fail
     "mistakes": {2: 25, 4: 30 - (8 + 4 + 2)},
-    "syntax": {1: 20, 3: 25, 4: 30, 6: 25, 7: 15},
+    "syntax": {1: 20, 3: 25, 4: 30, 6: 25, 7: 15, 8: 25},  # data.py imports mlp.py too
     "crash": {1: 20, 3: 8, 4: 6},  # only train() builds its MLP: the steps checks train the tests' own model
     "sums_again": {4: 16},
     "sums_too": {4: 16},
