@@ -253,3 +253,10 @@ def test_a_check_runs_the_code_outside_the_kernel(tmp_path, monkeypatch):
     impl.load(folder)  # what a demo cell does, in a kernel that does not grade
     assert submission_modules(folder) == [f"{folder} (course.impl)"], "the probe must see code this process loaded"
     impl.forget(folder)
+
+
+def test_autograde_refuses_an_exercise_that_does_not_exist(tmp_path):
+    from course.autograde import _nbgrader_config, make_assignments
+
+    with pytest.raises(RuntimeError, match=r"no exercise \[99\]; exercises are \[1, "):
+        make_assignments(str(tmp_path), _nbgrader_config(str(tmp_path)), [99])
