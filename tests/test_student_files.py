@@ -19,6 +19,7 @@ from tests.test_ex4_mydp import check_start_sync
 from tests.test_ex5_ring import check_ring
 from tests.test_ex6_overlap import check_bucket_parameters
 from tests.test_ex8_data import check_shard_sizes
+from tests.test_ex11_zero import check_owners
 
 STUB = re.compile(r'raise NotImplementedError\("(Exercise (\d+): \S+ is not written yet, see (\S+))"\)')
 
@@ -59,6 +60,7 @@ def test_student_files_import():
         (lambda f: check_ring(f, 2), 5),
         (check_bucket_parameters, 6),
         (check_shard_sizes, 8),
+        (check_owners, 11),
     ],
 )
 def test_untouched_stubs_fail_fast_with_their_message(check, exercise):
