@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
+from course.device import current_device
 from course.launch import launch, launch_options
 from mlp import MLP, ModelConfig, config_from, evaluate, gen_dataset, make_parser, split_dataset
 
@@ -79,14 +80,15 @@ class SyncBatchNorm1d(nn.Module):
 def batchnorm_demo(rows_per_rank: int, features: int) -> dict:
     """On every rank: normalise this rank's rows with nn.BatchNorm1d and with SyncBatchNorm1d, and
     compare both with one process normalising every rank's rows. Rank 0 prints the differences."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size, device = dist.get_rank(), dist.get_world_size(), current_device()
     g = torch.Generator().manual_seed(0)  # the same global batch on every rank; each takes its rows
-    everything = torch.randn(world_size * rows_per_rank, features, generator=g) * 3 + 1
+    everything = (torch.randn(world_size * rows_per_rank, features, generator=g) * 3 + 1).to(device)
     mine = everything[rank * rows_per_rank : (rank + 1) * rows_per_rank]
-    one_process = nn.BatchNorm1d(features)
+    one_process = nn.BatchNorm1d(features).to(device)
     expected = one_process(everything)[rank * rows_per_rank : (rank + 1) * rows_per_rank]
     found = {}
-    for name, layer in (("nn.BatchNorm1d", nn.BatchNorm1d(features)), ("SyncBatchNorm1d", SyncBatchNorm1d(features))):
+    for name, kind in (("nn.BatchNorm1d", nn.BatchNorm1d), ("SyncBatchNorm1d", SyncBatchNorm1d)):
+        layer = kind(features).to(device)
         gaps = torch.stack(
             [
                 (layer(mine) - expected).abs().max(),
@@ -153,12 +155,12 @@ def non_iid_experiment(config: ModelConfig, period: int) -> dict:
     """On every rank: train from the same start on IID or label-disjoint shards, averaging every
     step (synchronous) or every `period` steps (local SGD). Rank 0 measures the test loss every
     `period` steps: of the averaged model, and for local SGD also of its own model just before."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    train_set, test_set = split_dataset(*gen_dataset(config, rand_state=config.seed))
+    rank, world_size, device = dist.get_rank(), dist.get_world_size(), current_device()
+    train_set, test_set = split_dataset(*(t.to(device) for t in gen_dataset(config, rand_state=config.seed)))
     curves = {}
     for non_iid, how in SETTINGS:
         torch.manual_seed(config.seed)  # the same initial weights on every rank and in every setting
-        model = MLP(config)
+        model = MLP(config).to(device)
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
         rows = shard(train_set[1], world_size, rank, non_iid, config.seed)
         batches = draw_batches(*train_set, rows, config.batch_size, config.niters, config.seed + 1 + rank)

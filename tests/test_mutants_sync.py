@@ -228,7 +228,18 @@ def test_torch_sync_batchnorm_needs_a_gpu_to_synchronise():
     assert all(kind == "ran" for kind, _ in world(torch_sync_batchnorm, 2, False))
 
 
-SMALL_EXPERIMENT = ["--dim-in", "16", "--dim-hidden", "16", "--n-classes", "4", "--batch-size", "16"]
+SMALL_EXPERIMENT = [
+    "--train-size",
+    "1000",
+    "--dim-in",
+    "16",
+    "--dim-hidden",
+    "16",
+    "--n-classes",
+    "4",
+    "--batch-size",
+    "16",
+]
 
 
 def test_experiment_script_writes_png_and_json(tmp_path):
