@@ -225,6 +225,9 @@ def test_torch_sync_batchnorm_needs_a_gpu_to_synchronise():
         assert kind == "refused" and "expected input tensor to be on GPU" in said, said
     with pytest.raises(NotImplementedError, match="CPU"):
         torch.batch_norm_stats(torch.randn(4, 3), 1e-5)
+    mean, invstd, counts = torch.zeros(2, 3), torch.ones(2, 3), torch.tensor([4.0, 4.0])
+    with pytest.raises(NotImplementedError, match="CPU"):
+        torch.batch_norm_gather_stats_with_counts(torch.randn(4, 3), mean, invstd, None, None, 0.1, 1e-5, counts)
     assert all(kind == "ran" for kind, _ in world(torch_sync_batchnorm, 2, False))
 
 
