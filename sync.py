@@ -14,6 +14,7 @@ Handout: exercises/09_sync.md.
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -116,7 +117,13 @@ def average_parameters(model: nn.Module) -> None:
     raise NotImplementedError("Exercise 9: average_parameters is not written yet, see exercises/09_sync.md")
 
 
-def local_sgd(model: nn.Module, optimizer: torch.optim.Optimizer, batches, period: int, before_average=None) -> list:
+def local_sgd(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    period: int,
+    before_average: Callable[[int], None] | None = None,
+) -> list[float]:
     """Train on this rank's batches alone and average the parameters every `period` steps.
 
     One optimizer step per (x, y) of batches, on the model's loss (the model returns (logits,

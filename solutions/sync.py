@@ -13,6 +13,7 @@ Handout: exercises/09_sync.md.
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -133,7 +134,13 @@ def average_parameters(model: nn.Module) -> None:
     ### END SOLUTION
 
 
-def local_sgd(model: nn.Module, optimizer: torch.optim.Optimizer, batches, period: int, before_average=None) -> list:
+def local_sgd(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    period: int,
+    before_average: Callable[[int], None] | None = None,
+) -> list[float]:
     """Train on this rank's batches alone and average the parameters every `period` steps.
 
     One optimizer step per (x, y) of batches, on the model's loss (the model returns (logits,
