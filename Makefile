@@ -15,11 +15,12 @@ help:
 	@echo "make demo     run every reference solution on CPU (not in the students' copy)"
 	@echo "make test     the test suite: the reference solutions and the repository's own checks"
 	@echo "make lint     ruff: the checks and the formatting of pyproject.toml (instructors)"
-	@echo "make grade    grade your mlp.py, dist.py, mydp.py and sync.py (EX=2 for one exercise)"
+	@echo "make grade    grade your exercise files: mlp.py, dist.py, ... (EX=2 for one exercise)"
 	@echo "make non-iid  exercise 9's experiment: IID or label-disjoint shards, synchronous or local SGD (non_iid.png, .json)"
-	@echo "make student  regenerate mlp.py, dist.py, mydp.py, sync.py and exercises/*.ipynb from solutions/"
+	@echo "make student  regenerate the student files (mlp.py, dist.py, ...) and exercises/*.ipynb from solutions/"
 	@echo "make release DEST=dir          instructors: write the students' copy (no solutions)"
 	@echo "make autograde SUBMISSIONS=dir instructors: grade one folder per student through nbgrader"
+	@echo "               and write the class report (grading/report.html; python -m course.report grading/)"
 	@echo "make bench    step time of DDP and MyDP variants, ring all-reduce against gloo (bench/)"
 	@echo "make bench-launch  what starting a world of workers costs, per start method"
 	@echo "make bench-grade   how long make grade takes, per exercise and in all, against its targets"
@@ -55,6 +56,8 @@ demo: $(VENV)/.installed
 	$(PY) solutions/dist.py --world-size 3
 	$(PY) solutions/mlp.py --world-size 2 --niters 300 --check
 	$(PY) solutions/mydp.py --world-size 2 --niters 300 --compare
+	$(PY) solutions/data.py --world-size 3
+	$(PY) solutions/data.py --world-size 2 --uneven join
 	$(PY) solutions/sync.py --world-size 2
 
 test: $(VENV)/.instructors

@@ -15,7 +15,7 @@ from course import setup
 
 
 def grade(args) -> int:
-    """Grade mlp.py, dist.py and mydp.py (COURSE_IMPL, default the student's files) in this process.
+    """Grade the student files (COURSE_IMPL, default the top-level ones) in this process.
 
     One pytest process, no plugins but the grader's: pytest-xdist's second process and its
     workers cost more than the few checks of one exercise take (README, Benchmarks).
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command")
     commands.required = True  # not an argument of add_subparsers before Python 3.7
-    grading = commands.add_parser("grade", help="grade your mlp.py, dist.py and mydp.py")
+    grading = commands.add_parser("grade", help="grade your exercise files (mlp.py, dist.py, ...)")
     grading.add_argument("--ex", type=int, help="only this exercise")
     grading.add_argument("pytest", nargs="*", help="more options for pytest (after --)")
     grading.set_defaults(run=grade)

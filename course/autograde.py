@@ -27,7 +27,9 @@ Only the students' own work is graded, and only by the instructor's checks:
 DIR receives nbgrader's course folder (gradebook.db, source/, release/, submitted/, autograded/),
 grades.csv (nbgrader's CSV export) and, per student, in feedback/STUDENT/: feedback.txt (the table
 `make grade` prints), feedback.html (each check with its points and what it found, and the
-written answers) and results.json (Gradescope's format).
+written answers) and results.json (Gradescope's format); and the class report, report.html and
+report.json (course/report.py), from every failed check's facts: each check that fails in a
+notebook shows them as an output of type course.grade.MISTAKE_MIME, which collect() reads.
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ import warnings
 # imported; notebooks never need it.
 sys.modules.setdefault("rfc3987_syntax", None)
 
-from course import env  # noqa: E402
+from course import env, report  # noqa: E402
 from course.failure import parse_stub  # noqa: E402
-from course.grade import Check, table, write_results  # noqa: E402
+from course.grade import MISTAKE_MIME, Check, table, write_results  # noqa: E402
 from course.layout import STUDENT_FILES, graded_exercises  # noqa: E402
 from course.make_notebooks import dumps, exercise_of, notebook, sources  # noqa: E402
 
@@ -255,6 +257,41 @@ def _reason(cell: dict) -> str:
     return ""
 
 
+def _mistake(cell: dict) -> dict:
+    """What a graded cell found wrong, as facts (course.grade.mistake): the report groups by them.
+
+    The check's own facts when it showed them; otherwise what became of the cell, as _reason reads it.
+    """
+    for output in cell.get("outputs", []):
+        if output["output_type"] == "display_data" and MISTAKE_MIME in output.get("data", {}):
+            return output["data"][MISTAKE_MIME]["mistake"]
+    for output in cell.get("outputs", []):
+        if output["output_type"] == "error":
+            if output["ename"] == "NotGraded":
+                return {"kind": "kernel_died"}
+            if output["ename"] in ("KeyboardInterrupt", "CellTimeoutError"):
+                return {"kind": "cell_timeout"}
+            return {"kind": "cell_error", "error": output["ename"]}
+        if output["output_type"] == "stream" and output["name"] == "stderr":
+            return {"kind": "stderr"}
+    return {"kind": "no_points"}
+
+
+def _seconds(cell: dict) -> float | None:
+    """How long a cell ran, from the times nbclient records in its metadata."""
+    from datetime import datetime
+
+    times = cell.get("metadata", {}).get("execution", {})
+    try:
+        started, ended = (
+            datetime.fromisoformat(times[k].replace("Z", "+00:00"))  # Python 3.10 reads no "Z"
+            for k in ("iopub.execute_input", "shell.execute_reply")
+        )
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    return round((ended - started).total_seconds(), 3)
+
+
 def _notebook(out: str, step: str, student: str, assignment: str, stem: str) -> list:
     path = os.path.join(out, step, student, assignment, stem + ".ipynb")
     if not os.path.exists(path):  # nbgrader removes a notebook it failed to grade
@@ -287,7 +324,9 @@ def collect(out: str, student: str, assignments: dict, failures: dict) -> list:
                 if grade is not None and assignment in failures:  # nbgrader recorded nothing for it
                     grade.auto_score, grade.needs_manual_grade = 0.0, False
                 passed = grade is not None and (grade.auto_score or 0.0) >= grading["points"]
-                reason = failures.get(assignment) or _reason(graded.get(grading["grade_id"], {})) or "no points"
+                cell = graded.get(grading["grade_id"], {})
+                reason = failures.get(assignment) or _reason(cell) or "no points"
+                facts = {"kind": "not_graded"} if assignment in failures else _mistake(cell)
                 checks.append(
                     Check(
                         int(assignment[2:]),
@@ -296,6 +335,8 @@ def collect(out: str, student: str, assignments: dict, failures: dict) -> list:
                         "" if passed else reason,
                         grading["points"],
                         stub=None if passed else parse_stub(reason),  # the cell's output is text: read in failure.py
+                        mistake=None if passed else facts,
+                        seconds=_seconds(cell),
                     )
                 )
         gradebook.db.commit()
@@ -383,6 +424,7 @@ def grade_all(submissions: str, out: str, cell_timeout: int, jobs: int = 1) -> d
             flush=True,
         )
     export_csv(out)
+    report.write(out, results)
     return results
 
 
@@ -398,7 +440,7 @@ def main(argv=None) -> int:
         help="students whose checks run at once (default: the usable cores)",
     )
     args = parser.parse_args(argv)
-    os.environ.update(env.check_settings())
+    os.environ.update(env.check_settings(), COURSE_MISTAKE_FACTS="1")  # the kernels' checks show their facts
     warnings.filterwarnings("ignore", module=r"nbgrader\.")  # its own SQLAlchemy session warnings
     import nbgrader.api
 
@@ -411,6 +453,9 @@ def main(argv=None) -> int:
         for process in mp.active_children():  # a kernel nbgrader did not stop
             process.kill()
     print(f"grades: {os.path.join(args.out, 'grades.csv')}; feedback: {os.path.join(args.out, 'feedback')}/STUDENT/")
+    print(
+        f"class report: {os.path.join(args.out, 'report.html')} (and report.json; python -m course.report {args.out})"
+    )
     return 0
 
 

@@ -26,16 +26,22 @@ import os
 import re
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 
 import pytest
 
+from course.layout import STUDENT_FILES
 from course.student import ROOT
 
 # Points of each exercise. A new exercise is one line here and a tests/test_exN_*.py module.
-POINTS = {1: 20, 2: 25, 3: 25, 4: 30, 5: 20, 6: 25, 7: 15, 9: 25}
+POINTS = {1: 20, 2: 25, 3: 25, 4: 30, 5: 20, 6: 25, 7: 15, 8: 25, 9: 25, 10: 25}
 
 _MODULE = re.compile(r"test_ex(\d+)_\w*\.py")
+
+# The output type that carries a failed check's facts (mistake()) out of a notebook cell that
+# autograding runs: course/in_notebook.py shows them, course/autograde.py reads them.
+MISTAKE_MIME = "application/vnd.ddp-course.mistake+json"
 
 
 @dataclass
@@ -49,6 +55,11 @@ class Check:
     max_score: float = 0.0
     # Code not written yet, as course.failure.Failure.stub says: {"exercise", "func", "handout"}.
     stub: dict | None = None
+    # What a failed check diagnosed, as facts that do not depend on its wording (mistake()); the
+    # class report (course/report.py) groups the failures of a class by it.
+    mistake: dict | None = None
+    # How long the check ran (autograding: its notebook cell), when known.
+    seconds: float | None = None
 
     @property
     def score(self) -> float:
@@ -90,6 +101,10 @@ def _unimportable(message: str) -> str:
     return match.group(0) if match else ""
 
 
+# course/impl.py's Unimportable says which file and which error: its sentence is read here, once.
+_UNIMPORTABLE_FACTS = re.compile(r"(\w+\.py) does not import: (\w+)")
+
+
 def explain(error: BaseException) -> str:
     """One sentence saying what a failed check found, from the exception it raised."""
     failure = getattr(error, "failure", None)  # a world of workers that failed (course.workers.WorldFailed)
@@ -99,6 +114,62 @@ def explain(error: BaseException) -> str:
     if isinstance(error, (AssertionError, NotImplementedError, ImportError)) and _first_line(str(error)):
         return _first_line(str(error))
     return f"{type(error).__name__}: {_first_line(str(error))}".rstrip(": ")
+
+
+def _place(frames: list, keep) -> dict:
+    """file, line and func of the innermost of traceback frames that `keep` accepts ({} if none).
+
+    A line of a student's file is left out: it moves with every edit, and students' files differ.
+    """
+    frame = next((f for f in reversed(frames) if keep(f[0])), None)
+    if frame is None:
+        return {}
+    name = os.path.basename(frame[0])
+    return {"file": name, "func": frame[2]} | ({} if name in STUDENT_FILES else {"line": frame[1]})
+
+
+def _judge(path: str) -> bool:
+    """A file of the grader's own checks (tests/) or of the course (course/)."""
+    return os.path.abspath(path).startswith(tuple(os.path.join(ROOT, d) + os.sep for d in _OWN_FOLDERS))
+
+
+def mistake(error: BaseException) -> dict:
+    """What a failed check diagnosed, as facts: the same mistake gives the same dict, whatever its sentence.
+
+    - a world of workers that failed: course.failure.Failure's kind, and for the rank that went
+      wrong first (every waiting rank, for a hang) the collective and the place (file, func);
+      a stub names its function, a file that does not import the file and the error;
+    - the check's own assertion: the file, line and function of the `assert` that failed, in
+      tests/ (one statement judges one thing);
+    - any other exception: its class and where the grader's code met it.
+    """
+    failure = getattr(error, "failure", None)  # course.workers.WorldFailed
+    if failure is not None:
+        first = failure.fact(failure.first) if failure.first is not None else None
+        broken = _UNIMPORTABLE_FACTS.match(_first_line(first.message)) if first is not None else None
+        if broken:
+            return {"kind": "unimportable", "file": broken.group(1), "error": broken.group(2)}
+        if failure.kind == "stub":
+            return {"kind": "stub", "exercise": failure.stub["exercise"], "func": failure.stub["func"]}
+        # A hang or a mismatch is the story of every rank; anything else, of the one that went wrong first.
+        story = failure.kind in ("mismatch", "p2p_deadlock", "wait", "timeout") or first is None
+        ranks = failure.ranks if story else [first]
+        return {
+            "kind": failure.kind,
+            "ranks": [
+                {"rank": f.rank, "state": f.state}
+                | ({"error": f.error} if f.error and f.state == "raised" else {})
+                | ({"collective": f.op or f.collective} if f.op or f.collective else {})
+                | ({"file": f.file, "func": f.func} if f.file else {})
+                | ({"line": f.line} if f.file and f.file not in STUDENT_FILES else {})
+                for f in ranks
+            ],
+        }
+    frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(error.__traceback__)]
+    place = _place(frames, _judge) or _place(frames, lambda path: True)  # a check kept outside tests/
+    if isinstance(error, AssertionError):
+        return {"kind": "assert"} | place
+    return {"kind": "exception", "error": type(error).__name__} | place
 
 
 def _fmt(points: float) -> str:
@@ -169,6 +240,7 @@ def gradescope(checks: list, seconds: float) -> dict:
                 "output": c.message,
                 "visibility": "visible",
             }
+            | ({"extra_data": {"mistake": c.mistake}} if c.mistake else {})  # what course/report.py groups by
             for c in checks
         ],
     }
@@ -286,6 +358,7 @@ def pytest_runtest_makereport(item, call):
         report.grade_message = explain(call.excinfo.value)
         failure = getattr(call.excinfo.value, "failure", None)
         report.grade_stub = failure.stub if failure is not None and failure.kind == "stub" else None
+        report.grade_mistake = mistake(call.excinfo.value)
     return report
 
 
@@ -320,6 +393,7 @@ class _Grader:
                     check.message or getattr(report, "grade_message", "") or _first_line(report.longreprtext)
                 )
                 check.stub = check.stub or getattr(report, "grade_stub", None)
+                check.mistake = check.mistake or getattr(report, "grade_mistake", None)
             if report.failed and report.when != "call":
                 self.broken.append(f"{report.nodeid} ({report.when}): {check.message}")
 

@@ -2,7 +2,7 @@
 
 One switch, COURSE_IMPL, selects it for the whole test suite and for every worker process:
 ``solutions`` (the reference, the default), ``student`` (the top-level files), or the path of a
-folder holding mlp.py, dist.py and mydp.py (a submission, or a mutant made by the tests).
+folder holding the student files of course/layout.py (a submission, or a mutant made by the tests).
 
 Modules are loaded from that folder by path and never left in sys.modules, so a worker that is
 handed a folder loads exactly that folder's code. The exercise checks call load() only in their

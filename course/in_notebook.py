@@ -1,6 +1,6 @@
 """What the exercise notebooks call: run your code, and grade it with the checks `make grade` runs.
 
-The notebooks hold no exercise code of their own. Your code stays in mlp.py, dist.py and mydp.py,
+The notebooks hold no exercise code of their own. Your code stays in the exercise files (mlp.py, dist.py, ...),
 and workers find it there: a function defined in a notebook cell cannot be sent to a worker.
 COURSE_IMPL picks the files, as for the tests; unset, they are the top-level student files.
 """
@@ -11,6 +11,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import sys
+import time
 from contextlib import contextmanager
 
 from course import env, impl
@@ -23,7 +24,11 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from course.grade import explain  # noqa: E402
+# A worker's first optimizer imports torch._dynamo (about 1 s, on every rank). Imported once here, in the
+# kernel, it is already there in every check process and worker forked from it.
+import torch._dynamo  # noqa: E402, F401
+
+from course.grade import MISTAKE_MIME, explain, mistake  # noqa: E402
 from course.launch import run  # noqa: E402
 
 
@@ -40,7 +45,7 @@ def folder() -> str:
 
 
 def load():
-    """Your modules, read again from the files: .mlp, .dist, .mydp."""
+    """Your modules, read again from the files: .mlp, .dist, .mydp, .data."""
     impl.forget(folder())
     return impl.load(folder())
 
@@ -84,17 +89,32 @@ def _stderr_to_stdout():
 
 
 def _check_here(fn, folder: str, args: tuple, conn) -> None:
-    """In the check's own process: run it; send back one sentence, '' for passed."""
+    """In the check's own process: run it; send back one sentence ('' for passed) and the mistake's facts."""
     impl.forget(folder)  # what the kernel read before an edit is stale
     try:
         with _stderr_to_stdout():
             faulthandler.enable()  # a crash shows its Python stack in the cell's output
             fn(folder, *args)
-        verdict = ""
+        verdict, facts = "", None
     except Exception as error:  # noqa: BLE001 - any failure of the check is the student's to read
-        verdict = explain(error) or type(error).__name__
-    conn.send(verdict)
+        verdict, facts = explain(error) or type(error).__name__, mistake(error)
+    conn.send((verdict, facts))
     conn.close()
+
+
+def _show_facts(facts: dict, seconds: float) -> None:
+    """Give autograding the failed check's facts as data: an output of their own type in the cell.
+
+    Only a kernel that autograding started (course/autograde.py sets COURSE_MISTAKE_FACTS) shows
+    them: a student's notebook would show an output its frontend cannot render.
+    """
+    if os.environ.get("COURSE_MISTAKE_FACTS") != "1":
+        return
+    from IPython import get_ipython
+    from IPython.display import display
+
+    if get_ipython() is not None:
+        display({MISTAKE_MIME: {"mistake": facts, "seconds": round(seconds, 3)}}, raw=True)
 
 
 def check(fn, *args) -> None:
@@ -105,21 +125,24 @@ def check(fn, *args) -> None:
     crash of your code ends that process, not the kernel.
     """
     sys.stdout.flush()
+    started = time.monotonic()
     ctx = mp.get_context(env.default_start_method(sys.platform, torch.get_num_threads(), torch.cuda.is_initialized()))
     reader, writer = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_check_here, args=(fn, folder(), args, writer), name=fn.__name__)
     process.start()
     writer.close()
     try:
-        verdict = reader.recv()
+        verdict, facts = reader.recv()
     except EOFError:  # it died before it could say
         process.join()
+        _show_facts({"kind": "check_died", "exit_code": process.exitcode}, time.monotonic() - started)
         raise CheckFailed(
             f"the check's process died with exit code {process.exitcode}: a crash in the code it ran"
         ) from None
     finally:
         process.join()
     if verdict:
+        _show_facts(facts, time.monotonic() - started)
         raise CheckFailed(verdict)
     print(f"{fn.__name__}: passed")
 

@@ -1,6 +1,6 @@
 """Write the students' copy of the course: ``python -m course.release DEST``.
 
-The copy holds what students need and may see: their three files, the handouts and notebooks,
+The copy holds what students need and may see: their four files, the handouts and notebooks,
 the exercise checks with the test helpers, the course package, the Makefile, README and the
 packaging files. It leaves out solutions/, the instructors' tests (the mutant tests need
 solutions/, the others test this repository), CI, and any gradebook or grades. Without

@@ -282,6 +282,13 @@ _ON_DEMAND = ["torch._dynamo"]
 _needed: set = set()
 
 
+def expect_many_worlds() -> None:
+    """Say that this process will start many worlds (the checks do): the first fork imports what
+    workers import on demand, once here, instead of once per rank of the first world that steps and
+    again here after it. A process whose worlds build no optimizer would pay about 1 s for nothing."""
+    _needed.update(_ON_DEMAND)
+
+
 def _context(method: str):
     ctx = mp.get_context(method)
     if method == "fork":

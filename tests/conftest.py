@@ -9,7 +9,7 @@ os.environ.update(env.check_settings())
 
 import pytest  # noqa: E402
 
-from course import impl  # noqa: E402
+from course import impl, workers  # noqa: E402
 
 # The suite starts its own worlds. Under srun or mpiexec (a CI job on a cluster) the launcher's
 # variables would make every script the tests start join the launcher's world instead.
@@ -19,5 +19,12 @@ for name in env.LAUNCHER_VARIABLES:
 
 @pytest.fixture(scope="session")
 def impl_dir():
-    """The folder whose mlp.py, dist.py and mydp.py are under test."""
+    """The folder whose student files (course/layout.py) are under test."""
     return impl.selected()
+
+
+def pytest_collection_finish(session):
+    """Checks whose worlds build optimizers: the parent imports once what every rank would import on its
+    first optimizer (course/workers.py). A module whose worlds build none says BUILDS_OPTIMIZERS = False."""
+    if any(getattr(getattr(item, "module", None), "BUILDS_OPTIMIZERS", True) for item in session.items):
+        workers.expect_many_worlds()

@@ -1,18 +1,20 @@
 """Instructors only: `make autograde` end to end, on sample submissions made from the reference.
 
-One run grades five students through nbgrader, every exercise that has a notebook (the
-expensive part of the suite, so it runs once, in one test), the four of the course's brief and
-one that crashes:
+One run grades six students through nbgrader, every exercise that has a notebook (the
+expensive part of the suite, so it runs once, in one test): the mistakes of the course's brief,
+one that crashes, and two more with a mistake already made, for the class report:
 - perfect: the reference, whose code also writes to stderr in the workers, as gloo and torch
   warnings do: nbgrader would zero a test cell with stderr output;
-- sums: exercise 4 sums gradients instead of averaging them. It also tries to cheat: a
-  conftest.py, its own tests/ and course/ that would pass everything, and a notebook whose test
-  cell is emptied and whose extra cell replaces `check`;
-- deadlock: exercise 2's ranks wait for a broadcast rank 0 never sends;
-- syntax: mlp.py does not parse (mydp.py and sync.py import it: every exercise but 2 and 5 fails);
+- mistakes: exercise 4 sums gradients instead of averaging them, and exercise 2's ranks wait for
+  a broadcast rank 0 never sends. It also tries to cheat: a conftest.py, its own tests/ and
+  course/ that would pass everything, and a notebook whose test cell is emptied and whose extra
+  cell replaces `check`;
+- syntax: mlp.py does not parse (the other files but dist.py import it: only exercises 2 and 5 pass);
 - crash: building an MLP segfaults, in workers (whose world reports it, with the line); the
   kernel that runs the checks builds none. The checks that build no MLP of the submission still
-  pass: those of the wrappers train the tests' own model (tests/helpers.py).
+  pass: those of the wrappers train the tests' own model (tests/helpers.py);
+- sums_again, sums_too: the summed gradients of `mistakes`, written in other ways: the class report
+  (grading/report.html and report.json, course/report.py) counts three students in its row.
 """
 
 import csv
@@ -28,15 +30,18 @@ from course.grade import POINTS
 from course.layout import ROOT
 from course.make_notebooks import exercise_of, sources
 from tests.mutants import make_mutant
+from tests.test_report import References
 
 # Points lost, by exercise; every other exercise with a notebook scores full marks.
 LOST = {
     "perfect": {},
-    # start_sync, frozen and the hook's argument pass; the steps and the match with DDP fail
-    "sums": {4: 30 - (8 + 4 + 2)},
-    "deadlock": {2: 25},
-    "syntax": {1: 20, 3: 25, 4: 30, 6: 25, 7: 15, 9: 25},
+    # exercise 2 hangs; in 4, start_sync, frozen and the hook's argument pass, the steps and the match with DDP fail
+    "mistakes": {2: 25, 4: 30 - (8 + 4 + 2)},
+    # mydp.py, data.py, sync.py and hvd.py import mlp.py
+    "syntax": {1: 20, 3: 25, 4: 30, 6: 25, 7: 15, 8: 25, 9: 25, 10: 25},
     "crash": {1: 20, 3: 8, 4: 6},  # only train() builds its MLP: the steps checks train the tests' own model
+    "sums_again": {4: 16},
+    "sums_too": {4: 16},
 }
 
 
@@ -72,21 +77,24 @@ def _cheating_notebook(path):
 def make_submissions(root):
     warn = "import sys; print('UserWarning: a warning, as gloo prints', file=sys.stderr)\n        "
     make_mutant(root / "perfect", "mlp.py", "sizes = [config.d_in]", warn + "sizes = [config.d_in]")
-    sums = make_mutant(root / "sums", "mydp.py", "mean = grad / dist.get_world_size()", "mean = grad.clone()")
+    mistakes = make_mutant(root / "mistakes", "mydp.py", "mean = grad / dist.get_world_size()", "mean = grad.clone()")
+    with open(os.path.join(mistakes, "dist.py")) as f:
+        dist_py = f.read()
+    assert dist_py.count("    dist.broadcast(B, src=0)\n") == 1
     _write(
-        os.path.join(sums, "conftest.py"),
+        os.path.join(mistakes, "dist.py"),
+        dist_py.replace("    dist.broadcast(B, src=0)\n", "        dist.recv(B, src=0)  # rank 0 never sends\n"),
+    )
+    _write(
+        os.path.join(mistakes, "conftest.py"),
         "import pytest\n\n\ndef pytest_runtest_call(item):\n    pytest.skip('free points')\n",
     )
-    _write(os.path.join(sums, "tests", "test_ex4_mydp.py"), "def test_everything():\n    pass\n")
-    _write(os.path.join(sums, "course", "__init__.py"), "")
-    _write(os.path.join(sums, "course", "notebook.py"), "def check(*args):\n    pass\n")
-    _cheating_notebook(os.path.join(sums, "exercises", "04_mydp.ipynb"))
-    make_mutant(
-        root / "deadlock",
-        "dist.py",
-        "    dist.broadcast(B, src=0)\n",
-        "        dist.recv(B, src=0)  # rank 0 never sends\n",
-    )
+    _write(os.path.join(mistakes, "tests", "test_ex4_mydp.py"), "def test_everything():\n    pass\n")
+    _write(os.path.join(mistakes, "course", "__init__.py"), "")
+    _write(os.path.join(mistakes, "course", "notebook.py"), "def check(*args):\n    pass\n")
+    _cheating_notebook(os.path.join(mistakes, "exercises", "04_mydp.ipynb"))
+    make_mutant(root / "sums_again", "mydp.py", "mean = grad / dist.get_world_size()", "mean = grad * 1.0")
+    make_mutant(root / "sums_too", "mydp.py", "mean = grad / dist.get_world_size()", "mean = grad + 0")
     make_mutant(
         root / "syntax",
         "mlp.py",
@@ -160,25 +168,57 @@ def test_autograde_end_to_end(tmp_path):
         with open(out / "feedback" / student / f"feedback.{kind}") as f:
             return f.read()
 
-    assert "2.0x the expected average" in feedback("sums")
-    assert "Timed out" in feedback("deadlock") or "waited in a collective" in feedback("deadlock"), feedback("deadlock")
+    assert "2.0x the expected average" in feedback("mistakes")
+    assert "Timed out" in feedback("mistakes") or "waited in a collective" in feedback("mistakes"), feedback("mistakes")
     assert "mlp.py does not import: SyntaxError" in feedback("syntax")
     assert "exit code -11" in feedback("crash") and "mlp.py:" in feedback("crash"), feedback("crash")
-    with open(out / "autograded" / "sums" / "ex4" / "04_mydp.ipynb") as f:
+    with open(out / "autograded" / "mistakes" / "ex4" / "04_mydp.ipynb") as f:
         graded = json.load(f)["cells"]
     assert "cheat" not in {c["id"] for c in graded}, "a code cell the student added to a notebook was run"
     assert any("".join(c["source"]) == "One all-reduce per parameter." for c in graded), (
         "the student's written answer was not carried over"
     )
 
-    page = feedback("sums", "html")  # nbconvert's page: the failed checks' messages and the written answers
+    page = feedback("mistakes", "html")  # nbconvert's page: the failed checks' messages and the written answers
     assert "2.0x the expected average" in page and "ex4_matches_ddp" in page and "One all-reduce per parameter." in page
     assert "<h2" in page and f"Exercise {exercises[-1]}" in page, "a section per exercise"
+
+    check_class_report(out, done.stdout)
 
     deadline = time.monotonic() + 5
     while processes_in(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not processes_in(tmp_path), "autograde left processes behind"
+
+
+def check_class_report(out, said):
+    """grading/report.json and report.html: one row for the repeated mistake, the troubled submissions listed."""
+    assert "class report:" in said, said
+    with open(out / "report.json") as f:
+        summary = json.load(f)
+    sums = [m for m in summary["mistakes"] if "ex4_steps" in m["checks"] and m["mistake"]["kind"] == "assert"]
+    assert len(sums) == 1, f"one mistake, one row: {[(m['title'], m['students']) for m in sums]}"
+    assert sums[0]["students"] == ["mistakes", "sums_again", "sums_too"] and sums[0]["count"] == 3, sums[0]
+    assert sums[0]["mistake"]["kind"] == "assert" and sums[0]["mistake"]["exercise"] == 4, sums[0]
+    assert summary["mistakes"][0]["count"] == 3, "the most frequent mistake comes first"
+    for student, kinds in (("crash", {"crash"}), ("mistakes", {"wait", "timeout", "p2p_deadlock"})):
+        rows = [m["title"] for m in summary["mistakes"] if student in m["students"] and m["mistake"]["kind"] in kinds]
+        assert len(rows) == 1, f"{student}: one mistake in worlds of every size, one row: {rows}"
+    troubled = {(t["student"], t["what"]) for t in summary["troubled"]}
+    assert {("crash", "crashed"), ("mistakes", "hung"), ("syntax", "did not import")} <= troubled, troubled
+    assert not {t[0] for t in troubled} & {"perfect", "sums_again", "sums_too"}, troubled
+    timing = {t["student"]: t for t in summary["timing"]["by_student"]}
+    assert sorted(timing) == sorted(LOST) and all(t["median_s"] > 0 for t in timing.values()), (
+        "every submission's checks are timed, from the cells' execution times"
+    )
+    page = (out / "report.html").read_text()
+    parsed = References()
+    parsed.feed(page)
+    assert parsed.found == [] and parsed.svgs >= 2 * len(summary["exercises"]), parsed.found
+    top = subprocess.run(
+        [sys.executable, "-m", "course.report", str(out), "--top", "5"], capture_output=True, text=True, timeout=60
+    )
+    assert top.returncode == 0 and top.stdout.splitlines()[1].split()[:3] == ["3", "exercise", "4:"], top.stdout
 
 
 def test_a_check_runs_the_code_outside_the_kernel(tmp_path, monkeypatch):

@@ -107,10 +107,10 @@ with open(_os.path.join(_os.getcwd(), "results.json"), "w") as _f:
     _json.dump({FAKE_RESULTS!r}, _f)
 """
 
-# A process of its own, in a session of its own, that writes results.json over and over for 6 s.
+# A process of its own, in a session of its own, that writes results.json every 0.1 s for a minute.
 DAEMON_WRITER = f"""
 import json, time
-for _ in range(60):
+for _ in range(600):  # a minute: longer than any grading run
     time.sleep(0.1)
     with open("results.json", "w") as f:
         json.dump({FAKE_RESULTS!r}, f)
@@ -174,7 +174,7 @@ def test_writing_results_json_gains_nothing(tmp_path):
 
 def test_a_daemon_writing_results_json_gains_nothing(tmp_path):
     done, path = grade(tmp_path, {"mlp.py": RESULTS_DAEMON})
-    time.sleep(6.5)  # the daemon, had it survived the grader, has written by now
+    time.sleep(1.0)  # the daemon, had it survived the grader, has written by now: it writes every 0.1 s
     assert_no_points(done, path, "par_matmul_by_row is not written yet")
 
 
@@ -206,7 +206,9 @@ def test_a_result_that_runs_code_when_unpickled_gains_nothing(tmp_path):
 
 
 def test_the_reference_scores_full_marks(tmp_path):
-    done, path = grade(tmp_path, {}, base=SOLUTIONS, ex=None)
+    """The control of the cheats above: the same grader, in the same copy, gives honest code exercise 2's
+    points. (Every exercise's checks pass on the reference in the suite's own test_exN_*.py.)"""
+    done, path = grade(tmp_path, {}, base=SOLUTIONS)
     assert done.returncode == 0, done.stdout + done.stderr
     found = results(path)
-    assert found["score"] == sum(POINTS.values()) and all(t["status"] == "passed" for t in found["tests"]), done.stdout
+    assert found["score"] == POINTS[2] and all(t["status"] == "passed" for t in found["tests"]), done.stdout

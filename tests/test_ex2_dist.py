@@ -6,6 +6,10 @@ import torch.distributed as dist
 
 from tests.helpers import load, world
 
+# No world of these checks builds an optimizer: grading them alone need not import torch._dynamo
+# (tests/conftest.py).
+BUILDS_OPTIMIZERS = False
+
 # (m, k, n): square, rectangular, divisible by the world sizes or not, and smaller than them.
 SHAPES = [(8, 8, 8), (12, 6, 5), (7, 5, 3), (5, 11, 2), (2, 3, 4), (1, 1, 1)]
 

@@ -149,6 +149,13 @@ def test_grade_scores_checks_and_exits_0_for_a_low_grade(tmp_path):
         all(t["visibility"] == "visible" and t["output"] is not None for t in results["tests"])
         and "execution_time" in results
     )
+    failed = next(t for t in results["tests"] if t["status"] == "failed")
+    assert failed["extra_data"]["mistake"] == {
+        "kind": "assert",
+        "file": "test_ex1_fake.py",
+        "func": "test_fails",
+        "line": FAKE_CHECKS.splitlines().index('    assert 1 == 2, "one is not two: fix the arithmetic"') + 1,
+    }, "the failed check's facts, from the worker that ran it (pytest-xdist) to results.json"
 
 
 def test_a_broken_grader_exits_non_zero(tmp_path):
@@ -224,9 +231,10 @@ def course_grade(*args, impl, cwd):
 
 
 def test_grade_names_the_exercises_when_there_is_no_such_one(tmp_path):
-    done = course_grade("--ex", "8", impl=ROOT, cwd=tmp_path)
+    missing = max(POINTS) + 1
+    done = course_grade("--ex", str(missing), impl=ROOT, cwd=tmp_path)
     assert done.returncode != 0 and done.stdout == ""
-    assert done.stderr.strip() == f"no exercise 8; exercises are {min(POINTS)}–{max(POINTS)}"
+    assert done.stderr.strip() == f"no exercise {missing}; exercises are {min(POINTS)}–{max(POINTS)}"
     assert not (tmp_path / "results.json").exists()
 
 

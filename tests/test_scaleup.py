@@ -28,7 +28,7 @@ from tests.test_launch import descendants, rank_sum
 
 # A script's own work takes a fraction of a second at these sizes: starting processes dominates.
 TINY = ["--niters", "20", "--dim-in", "32", "--dim-hidden", "32", "--train-size", "1000"]
-SCRIPT = {name: os.path.join(SOLUTIONS, f"{name}.py") for name in ("mlp", "dist", "mydp")}
+SCRIPT = {name: os.path.join(SOLUTIONS, f"{name}.py") for name in ("mlp", "dist", "mydp", "hvd")}
 no_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
@@ -240,6 +240,16 @@ def test_mpiexec_mpich_ranks_join(tmp_path):
         tmp_path, *[(script("mlp", *TINY, "--port", port), mpi_variables(r, "mpich")) for r in (0, 1)]
     )
     check_mlp_output(*rank0, "mpich")
+    assert rank1[0] == 0 and "final |" not in rank1[1], rank1[1]
+
+
+def test_mpiexec_runs_the_horovod_style_script(tmp_path):
+    """`mpiexec -n 2 python solutions/hvd.py`, as Horovod's scripts run: OpenMPI's variables, the port from --port."""
+    port = str(free_port())
+    rank0, rank1 = processes(
+        tmp_path, *[(script("hvd", *TINY, "--port", port), mpi_variables(r, "openmpi")) for r in (0, 1)]
+    )
+    check_mlp_output(*rank0, "openmpi")
     assert rank1[0] == 0 and "final |" not in rank1[1], rank1[1]
 
 

@@ -18,6 +18,7 @@ from tests.test_ex3_ddp import check_closeness
 from tests.test_ex4_mydp import check_start_sync
 from tests.test_ex5_ring import check_ring
 from tests.test_ex6_overlap import check_bucket_parameters
+from tests.test_ex8_data import check_shard_sizes
 from tests.test_ex9_sync import check_average_parameters, check_forward
 
 STUB = re.compile(r'raise NotImplementedError\("(Exercise (\d+): \S+ is not written yet, see (\S+))"\)')
@@ -58,6 +59,7 @@ def test_student_files_import():
         (lambda f: check_start_sync(f, 2), 4),
         (lambda f: check_ring(f, 2), 5),
         (check_bucket_parameters, 6),
+        (check_shard_sizes, 8),
         (lambda f: check_forward(f, 2), 9),
         (lambda f: check_average_parameters(f, 2), 9),
     ],
@@ -75,6 +77,10 @@ def test_untouched_stubs_fail_fast_with_their_message(check, exercise):
         (
             ["dist.py", "--world-size", "2"],
             "Exercise 2: par_matmul_by_row is not written yet, see exercises/02_dist.md",
+        ),
+        (
+            ["data.py", "--world-size", "2"],
+            "Exercise 8: partition is not written yet, see exercises/08_data.md",
         ),
         (
             ["mydp.py", "--world-size", "2", "--niters", "5"],

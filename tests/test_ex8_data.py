@@ -1,0 +1,449 @@
+"""Exercise 8: partitions by fractions, the gradient of uneven shards, and ending uneven shards cleanly."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+from course.launch import WorldFailed, run
+from tests.comm_log import CommLog
+from tests.helpers import CONFIG, SmallMLP, load, world
+
+# (n, fractions, the sizes of the rule in data.py's shard_sizes docstring): whole parts first, left-overs by
+# largest fractional part, lower rank first among equal ones. 0.29 * 100 is 28.999999999999996 in floats.
+SIZES = [
+    (10, [0.7, 0.3], [7, 3]),
+    (7, [0.7, 0.3], [5, 2]),
+    (10, [1 / 3, 1 / 3, 1 / 3], [4, 3, 3]),
+    (3, [0.5, 0.5], [2, 1]),
+    (1, [0.5, 0.5], [1, 0]),
+    (11, [0.5, 0.3, 0.2], [6, 3, 2]),
+    (5, [0.1, 0.1, 0.8], [1, 0, 4]),
+    (100, [0.29, 0.71], [29, 71]),
+    (7, [0.2, 0.5, 0.3], [1, 4, 2]),
+    (0, [0.5, 0.5], [0, 0]),
+    (160, [0.7, 0.3], [112, 48]),
+]
+PARTITIONS = [(160, [0.7, 0.3], 3), (10, [1 / 3, 1 / 3, 1 / 3], 0), (11, [0.5, 0.3, 0.2], 7), (1, [0.5, 0.5], 1)]
+SAMPLER_CASES = [(12, 3, 0), (10, 3, 5), (7, 2, 1), (160, 2, 3)]
+
+# The uneven shards of the training checks: the tests' own, so that each check judges one function.
+N, SHARD_SEED, BATCH = 160, 11, 8
+UNEVEN = {2: [0.7, 0.3], 3: [0.5, 0.3, 0.2]}
+
+
+def expected_sizes(n, fractions):
+    return next(sizes for m, f, sizes in SIZES if (m, f) == (n, fractions))
+
+
+def shards_of(world_size):
+    """The tests' shards of N samples, in rank order: 112 and 48 samples on 2 ranks, 80, 48 and 32 on 3."""
+    sizes = [round(N * f) for f in UNEVEN[world_size]]
+    return list(torch.randperm(N, generator=torch.Generator().manual_seed(SHARD_SEED)).split(sizes))
+
+
+def dataset():
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(N, CONFIG.d_in, generator=g), torch.randint(0, CONFIG.n_classes, (N,), generator=g)
+
+
+def fresh_model():
+    torch.manual_seed(100)  # the same start on every rank and in the judge: these functions broadcast nothing
+    return SmallMLP()
+
+
+class PlainSGD:
+    """The probes' optimizer: torch.optim.SGD's step without momentum, p -= lr * p.grad. Its first step
+    in a process imports torch._dynamo (1.4 s per rank on 2 cores), which every notebook check would pay."""
+
+    def __init__(self, params, lr):
+        self.params, self.lr = list(params), lr
+
+    def zero_grad(self):
+        for param in self.params:
+            param.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        for param in self.params:
+            if param.grad is not None:
+                param.add_(param.grad, alpha=-self.lr)
+
+
+def state(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# --- the partitioner ---------------------------------------------------------------------------
+
+
+def sizes_in_world(folder):
+    """Probe: shard_sizes of every case."""
+    data = load(folder).data
+    return [data.shard_sizes(n, fractions) for n, fractions, _ in SIZES]
+
+
+def check_shard_sizes(folder):
+    (got,) = world(sizes_in_world, 1, folder)
+    for (n, fractions, expected), sizes in zip(SIZES, got):
+        what = f"shard_sizes({n}, {[round(f, 3) for f in fractions]}) returned {sizes}"
+        assert isinstance(sizes, list) and all(isinstance(s, int) for s in sizes), f"{what}: return a list of ints"
+        assert len(sizes) == len(fractions), f"{what}: one size per fraction"
+        assert sum(sizes) == n, f"{what}, which adds up to {sum(sizes)}: the sizes must add up to n = {n}"
+        for k, (size, f) in enumerate(zip(sizes, fractions)):
+            assert math.floor(n * f - 1e-9) <= size <= math.ceil(n * f + 1e-9), (
+                f"{what}: size {k} should be n * fractions[{k}] = {n * f:.3g} rounded down or up"
+            )
+        assert sizes == expected, (
+            f"{what}, expected {expected}: the left-over samples go one each to the shards with the largest"
+            " fractional parts, the lower rank first among equal ones"
+        )
+
+
+def partitions_in_world(folder):
+    """Probe, on every rank: each case's shards, and the collectives partition started."""
+    data = load(folder).data
+    torch.manual_seed(dist.get_rank())  # the global generator differs on every rank, as on separate machines
+    out = []
+    for n, fractions, seed in PARTITIONS:
+        with CommLog() as log:
+            shards = data.partition(n, fractions, seed)
+        out.append({"shards": [torch.as_tensor(s) for s in shards], "collectives": log.summary()["collectives"]})
+    return out
+
+
+def check_partition(folder, world_size=3):
+    results = world(partitions_in_world, world_size, folder)
+    for (n, fractions, seed), *per_rank in zip(PARTITIONS, *results):
+        what = f"partition({n}, {[round(f, 3) for f in fractions]}, seed={seed})"
+        for rank, got in enumerate(per_rank):
+            assert not got["collectives"], (
+                f"{what} called {got['collectives'][0]} on rank {rank}: every rank computes the same shards from"
+                " the seed, with no communication"
+            )
+            shards = got["shards"]
+            assert len(shards) == len(fractions), f"{what} returned {len(shards)} shards for {len(fractions)} fractions"
+            sizes = [len(s) for s in shards]
+            assert sizes == expected_sizes(n, fractions), (
+                f"{what} made shards of {sizes} samples: their sizes are shard_sizes(n, fractions)"
+            )
+            every = torch.cat(shards).long() if shards else torch.zeros(0, dtype=torch.long)
+            counts = torch.bincount(every, minlength=n) if n else torch.zeros(0)
+            assert len(counts) == n and bool((counts == 1).all()), (
+                f"{what}: every index 0 .. {n - 1} must be in exactly one shard"
+                f" (missing: {(counts == 0).nonzero().flatten().tolist()[:5]},"
+                f" in two shards: {(counts > 1).nonzero().flatten().tolist()[:5]})"
+            )
+            if rank > 0:
+                assert all(torch.equal(a, b) for a, b in zip(shards, per_rank[0]["shards"])), (
+                    f"{what}: rank {rank}'s shards differ from rank 0's: draw the order from a generator seeded"
+                    " with seed, torch.Generator().manual_seed(seed), not from the global one"
+                )
+        drawn = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        assert not torch.equal(every, torch.arange(n)) or n < 2, (
+            f"{what} did not shuffle: cut the shuffled order, torch.randperm(n, generator=...), not 0 .. n-1"
+        )
+        assert torch.equal(every, drawn), (
+            f"{what}: the shards, one after the other, should be torch.randperm(n,"
+            " generator=torch.Generator().manual_seed(seed)) cut into consecutive pieces in rank order"
+        )
+
+
+def equal_partitions(folder):
+    """Probe: partition by equal fractions for each sampler case."""
+    data = load(folder).data
+    return [[torch.as_tensor(s) for s in data.partition(n, [1 / w] * w, seed)] for n, w, seed in SAMPLER_CASES]
+
+
+def check_against_sampler(folder):
+    """For equal fractions, the shards hold the order that DistributedSampler shuffles, cut rather than dealt,
+    and unlike the sampler's they repeat nothing when n does not divide by the world size."""
+    (got,) = world(equal_partitions, 1, folder)
+    for (n, w, seed), shards in zip(SAMPLER_CASES, got):
+        dealt = [list(DistributedSampler(range(n), num_replicas=w, rank=r, shuffle=True, seed=seed)) for r in range(w)]
+        per_rank = math.ceil(n / w)
+        assert all(len(d) == per_rank for d in dealt)  # the sampler pads to ceil(n / w) on every rank
+        order = [dealt[i % w][i // w] for i in range(n)]  # the sampler deals its order like cards: undo that
+        what = f"partition({n}, [1/{w}] * {w}, seed={seed})"
+        mine = torch.cat(shards).tolist()
+        assert mine == order, (
+            f"{what} should cut the order that DistributedSampler(shuffle=True, seed={seed}) draws in its first"
+            f" epoch into {w} consecutive pieces"
+        )
+        if n % w == 0:
+            assert [len(s) for s in shards] == [len(d) for d in dealt], (
+                f"{what}: with {n} samples on {w} ranks every rank gets {n // w}, as with DistributedSampler"
+            )
+        else:
+            padded = sum(len(d) for d in dealt) - n  # samples the sampler repeats on some rank
+            assert padded > 0 and len(mine) == n == len(set(mine)), (
+                f"{what}: the shards cover the {n} samples once each, without the sampler's {padded} repeated ones"
+            )
+
+
+# --- the weighted average ----------------------------------------------------------------------
+
+
+def union_batch(world_size):
+    """Ten rows, cut by the ranks' fractions: 7 and 3 rows on 2 ranks, 5, 3 and 2 on 3."""
+    X, Y = dataset()
+    sizes = [round(10 * f) for f in UNEVEN[world_size]]
+    return X[:10], Y[:10], sizes
+
+
+def weighted_step(folder):
+    """Probe, on every rank: one step on this rank's rows with average_gradients_weighted."""
+    data = load(folder).data
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    X, Y, sizes = union_batch(world_size)
+    start = sum(sizes[:rank])
+    model = fresh_model()
+    optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
+    optimizer.zero_grad()
+    _, loss = model(X[start : start + sizes[rank]], Y[start : start + sizes[rank]])
+    loss.backward()
+    data.average_gradients_weighted(model, sizes[rank])
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    return {"grads": grads, "state": state(model)}
+
+
+def check_weighted_average(folder, world_size):
+    results = world(weighted_step, world_size, folder)
+    X, Y, sizes = union_batch(world_size)
+    model = fresh_model()
+    local, start = [], 0
+    for m in sizes:
+        model.zero_grad()
+        model(X[start : start + m], Y[start : start + m])[1].backward()
+        local.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        start += m
+    model.zero_grad()
+    model(X, Y)[1].backward()  # one process, the union batch
+    optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
+    for rank, result in enumerate(results):
+        for name, param in model.named_parameters():
+            got, expected = result["grads"][name], param.grad
+            plain = sum(g[name] for g in local) / world_size
+            if torch.allclose(got, plain, rtol=1e-4, atol=1e-6):
+                raise AssertionError(
+                    f"on {world_size} ranks with batches of {sizes} rows, rank {rank}'s gradient of {name} is the"
+                    f" plain mean of the ranks' gradients: weight rank k's gradient by m_k / n (its rows over all"
+                    f" {sum(sizes)} rows), as the gradient of the union batch does"
+                )
+            assert torch.allclose(got, expected, rtol=1e-4, atol=1e-6), (
+                f"on {world_size} ranks with batches of {sizes} rows, rank {rank}'s gradient of {name} is not the"
+                f" gradient of the union batch of {sum(sizes)} rows, the sum over ranks of (m_k / n) g_k"
+            )
+    optimizer.step()
+    for rank, result in enumerate(results):
+        for name, param in model.named_parameters():
+            assert torch.allclose(result["state"][name], param.detach(), rtol=1e-4, atol=1e-6), (
+                f"after one step, rank {rank}'s {name} differs from one process's step on the union batch"
+            )
+
+
+# --- uneven shards: the hang and its two fixes ---------------------------------------------------
+
+
+def train_as_is(folder):
+    """Probe: every rank trains on its shard in batches of BATCH, each taking as many steps as it has batches."""
+    data = load(folder).data
+    X, Y = dataset()
+    model = fresh_model()
+    optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
+    return data.train_shard(model, optimizer, X, Y, shards_of(dist.get_world_size())[dist.get_rank()], BATCH)
+
+
+def check_unbalanced_hang(folder):
+    """Shards of 112 and 48 samples in batches of 8: rank 1 is done after 6 steps, rank 0 all-reduces a 7th."""
+    try:
+        # A short collective timeout: with the collectives unchecked, the waiting rank is named after 3 s.
+        steps = run(train_as_is, 2, folder, timeout=30, collective_timeout=3)
+    except WorldFailed as failed:
+        failure = failed.failure
+        if failure.kind == "stub":
+            raise
+        first = failure.fact(0)
+        assert failure.kind in ("mismatch", "wait") and first is not None, (
+            f"the world should fail in a collective that rank 1 never joins, not so: {failure.sentence()}"
+        )
+        assert first.collective == "all_reduce" and first.file == "data.py", (
+            f"rank 0 should be stopped in the all-reduce of its 7th step in data.py: {failure.sentence()}"
+        )
+        assert failure.fact(1) is not None and failure.fact(1).file != "data.py", (
+            f"rank 1 had finished its 6 steps: it cannot be in data.py: {failure.sentence()}"
+        )
+        return
+    raise AssertionError(
+        f"the ranks took {steps} steps on shards of 112 and 48 samples and the run ended: each step should"
+        " average the gradients with a collective, which a rank without batches cannot join"
+    )
+
+
+def agreed_training(folder):
+    """Probe: fix (a), the steps agreed with common_steps before train_shard."""
+    data = load(folder).data
+    X, Y = dataset()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    shard = shards_of(world_size)[rank]
+    model = fresh_model()
+    optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
+    agreed = data.common_steps(len(shard) // BATCH)
+    data.train_shard(model, optimizer, X, Y, shard, BATCH, steps=agreed)
+    return {"agreed": agreed, "state": state(model)}
+
+
+def expected_training(world_size, joined, by_active=False):
+    """The judge's parameters after the ranks' shards in batches of BATCH: step s all-reduces the gradients
+    of the ranks that still have a batch s. With Join the others answer with zeros and DDP divides by the
+    world size (by_active: by the ranks still training); with the agreed steps, every rank has a batch."""
+    X, Y = dataset()
+    shards = shards_of(world_size)
+    counts = [len(s) // BATCH for s in shards]
+    model = fresh_model()
+    optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
+    for step in range(max(counts) if joined else min(counts)):
+        total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+        for shard, count in zip(shards, counts):
+            if step < count:
+                rows = shard[step * BATCH : (step + 1) * BATCH]
+                model.zero_grad()
+                model(X[rows], Y[rows])[1].backward()
+                active = sum(step < c for c in counts) if by_active else world_size
+                for n, p in model.named_parameters():
+                    total[n] += p.grad / active
+        for n, p in model.named_parameters():
+            p.grad = total[n]
+        optimizer.step()
+    return state(model), counts
+
+
+def stopped(failed, advice):
+    """A world of uneven ranks that failed in a collective: the advice, then where the harness saw the ranks."""
+    if failed.failure.kind == "stub":
+        raise failed
+    return AssertionError(f"{advice} ({failed.failure.sentence()})")
+
+
+def check_agreed_steps(folder, world_size):
+    try:
+        results = world(agreed_training, world_size, folder)
+    except WorldFailed as failed:
+        raise stopped(
+            failed,
+            "the ranks took different numbers of steps: common_steps should return the same number on every rank",
+        ) from None
+    expected, counts = expected_training(world_size, joined=False)
+    agreed = [r["agreed"] for r in results]
+    assert agreed == [min(counts)] * world_size, (
+        f"common_steps returned {agreed} on ranks with {counts} batches: every rank should take the smallest"
+        f" number, {min(counts)}, since a rank with fewer batches has no data for more"
+    )
+    for rank, result in enumerate(results):
+        for name, param in expected.items():
+            assert torch.allclose(result["state"][name], param, rtol=1e-4, atol=1e-5), (
+                f"after {min(counts)} agreed steps, rank {rank}'s {name} differs from one process on the same batches"
+            )
+
+
+def joined_training(folder):
+    """Probe: fix (b), train_joined on this rank's whole shard."""
+    data = load(folder).data
+    X, Y = dataset()
+    model = fresh_model()
+    optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
+    steps = data.train_joined(model, optimizer, X, Y, shards_of(dist.get_world_size())[dist.get_rank()], BATCH)
+    return {"steps": steps, "state": state(model)}
+
+
+def check_join(folder, world_size=2):
+    try:
+        # A short collective timeout: a rank left waiting in DDP's all-reduce is named after 3 s.
+        results = run(joined_training, world_size, folder, timeout=30, collective_timeout=3)
+    except WorldFailed as failed:
+        raise stopped(
+            failed,
+            "a rank ran out of batches while another waited in DDP's all-reduce: run the training loop"
+            " inside Join, with the DDP model as its joinable",
+        ) from None
+    expected, counts = expected_training(world_size, joined=True)
+    steps = [r["steps"] for r in results]
+    assert steps == counts, f"train_joined took {steps} steps on ranks with {counts} whole batches: take all of them"
+    by_active, _ = expected_training(world_size, joined=True, by_active=True)
+    for rank, result in enumerate(results):
+        for name, param in expected.items():
+            got = result["state"][name]
+            assert not torch.allclose(got, by_active[name], rtol=1e-4, atol=1e-5), (
+                f"after training under Join, rank {rank}'s {name} took the steps that only some ranks had a batch"
+                " for with the gradient divided by the ranks still training: DDP under Join divides by the world size"
+            )
+            assert torch.allclose(got, param, rtol=1e-4, atol=1e-5), (
+                f"after training under Join, rank {rank}'s {name} differs from DDP's averages over the ranks"
+                " that still had batches (the others count as zero gradients)"
+            )
+
+
+def unwaited_training(folder):
+    """Probe: the reference notebook's async_op=True "fix" on the student's partition of 0.7 and 0.3."""
+    data = load(folder).data
+    X, Y = dataset()
+    shard = data.partition(N, [0.7, 0.3], SHARD_SEED)[dist.get_rank()]
+    model = fresh_model()
+    optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
+    group = data.unchecked_group()
+    with CommLog() as log:
+        average = lambda model, rows: data.average_gradients_unwaited(model, rows, group)  # noqa: E731
+        steps = data.train_shard(model, optimizer, X, Y, shard, BATCH, average=average)
+    never_waited = len(log.summary()["not_waited"])
+    data.drain_unwaited(steps, model, group)
+    return {"steps": steps, "never_waited": never_waited, "state": state(model)}
+
+
+def check_unwaited_apart(folder):
+    """The run ends, and the ranks' parameters are apart: what exercise 3's closeness check answers False to."""
+    results = world(unwaited_training, 2, folder)
+    steps = [r["steps"] for r in results]
+    assert steps == [14, 6], f"partition(160, [0.7, 0.3]) should give shards of 112 and 48 samples: {steps} steps"
+    never_waited = [r["never_waited"] for r in results]
+    assert never_waited == [3 * 14, 3 * 6], (
+        f"the notebook's fix should leave every all-reduce of its 14 and 6 steps unwaited, not {never_waited}"
+    )
+    apart = max((results[0]["state"][n] - results[1]["state"][n]).abs().max().item() for n in results[0]["state"])
+    assert apart > 1e-3, f"the ranks' parameters should be apart after unwaited all-reduces, at most {apart:.2g}"
+
+
+def test_shard_sizes(impl_dir):
+    check_shard_sizes(impl_dir)
+
+
+def test_partition(impl_dir):
+    check_partition(impl_dir)
+
+
+def test_against_sampler(impl_dir):
+    check_against_sampler(impl_dir)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_weighted_average(impl_dir, world_size):
+    check_weighted_average(impl_dir, world_size)
+
+
+def test_unbalanced_hang(impl_dir):
+    check_unbalanced_hang(impl_dir)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_agreed_steps(impl_dir, world_size):
+    check_agreed_steps(impl_dir, world_size)
+
+
+def test_join(impl_dir):
+    check_join(impl_dir)
+
+
+def test_unwaited_apart(impl_dir):
+    check_unwaited_apart(impl_dir)

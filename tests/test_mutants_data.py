@@ -1,0 +1,151 @@
+"""The checks of exercise 8 catch the mistakes of partitions and uneven shards, the reference notebook's among them.
+
+Instructors only: these need solutions/. Each case makes a mutant of the reference with one
+mistake and shows that the check for it fails, with a message that points at the mistake.
+"""
+
+import pytest
+
+from tests.mutants import assert_caught
+from tests.test_ex8_data import (
+    check_against_sampler,
+    check_agreed_steps,
+    check_join,
+    check_partition,
+    check_shard_sizes,
+    check_weighted_average,
+)
+
+LEFT_OVERS = "    for k in by_remainder[: n - sum(sizes)]:\n        sizes[k] += 1\n"
+DDP_LOOP = """    wrapped = DDP(model)
+    with Join([wrapped]):
+        for step in range(steps):"""
+
+MUTANTS = {
+    # int(n * f) for each: 10 samples by thirds make shards of 3, 3 and 3, and one sample is lost.
+    "left-over samples dropped": (
+        "data.py",
+        LEFT_OVERS,
+        "",
+        check_shard_sizes,
+        "must add up to n",
+    ),
+    "every size rounded to the nearest": (
+        "data.py",
+        "sizes = [math.floor(x) for x in exact]",
+        "sizes = [round(x) for x in exact]",
+        check_shard_sizes,
+        "must add up to n",
+    ),
+    "left-overs to the last rank": (
+        "data.py",
+        LEFT_OVERS,
+        "    sizes[-1] += n - sum(sizes)\n",
+        check_shard_sizes,
+        "the largest fractional parts",
+    ),
+    "ties broken towards the higher rank": (
+        "data.py",
+        "key=lambda k: (-(exact[k] - sizes[k]), k)",
+        "key=lambda k: (-(exact[k] - sizes[k]), -k)",
+        check_shard_sizes,
+        "the lower rank first among equal ones",
+    ),
+    # Indices drawn with replacement: some twice, some never.
+    "indices drawn with replacement": (
+        "data.py",
+        "order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))",
+        "order = torch.randint(max(n, 1), (n,), generator=torch.Generator().manual_seed(seed))",
+        check_partition,
+        "exactly one shard",
+    ),
+    "shards not shuffled": (
+        "data.py",
+        "order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))",
+        "order = torch.arange(n)",
+        check_partition,
+        "did not shuffle",
+    ),
+    # The global generator: a different order on every rank, so shards overlap and miss samples.
+    "shuffled with the global generator": (
+        "data.py",
+        "order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))",
+        "order = torch.randperm(n)",
+        check_partition,
+        "differ from rank 0's",
+    ),
+    # Right shards on every rank, but by communication, which the seed makes unnecessary.
+    "rank 0's order broadcast": (
+        "data.py",
+        "    return list(order.split(shard_sizes(n, fractions)))",
+        "    dist.broadcast(order, src=0)\n    return list(order.split(shard_sizes(n, fractions)))",
+        check_partition,
+        "no communication",
+    ),
+    # DistributedSampler's way: disjoint and covering, but dealt out, not cut into pieces.
+    "shards dealt like cards": (
+        "data.py",
+        "    return list(order.split(shard_sizes(n, fractions)))",
+        "    return [order[k :: len(fractions)] for k in range(len(fractions))]",
+        check_against_sampler,
+        "consecutive pieces",
+    ),
+    # The reference notebook's average: right only when every rank's batch is as large.
+    "plain mean instead of m_k / n": (
+        "data.py",
+        "param.grad.mul_(rows / n.item())",
+        "param.grad.div_(dist.get_world_size())",
+        lambda folder: check_weighted_average(folder, 2),
+        "weight rank k's gradient by m_k / n",
+    ),
+    # n = m_k: the weights add up to the world size, not 1 (n = m_k * W would be the plain mean again).
+    "row counts not all-reduced": (
+        "data.py",
+        "dist.all_reduce(n, op=dist.ReduceOp.SUM)",
+        "pass",
+        lambda folder: check_weighted_average(folder, 3),
+        "not the gradient of the union batch",
+    ),
+    "ranks agree on the largest number of steps": (
+        "data.py",
+        "dist.all_reduce(agreed, op=dist.ReduceOp.MIN)",
+        "dist.all_reduce(agreed, op=dist.ReduceOp.MAX)",
+        lambda folder: check_agreed_steps(folder, 2),
+        "should take the smallest number",
+    ),
+    "each rank keeps its own number of steps": (
+        "data.py",
+        "dist.all_reduce(agreed, op=dist.ReduceOp.MIN)",
+        "pass",
+        lambda folder: check_agreed_steps(folder, 2),
+        "common_steps should return the same number on every rank",
+    ),
+    "DDP without Join": (
+        "data.py",
+        DDP_LOOP,
+        DDP_LOOP.replace("with Join([wrapped]):", "if True:"),
+        check_join,
+        "inside Join",
+    ),
+    # Join passes its keyword arguments to DDP's join hook: the late steps are then divided by fewer ranks.
+    "late steps divided by the ranks still training": (
+        "data.py",
+        "with Join([wrapped]):",
+        "with Join([wrapped], divide_by_initial_world_size=False):",
+        check_join,
+        "DDP under Join divides by the world size",
+    ),
+    # DDP's forward pass never runs: its reducer is not prepared, and Join sees no step of this rank.
+    "loop calls the model, not the DDP model": (
+        "data.py",
+        "_, loss = wrapped(X[rows], Y[rows])",
+        "_, loss = model(X[rows], Y[rows])",
+        check_join,
+        "differs from DDP's averages",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(MUTANTS))
+def test_mistake_is_caught(mistake, tmp_path):
+    assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])

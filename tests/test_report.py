@@ -1,0 +1,275 @@
+"""Instructors only: the class report (course/report.py), built from check records made here.
+
+The end-to-end run of tests/test_autograde.py checks the report of real submissions; these checks
+build it from synthetic records (no nbgrader, no worlds), and open the page in a headless browser
+where one is installed (chromium; skipped elsewhere).
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+
+import pytest
+
+from course import report
+from course.failure import Failure, RankFact
+from course.grade import Check, mistake
+from course.workers import WorldFailed
+
+MESSAGE = "rank 1's gradient of layers.0.weight is 2.0x the expected average: did you divide by the world size?"
+
+
+def asserting(value):
+    assert value == 1, f"the value is {value}, not 1"
+
+
+def raised(fn, *args) -> BaseException:
+    with pytest.raises(Exception) as caught:
+        fn(*args)
+    return caught.value
+
+
+def test_the_same_assertion_is_the_same_mistake_whatever_its_words():
+    two, three = mistake(raised(asserting, 2)), mistake(raised(asserting, 3))
+    assert two == three, "the facts of a failed assert must not depend on its message"
+    assert two == {
+        "kind": "assert",
+        "file": "test_report.py",
+        "func": "asserting",
+        "line": asserting.__code__.co_firstlineno + 1,
+    }
+    assert mistake(raised(lambda: 1 / 0))["kind"] == "exception"
+
+
+def test_a_world_failure_is_its_kind_and_the_ranks_facts():
+    crash = Failure(
+        "crash",
+        2,
+        [RankFact(0, "crashed", file="mlp.py", line=12, func="__init__", exit_code=-11), RankFact(1, "echo")],
+        first=0,
+    )
+    assert mistake(WorldFailed(crash)) == {
+        "kind": "crash",
+        "ranks": [{"rank": 0, "state": "crashed", "file": "mlp.py", "func": "__init__"}],
+    }, "a crash is the first rank's; a line of the student's file is left out (it moves with every edit)"
+    hang = Failure(
+        "wait",
+        2,
+        [
+            RankFact(0, "waited", collective="all_reduce", file="mydp.py", func="hook"),
+            RankFact(1, "waited", collective="broadcast", file="mydp.py", func="__init__"),
+        ],
+        first=0,
+    )
+    assert [r["collective"] for r in mistake(WorldFailed(hang))["ranks"]] == ["all_reduce", "broadcast"]
+    stub = Failure("stub", 2, [RankFact(0, "raised", "NotImplementedError", "Exercise 4: x")], first=0)
+    stub.stub = {"exercise": 4, "func": "MyDP.__init__", "handout": "exercises/04_mydp.md"}
+    assert mistake(WorldFailed(stub)) == {"kind": "stub", "exercise": 4, "func": "MyDP.__init__"}
+    broken = Failure(
+        "error", 2, [RankFact(0, "raised", "ImportError", "mlp.py does not import: SyntaxError: invalid")], first=0
+    )
+    assert mistake(WorldFailed(broken)) == {"kind": "unimportable", "file": "mlp.py", "error": "SyntaxError"}
+
+
+SUMS = {"kind": "assert", "file": "helpers.py", "func": "check_equivalence", "line": 158}
+CRASH = {"kind": "crash", "ranks": [{"rank": 0, "state": "crashed", "file": "mlp.py", "func": "__init__"}]}
+HANG = {
+    "kind": "wait",
+    "ranks": [
+        {"rank": 0, "state": "waited", "collective": "scatter", "file": "dist.py", "func": "f"},
+        {"rank": 1, "state": "waited", "collective": "recv", "file": "dist.py", "func": "f"},
+    ],
+}
+# The same hang in a world of 3: one more rank waits where rank 1 does.
+HANG_3 = HANG | {"ranks": HANG["ranks"] + [HANG["ranks"][1] | {"rank": 2}]}
+CRASH_1 = {"kind": "crash", "ranks": [{"rank": 1, "state": "crashed", "file": "mlp.py", "func": "__init__"}]}
+BROKEN = {"kind": "unimportable", "file": "mlp.py", "error": "SyntaxError"}
+
+
+def checks(ex1=None, ex4=None, ex1_message="", ex4_message="", seconds=1.0) -> list:
+    """Two exercises of two checks each; ex1/ex4: the mistake of the second check, None if it passed."""
+    made = [
+        Check(1, "ex1_layers", True, "", 10, seconds=seconds),
+        Check(1, "ex1_train", ex1 is None, ex1_message, 10, mistake=ex1, seconds=seconds),
+        Check(4, "ex4_start", True, "", 10, seconds=seconds),
+        Check(4, "ex4_steps", ex4 is None, ex4_message, 20, mistake=ex4, seconds=2 * seconds),
+    ]
+    if ex1 == BROKEN:  # a file that does not import fails every check that uses it
+        made[0] = Check(1, "ex1_layers", False, ex1_message, 10, mistake=BROKEN, seconds=seconds)
+    return made
+
+
+def class_results() -> dict:
+    return {
+        "ada": checks(),
+        "ben": checks(ex4=SUMS, ex4_message=MESSAGE),
+        "cai": checks(ex4=SUMS, ex4_message=MESSAGE.replace("2.0x", "3.0x").replace("rank 1", "rank 2")),
+        "dee": checks(ex4=SUMS, ex4_message=MESSAGE, seconds=5.0),
+        "eve": checks(ex1=CRASH, ex1_message="Rank 0 of 2 crashed with exit code -11 (signal 11) at mlp.py:12"),
+        "fay": checks(ex1=HANG, ex1_message="Ranks [0, 1] waited in a collective that not every rank joined: ..."),
+        "gus": checks(ex1=BROKEN, ex1_message="mlp.py does not import: SyntaxError: expected ':'"),
+        "hal": checks(ex1=HANG_3, ex1_message="Ranks [0, 1, 2] waited in a collective that not every rank joined"),
+        "ivy": checks(ex1=CRASH_1, ex1_message="Rank 1 of 2 crashed with exit code -11 (signal 11) at mlp.py:14"),
+    }
+
+
+class References(HTMLParser):
+    """Every attribute of the page that could load something: src, href, xlink:href, url(...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.found, self.svgs, self.tags = [], 0, set()
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.add(tag)
+        self.svgs += tag == "svg"
+        for name, value in attrs:
+            if name in ("src", "href", "xlink:href", "srcset", "action", "data", "poster") and value:
+                self.found.append(f"<{tag} {name}={value}>")
+            if name == "style" and value and "url(" in value:
+                self.found.append(f"<{tag} style={value}>")
+
+    def handle_data(self, data):
+        if "url(" in data or "@import" in data:
+            self.found.append(data.strip()[:80])
+
+
+def test_the_report_groups_one_mistake_into_one_row_and_lists_the_troubled(tmp_path):
+    summary = report.write(str(tmp_path), class_results())
+    by_title = {m["title"]: m for m in summary["mistakes"]}
+    first = summary["mistakes"][0]
+    assert first["mistake"] == {"exercise": 4} | SUMS and first["count"] == 3, summary["mistakes"]
+    assert first["students"] == ["ben", "cai", "dee"] and first["wordings"] == 2, "two wordings, one mistake"
+    assert first["title"] == "assertion failed in check_equivalence (helpers.py:158)"
+    crashed = by_title["a rank crashed at mlp.py, __init__"]
+    assert crashed["students"] == ["eve", "ivy"], "the same crash, whichever rank crashed first"
+    hung = by_title[
+        "ranks waited in a collective that not every rank joined: in recv at dist.py, f; in scatter at dist.py, f"
+    ]
+    assert hung["students"] == ["fay", "hal"], "the same hang, whatever the world's size"
+    broken = by_title["mlp.py does not import (SyntaxError)"]
+    assert broken["count"] == 1 and broken["checks"] == ["ex1_layers", "ex1_train"], "one row per student"
+    assert len(summary["mistakes"]) == 4
+    assert [(t["student"], t["what"]) for t in summary["troubled"]] == [
+        ("eve", "crashed"),
+        ("fay", "hung"),
+        ("gus", "did not import"),
+        ("hal", "hung"),
+        ("ivy", "crashed"),
+    ]
+    assert summary["troubled"][0]["reason"].startswith("Rank 0 of 2 crashed")
+
+    ex4 = next(e for e in summary["exercises"] if e["exercise"] == 4)
+    assert ex4["max_score"] == 30 and ex4["scores"]["ben"] == 10 and ex4["scores"]["ada"] == 30
+    assert [b["students"] for b in ex4["histogram"]] == [0, 0, 0, 3, 0, 0, 0, 0, 0, 6], "3 at 10/30, 6 at 30/30"
+    assert {c["name"]: c["share"] for c in ex4["checks"]} == {"ex4_start": 1.0, "ex4_steps": round(6 / 9, 3)}
+    assert summary["timing"]["by_student"][0]["student"] == "dee", "the slowest submission comes first"
+    assert summary["timing"]["by_student"][0]["median_s"] == 5.0
+
+    with open(tmp_path / "report.json") as f:
+        saved = json.load(f)
+    assert {k: v for k, v in saved.items() if k != "checks"} == json.loads(json.dumps(summary))
+    assert len(saved["checks"]) == 9 * 4 and saved["checks"][0]["student"] == "ada"
+
+    page = (tmp_path / "report.html").read_text()
+    parsed = References()
+    parsed.feed(page)
+    assert parsed.found == [], f"the page refers to something outside it: {parsed.found}"
+    assert parsed.svgs == 2 * 2 and "script" not in parsed.tags, "two charts per exercise, no script"
+    for text in ("helpers.py:158", "ben, cai, dee", "did not import", "Rank 0 of 2 crashed", "(2 different messages)"):
+        assert text in page, text
+
+    done = subprocess.run(
+        [sys.executable, "-m", "course.report", str(tmp_path), "--top", "2"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[1].split() == [
+        "3",
+        "exercise",
+        "4:",
+        "assertion",
+        "failed",
+        "in",
+        "check_equivalence",
+        "(helpers.py:158)",
+    ]
+    assert len([line for line in lines if line.strip().startswith("e.g.")]) == 2, done.stdout
+    assert report.main([str(tmp_path / "not_graded_yet")]) == 1, "no report.json: say so, exit 1"
+
+
+def test_the_report_escapes_what_submissions_wrote(tmp_path):
+    results = {"<b>x</b>": checks(ex4=SUMS, ex4_message="<script>alert(1)</script>")}
+    report.write(str(tmp_path), results)
+    page = (tmp_path / "report.html").read_text()
+    assert "<script>" not in page and "<b>x</b>" not in page and "&lt;script&gt;" in page
+
+
+BROWSER = next(
+    (shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)), None
+)
+
+
+def headless(page: str, *flags) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0", *flags, page],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def console(done: subprocess.CompletedProcess) -> list:
+    """What the page wrote to the browser's console: errors, and refused loads (the page's policy)."""
+    return [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no chromium on PATH (apt-get install chromium)")
+def test_the_page_renders_in_a_headless_browser(tmp_path):
+    from PIL import Image
+
+    report.write(str(tmp_path), class_results())
+    page = f"file://{tmp_path / 'report.html'}"
+    shot = tmp_path / "report.png"
+    done = headless(page, f"--screenshot={shot}", "--window-size=1100,1900", "--hide-scrollbars")
+    assert done.returncode == 0 and shot.exists(), done.stderr[-2000:]
+    assert console(done) == [], f"the browser's console: {console(done)}"
+    colors = Image.open(shot).convert("RGB").getcolors(1 << 20)
+    pixels = {color: n for n, color in colors}
+    for name, color in (("histogram bars", report._BAR), ("passing checks' bars", report._PASS)):
+        rgb = tuple(int(color[i : i + 2], 16) for i in (1, 3, 5))
+        assert pixels.get(rgb, 0) > 500, f"the {name} ({color}) are not drawn: {pixels.get(rgb, 0)} pixels"
+
+    dom = headless(page, "--dump-dom")
+    assert dom.stdout.count("<svg") == 4 and "<rect" in dom.stdout and "Most frequent mistakes" in dom.stdout
+
+    # The same browser does report a reference outside the page: the check above can fail.
+    (tmp_path / "leaky.html").write_text(
+        (tmp_path / "report.html").read_text().replace("<h1>", '<img src="chart.png"><h1>')
+    )
+    assert console(headless(f"file://{tmp_path / 'leaky.html'}", "--dump-dom")), "a refused load must show"
+
+
+def test_what_autograding_saw_of_a_cell_is_a_mistake_too():
+    """A cell whose check could not show its facts still has a kind: a time limit, a dead kernel."""
+    from course.autograde import _mistake, _seconds
+    from course.grade import MISTAKE_MIME
+
+    def cell(*outputs, **execution):
+        return {"outputs": list(outputs), "metadata": {"execution": execution}}
+
+    def error(name):
+        return {"output_type": "error", "ename": name, "evalue": "", "traceback": []}
+
+    shown = {"output_type": "display_data", "data": {MISTAKE_MIME: {"mistake": SUMS, "seconds": 1.0}}, "metadata": {}}
+    assert _mistake(cell(shown, error("CheckFailed"))) == SUMS
+    assert _mistake(cell(error("KeyboardInterrupt"))) == {"kind": "cell_timeout"}
+    assert _mistake(cell(error("NotGraded"))) == {"kind": "kernel_died"}
+    assert _mistake(cell({"output_type": "stream", "name": "stderr", "text": "x"})) == {"kind": "stderr"}
+    assert report.TROUBLE["cell_timeout"] == "hung" and report.TROUBLE["kernel_died"] == "crashed"
+    timed = cell(
+        **{"iopub.execute_input": "2026-01-05T10:00:00.250000Z", "shell.execute_reply": "2026-01-05T10:00:02Z"}
+    )
+    assert _seconds(timed) == 1.75 and _seconds(cell()) is None
