@@ -79,10 +79,10 @@ bench-grade: $(VENV)/.installed
 release: $(VENV)/.instructors
 	$(PY) -m course.release $(DEST)
 
-# Grades, gradebook and feedback go to OUT (default grading/); see course/autograde.py.
+# Grades, gradebook and feedback go to OUT (default grading/); EX="2 4" grades only those exercises.
 OUT ?= grading
 autograde: $(VENV)/.instructors
-	$(PY) -m course.autograde $(SUBMISSIONS) --out $(OUT)
+	$(PY) -m course.autograde $(SUBMISSIONS) --out $(OUT) $(foreach e,$(EX),--ex $(e))
 else
 test: grade
 endif

@@ -3,8 +3,7 @@
 Runs `python -m course grade [--ex N]` (what `make grade` runs) on the reference solutions, for
 every exercise and for all of them, REPEAT times each (default 3), with the start method this
 platform gets and with forkserver (what macOS gets), and prints the median wall time of each
-against the targets: 5 s for one exercise, 10 s for all. For comparison, the way grading ran
-before (`pytest -n 2 -p course.grade`, two pytest-xdist processes), run right after each.
+against the targets: 5 s for one exercise, 10 s for all.
 """
 
 import json
@@ -48,25 +47,15 @@ def main():
     grade = [sys.executable, "-m", "course", "grade"]
     base = dict(os.environ, COURSE_IMPL=SOLUTIONS)
     print(f"median of {REPEAT} runs, wall seconds, reference solutions; load average before: {os.getloadavg()[0]:.1f}")
-    print(f"{'what':>22}  {'default':>8}  {'forkserver':>10}  {'target':>6}  before: pytest -n 2 (default / before)")
-    checks = sorted(
-        os.path.join("tests", name) for name in os.listdir(os.path.join(ROOT, "tests")) if name.startswith("test_ex")
-    )
-    xdist = [sys.executable, "-m", "pytest", "-n", "2", "-p", "course.grade", "-p", "no:cacheprovider"]
+    print(f"{'what':>22}  {'default':>8}  {'forkserver':>10}  {'target':>6}")
     for ex in [*sorted(POINTS), None]:
         command = grade + (["--ex", str(ex)] if ex is not None else []) + ["--"]
         default = seconds(command, base)
         forkserver = seconds(command, dict(base, COURSE_START_METHOD="forkserver"))
-        # The way grading ran before, right after, so that both see the same load.
-        before = seconds(
-            xdist + [c for c in checks if ex is None or c.startswith(os.path.join("tests", f"test_ex{ex}_"))], base
-        )
         target = TARGET_ONE if ex is not None else TARGET_ALL
         label = f"make grade EX={ex}" if ex is not None else "make grade"
         flag = "" if max(default, forkserver) <= target else "  over"
-        print(
-            f"{label:>22}  {default:8.2f}  {forkserver:10.2f}  {target:6.0f}  {before:7.2f} ({default / before:.2f}x){flag}"
-        )
+        print(f"{label:>22}  {default:8.2f}  {forkserver:10.2f}  {target:6.0f}{flag}")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 

@@ -109,8 +109,9 @@ def _run(app_class, config, assignment: str, student: str = ".") -> str:
     return ""
 
 
-def make_assignments(out: str, config) -> dict:
-    """Write each exercise's instructor notebook to source/exN/ and let nbgrader release it."""
+def make_assignments(out: str, config, exercises: list | None = None) -> dict:
+    """Write each exercise's instructor notebook to source/exN/ and let nbgrader release it; all
+    exercises, or those in `exercises`."""
     from nbgrader.converters import GenerateAssignment
 
     missing = sorted(set(graded_exercises()) - {exercise_of(path) for path in sources()})
@@ -118,8 +119,13 @@ def make_assignments(out: str, config) -> dict:
         raise RuntimeError(
             f"exercises {missing} have checks but no notebook in solutions/notebooks/: autograding would leave them out"
         )
+    unknown = sorted(set(exercises or []) - set(graded_exercises()))
+    if unknown:
+        raise RuntimeError(f"no exercise {unknown}; exercises are {graded_exercises()}")
     assignments = {}
     for path in sources():
+        if exercises and exercise_of(path) not in exercises:
+            continue
         name = f"ex{exercise_of(path)}"
         os.makedirs(os.path.join(out, "source", name), exist_ok=True)
         with open(os.path.join(out, "source", name, os.path.basename(path)[: -len(".md")] + ".ipynb"), "w") as f:
@@ -388,14 +394,14 @@ def export_csv(out: str) -> str:
     return path
 
 
-def grade_all(submissions: str, out: str, cell_timeout: int, jobs: int = 1) -> dict:
-    """Grade every student's folder in submissions; return their checks by student."""
+def grade_all(submissions: str, out: str, cell_timeout: int, jobs: int = 1, exercises: list | None = None) -> dict:
+    """Grade every student's folder in submissions, on every exercise or on `exercises`; return their checks by student."""
     from nbgrader.converters import Autograde
 
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     config = _nbgrader_config(out)
-    assignments = make_assignments(out, config)
+    assignments = make_assignments(out, config, exercises)
     students = sorted(
         d for d in os.listdir(submissions) if os.path.isdir(os.path.join(submissions, d)) and not d.startswith(".")
     )
@@ -439,6 +445,9 @@ def main(argv=None) -> int:
         default=env.usable_cores(),
         help="students whose checks run at once (default: the usable cores)",
     )
+    parser.add_argument(
+        "--ex", type=int, action="append", help="grade only this exercise (again for more; default: every exercise)"
+    )
     args = parser.parse_args(argv)
     os.environ.update(env.check_settings(), COURSE_MISTAKE_FACTS="1")  # the kernels' checks show their facts
     warnings.filterwarnings("ignore", module=r"nbgrader\.")  # its own SQLAlchemy session warnings
@@ -448,7 +457,7 @@ def main(argv=None) -> int:
     if sys.platform.startswith("linux"):  # kernels forked from a server that imported torch once (course/kernels.py)
         os.environ.setdefault("JUPYTER_DEFAULT_PROVISIONER_NAME", "course-forked")
     try:
-        grade_all(args.submissions, args.out, args.cell_timeout, args.jobs)
+        grade_all(args.submissions, args.out, args.cell_timeout, args.jobs, args.ex)
     finally:
         for process in mp.active_children():  # a kernel nbgrader did not stop
             process.kill()

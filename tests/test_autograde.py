@@ -1,10 +1,12 @@
 """Instructors only: `make autograde` end to end, on sample submissions made from the reference.
 
-One run grades six students through nbgrader, every exercise that has a notebook (the
-expensive part of the suite, so it runs once, in one test): the mistakes of the course's brief,
-one that crashes, and two more with a mistake already made, for the class report:
+Two runs grade six students through nbgrader (the expensive part of the suite, so it runs once,
+in one test). The first grades the reference on every exercise that has a notebook:
 - perfect: the reference, whose code also writes to stderr in the workers, as gloo and torch
-  warnings do: nbgrader would zero a test cell with stderr output;
+  warnings do: nbgrader would zero a test cell with stderr output.
+The second grades the mistakes of the course's brief, one submission that crashes, and two more
+with a mistake already made, for the class report, on the exercises where they lose points
+(`--ex`, as an instructor grades this week's exercises):
 - mistakes: exercise 4 sums gradients instead of averaging them, and exercise 2's ranks wait for
   a broadcast rank 0 never sends. It also tries to cheat: a conftest.py, its own tests/ and
   course/ that would pass everything, and a notebook whose test cell is emptied and whose extra
@@ -32,14 +34,14 @@ from course.make_notebooks import exercise_of, sources
 from tests.mutants import make_mutant
 from tests.test_report import References
 
-# Points lost, by exercise; every other exercise with a notebook scores full marks.
+# What the second run grades: where its students lose points.
+CLASS_EXERCISES = [1, 2, 4]
+# Points lost in CLASS_EXERCISES, by exercise; every other one of them scores full marks.
 LOST = {
-    "perfect": {},
     # exercise 2 hangs; in 4, start_sync, frozen and the hook's argument pass, the steps and the match with DDP fail
     "mistakes": {2: 25, 4: 30 - (8 + 4 + 2)},
-    # mydp.py, data.py, sync.py and hvd.py import mlp.py
-    "syntax": {1: 20, 3: 25, 4: 30, 6: 25, 7: 15, 8: 25, 9: 25, 10: 25},
-    "crash": {1: 20, 3: 8, 4: 6},  # only train() builds its MLP: the steps checks train the tests' own model
+    "syntax": {1: 20, 4: 30},  # mydp.py imports mlp.py; dist.py does not
+    "crash": {1: 20, 4: 6},  # only train() builds its MLP: the steps checks train the tests' own model
     "sums_again": {4: 16},
     "sums_too": {4: 16},
 }
@@ -75,8 +77,10 @@ def _cheating_notebook(path):
 
 
 def make_submissions(root):
+    """The reference in root/reference/perfect; the students of LOST in root/class/."""
     warn = "import sys; print('UserWarning: a warning, as gloo prints', file=sys.stderr)\n        "
-    make_mutant(root / "perfect", "mlp.py", "sizes = [config.d_in]", warn + "sizes = [config.d_in]")
+    make_mutant(root / "reference" / "perfect", "mlp.py", "sizes = [config.d_in]", warn + "sizes = [config.d_in]")
+    root = root / "class"
     mistakes = make_mutant(root / "mistakes", "mydp.py", "mean = grad / dist.get_world_size()", "mean = grad.clone()")
     with open(os.path.join(mistakes, "dist.py")) as f:
         dist_py = f.read()
@@ -121,48 +125,58 @@ def processes_in(folder):
     return found
 
 
-def test_autograde_end_to_end(tmp_path):
-    make_submissions(tmp_path / "submissions")
-    out = tmp_path / "grading"
+def autograde(submissions, out, *exercises):
+    """`python -m course.autograde` on a folder of submissions; its completed process."""
     # Short timeouts: the deadlock is caught by the collective timeout, in seconds.
     environ = dict(os.environ, COURSE_COLLECTIVE_TIMEOUT="4", COURSE_TIMEOUT="30")
+    command = [sys.executable, "-m", "course.autograde", str(submissions), "--out", str(out), "--cell-timeout", "60"]
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "course.autograde",
-            str(tmp_path / "submissions"),
-            "--out",
-            str(out),
-            "--cell-timeout",
-            "60",
-        ],
-        cwd=tmp_path,
+        command + [f"--ex={n}" for n in exercises],
+        cwd=out.parent,
         env=environ,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    return done
 
-    exercises = sorted(exercise_of(path) for path in sources())
+
+def check_scores(out, done, student, exercises, lost):
+    """nbgrader's CSV and the student's results.json: each exercise's points less what was lost."""
     with open(out / "grades.csv") as f:
         rows = {(row["student_id"], row["assignment"]): row for row in csv.DictReader(f)}
-    for student, lost in LOST.items():
-        scores = tuple(POINTS[n] - lost.get(n, 0) for n in exercises)
-        got = tuple(float(rows[student, f"ex{n}"]["score"]) for n in exercises)
-        assert got == scores, f"{student}: nbgrader's CSV has {got}, expected {scores}\n{done.stdout}"
-        with open(out / "feedback" / student / "results.json") as f:
-            results = json.load(f)
-        by_exercise = tuple(
-            sum(t["score"] for t in results["tests"] if t["name"].startswith(f"Exercise {n}:")) for n in exercises
-        )
-        assert by_exercise == scores and results["score"] == sum(scores), f"{student}: results.json has {by_exercise}"
-        assert all(t["status"] == ("passed" if t["score"] == t["max_score"] else "failed") for t in results["tests"])
-        assert (out / "feedback" / student / "feedback.txt").exists()
+    assert {assignment for (_, assignment) in rows} == {f"ex{n}" for n in exercises}, sorted(rows)
+    scores = tuple(POINTS[n] - lost.get(n, 0) for n in exercises)
+    got = tuple(float(rows[student, f"ex{n}"]["score"]) for n in exercises)
+    assert got == scores, f"{student}: nbgrader's CSV has {got}, expected {scores}\n{done.stdout}"
+    with open(out / "feedback" / student / "results.json") as f:
+        results = json.load(f)
+    by_exercise = tuple(
+        sum(t["score"] for t in results["tests"] if t["name"].startswith(f"Exercise {n}:")) for n in exercises
+    )
+    assert by_exercise == scores and results["score"] == sum(scores), f"{student}: results.json has {by_exercise}"
+    assert all(t["status"] == ("passed" if t["score"] == t["max_score"] else "failed") for t in results["tests"])
+    assert (out / "feedback" / student / "feedback.txt").exists()
+    return rows
+
+
+def test_autograde_end_to_end(tmp_path):
+    make_submissions(tmp_path / "submissions")
+    out = tmp_path / "reference"
+    done = autograde(tmp_path / "submissions" / "reference", out)
+    exercises = sorted(exercise_of(path) for path in sources())
+    rows = check_scores(out, done, "perfect", exercises, {})
     assert float(rows["perfect", "ex4"]["max_score"]) == 32, (
         "exercise 4's notebook: 30 autograded points and 2 for the written answer"
     )
+    page = (out / "feedback" / "perfect" / "feedback.html").read_text()
+    assert "<h2" in page and f"Exercise {exercises[-1]}" in page, "a section per exercise"
+
+    out = tmp_path / "class"
+    done = autograde(tmp_path / "submissions" / "class", out, *CLASS_EXERCISES)
+    for student, lost in LOST.items():
+        check_scores(out, done, student, CLASS_EXERCISES, lost)
 
     def feedback(student, kind="txt"):
         with open(out / "feedback" / student / f"feedback.{kind}") as f:
@@ -181,7 +195,6 @@ def test_autograde_end_to_end(tmp_path):
 
     page = feedback("mistakes", "html")  # nbconvert's page: the failed checks' messages and the written answers
     assert "2.0x the expected average" in page and "ex4_matches_ddp" in page and "One all-reduce per parameter." in page
-    assert "<h2" in page and f"Exercise {exercises[-1]}" in page, "a section per exercise"
 
     check_class_report(out, done.stdout)
 
@@ -206,7 +219,7 @@ def check_class_report(out, said):
         assert len(rows) == 1, f"{student}: one mistake in worlds of every size, one row: {rows}"
     troubled = {(t["student"], t["what"]) for t in summary["troubled"]}
     assert {("crash", "crashed"), ("mistakes", "hung"), ("syntax", "did not import")} <= troubled, troubled
-    assert not {t[0] for t in troubled} & {"perfect", "sums_again", "sums_too"}, troubled
+    assert not {t[0] for t in troubled} & {"sums_again", "sums_too"}, troubled
     timing = {t["student"]: t for t in summary["timing"]["by_student"]}
     assert sorted(timing) == sorted(LOST) and all(t["median_s"] > 0 for t in timing.values()), (
         "every submission's checks are timed, from the cells' execution times"
@@ -240,3 +253,10 @@ def test_a_check_runs_the_code_outside_the_kernel(tmp_path, monkeypatch):
     impl.load(folder)  # what a demo cell does, in a kernel that does not grade
     assert submission_modules(folder) == [f"{folder} (course.impl)"], "the probe must see code this process loaded"
     impl.forget(folder)
+
+
+def test_autograde_refuses_an_exercise_that_does_not_exist(tmp_path):
+    from course.autograde import _nbgrader_config, make_assignments
+
+    with pytest.raises(RuntimeError, match=r"no exercise \[99\]; exercises are \[1, "):
+        make_assignments(str(tmp_path), _nbgrader_config(str(tmp_path)), [99])
