@@ -20,6 +20,8 @@ from tests.test_ex5_ring import check_ring
 from tests.test_ex6_overlap import check_bucket_parameters
 from tests.test_ex8_data import check_shard_sizes
 from tests.test_ex9_sync import check_average_parameters, check_forward
+from tests.test_ex10_hvd import check_broadcast_parameters
+from tests.test_ex12_cost import check_fit
 
 STUB = re.compile(r'raise NotImplementedError\("(Exercise (\d+): \S+ is not written yet, see (\S+))"\)')
 
@@ -62,6 +64,8 @@ def test_student_files_import():
         (check_shard_sizes, 8),
         (lambda f: check_forward(f, 2), 9),
         (lambda f: check_average_parameters(f, 2), 9),
+        (lambda f: check_broadcast_parameters(f, 2), 10),
+        (check_fit, 12),
     ],
 )
 def test_untouched_stubs_fail_fast_with_their_message(check, exercise):
