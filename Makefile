@@ -7,7 +7,7 @@ SETUP := $(PYTHON) -m course setup
 # Workers share the cores: see course/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help setup notebooks demo test lint grade student release autograde bench bench-launch bench-grade gpu-check non-iid
+.PHONY: help setup notebooks demo test lint grade student release autograde bench bench-launch bench-grade bench-cost gpu-check non-iid
 
 help:
 	@echo "make setup    make .venv with what the .py exercises and grading need"
@@ -24,6 +24,7 @@ help:
 	@echo "make bench    step time of DDP and MyDP variants, ring all-reduce against gloo (bench/)"
 	@echo "make bench-launch  what starting a world of workers costs, per start method"
 	@echo "make bench-grade   how long make grade takes, per exercise and in all, against its targets"
+	@echo "make bench-cost    exercise 12's cost model: predicted against measured steps of MyDP and OverlappedDP"
 	@echo "make gpu-check  every reference solution on this machine's GPUs, compared with the CPU (ARGS=mlp.py flags)"
 
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -72,6 +73,9 @@ student: $(VENV)/.installed
 
 bench: $(VENV)/.instructors
 	$(PY) bench/overlap.py
+
+bench-cost: $(VENV)/.instructors
+	$(PY) bench/cost.py
 
 bench-grade: $(VENV)/.installed
 	$(PY) bench/grade_time.py
