@@ -4,12 +4,15 @@
     COURSE_IMPL=student make bench-cost   # your own cost.py and mydp.py
 
 On 2 ranks (gloo, the default MLP, batches of 64 rows) it measures T_comp (forward, backward and
-step of the model alone), the time of one message of 1 KiB to 1 MiB (the fastest of 30 ping-pongs
-between ranks 0 and 1), the step time of MyDP (exercise 4) and of OverlappedDP with 1 MiB buckets (exercise 6), and,
-in one recorded OverlappedDP step, when each bucket's gradients were all computed. Then exercise
-12's functions fit alpha and beta and predict:
+step of the model alone; and of batches of 16 to 256 rows), the time of one message of 1 KiB to
+1 MiB (the fastest of 30 ping-pongs between ranks 0 and 1), the step time of MyDP (exercise 4)
+and of OverlappedDP with 1 MiB buckets (exercise 6), and, in one recorded OverlappedDP step, when
+each bucket's gradients were all computed. On 2 and 4 ranks it times all-reduces of 64 KiB to
+4 MiB with gloo and with the ring of exercise 5. Then exercise 12's functions fit alpha and beta
+and predict:
 - MyDP: T_comp plus one ring all-reduce per parameter, one after the other;
 - OverlappedDP: T_comp plus the exposed time of its buckets, from their ready times;
+- each all-reduce measured, as the ring's cost;
 - the speed-up for W = 1, 2, 4, and the largest R for which T_sync / T_comp < R - 1.
 Prints predicted against measured with the error of each prediction, and writes bench/cost.json
 and, with matplotlib, bench/cost.png.
@@ -32,6 +35,8 @@ WORLD_SIZE = 2
 BUCKET_MB = 1
 SIZES = [2**k for k in range(10, 21, 2)]  # 1 KiB to 1 MiB
 STEPS = 15
+BATCHES = (16, 32, 64, 128, 256)
+ALLREDUCE_SIZES = [2**k for k in range(16, 23, 2)]  # 64 KiB to 4 MiB
 
 
 def median_step(step) -> float:
@@ -47,6 +52,15 @@ def median_step(step) -> float:
     slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.item()
+
+
+def allreduce_times(folder: str) -> dict:
+    """Run on every rank: the median time of gloo's all-reduce and of exercise 5's ring, by size."""
+    ring = impl.load(folder).dist.ring_all_reduce
+    out = {}
+    for name, reduce in (("gloo", dist.all_reduce), ("ring", ring)):
+        out[name] = [median_step(lambda n=n, r=reduce: r(torch.zeros(n // 4))) for n in ALLREDUCE_SIZES]
+    return out
 
 
 def on_ranks(folder: str) -> dict:
@@ -69,7 +83,14 @@ def on_ranks(folder: str) -> dict:
         return step
 
     overlapped = partial(ex.mydp.OverlappedDP, bucket_cap_mb=BUCKET_MB)
+    by_batch = {}
+    for rows in BATCHES:  # T_comp of the model alone, by batch size
+        torch.manual_seed(0)
+        alone, data = ex.mlp.MLP(config), torch.randn(rows, config.d_in)
+        labels = torch.randint(0, config.n_classes, (rows,))
+        by_batch[rows] = median_step(lambda m=alone, d=data, t=labels: m(d, t)[1].backward())
     figures = {
+        "t_comp_by_batch": by_batch,
         "t_comp": median_step(trainer(None)),
         "message": [ex.cost.message_seconds(n) for n in SIZES],
         "grad_bytes": [p.numel() * p.element_size() for p in ex.mlp.MLP(config).parameters()],
@@ -90,7 +111,7 @@ def on_ranks(folder: str) -> dict:
     return figures
 
 
-def predict(cost, figures: dict) -> dict:
+def predict(cost, figures: dict, allreduces: dict) -> dict:
     alpha, beta = cost.fit_alpha_beta(SIZES, figures["message"])
 
     def sync_of(ranks):  # MyDP: one ring all-reduce per parameter, one after the other
@@ -104,6 +125,9 @@ def predict(cost, figures: dict) -> dict:
         "alpha_s": alpha,
         "beta_bytes_per_s": beta,
         "predicted": {"MyDP": figures["t_comp"] + sync_of(WORLD_SIZE), "OverlappedDP": figures["t_comp"] + exposed},
+        "allreduce_predicted": {
+            w: [cost.ring_allreduce_seconds(n, w, alpha, beta) for n in ALLREDUCE_SIZES] for w in allreduces
+        },
         "speedup": {w: cost.speedup(figures["t_comp"], sync_of(w), w) for w in (1, 2, 4)},
         "largest_world": cost.largest_world(figures["t_comp"], sync_of),
     }
@@ -135,10 +159,21 @@ def main():
     folder = impl.selected()
     load = os.getloadavg()[0]
     figures = run(on_ranks, WORLD_SIZE, folder)[0]
-    results = figures | predict(impl.load(folder).cost, figures) | {"load_average": [load, os.getloadavg()[0]]}
+    allreduces = {w: run(allreduce_times, w, folder)[0] for w in (2, 4)}
+    results = figures | {"allreduce": allreduces, "allreduce_sizes": ALLREDUCE_SIZES}
+    results |= predict(impl.load(folder).cost, figures, allreduces) | {"load_average": [load, os.getloadavg()[0]]}
     print(f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after; {WORLD_SIZE} ranks, default MLP")
     print(f"fitted: alpha {results['alpha_s'] * 1e6:.0f} us, beta {results['beta_bytes_per_s'] / 1e9:.2f} GB/s")
-    print(f"T_comp {figures['t_comp'] * 1e3:.2f} ms")
+    print(f"T_comp {figures['t_comp'] * 1e3:.2f} ms; forward and backward by batch size: ", end="")
+    print(", ".join(f"{rows}: {t * 1e3:.2f} ms" for rows, t in figures["t_comp_by_batch"].items()))
+    print(f"{'all-reduce':>14}  {'predicted':>9}  {'gloo':>8}  {'ring':>8}")
+    for w, times in allreduces.items():
+        for i, n in enumerate(ALLREDUCE_SIZES):
+            predicted = results["allreduce_predicted"][w][i]
+            print(
+                f"{f'{n // 1024} KiB, W={w}':>14}  {predicted * 1e3:7.2f}ms  {times['gloo'][i] * 1e3:6.2f}ms"
+                f"  {times['ring'][i] * 1e3:6.2f}ms"
+            )
     print(f"{'step':>14}  {'predicted':>9}  {'measured':>8}  {'error':>6}")
     for name, measured in results["measured"].items():
         predicted = results["predicted"][name]
