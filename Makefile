@@ -7,7 +7,7 @@ SETUP := $(PYTHON) -m course setup
 # Workers share the cores: see course/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help setup notebooks demo test lint grade student release autograde bench bench-launch bench-grade bench-zero gpu-check
+.PHONY: help setup notebooks demo test lint grade student release autograde bench bench-launch bench-grade bench-cost bench-zero gpu-check non-iid
 
 help:
 	@echo "make setup    make .venv with what the .py exercises and grading need"
@@ -16,13 +16,15 @@ help:
 	@echo "make test     the test suite: the reference solutions and the repository's own checks"
 	@echo "make lint     ruff: the checks and the formatting of pyproject.toml (instructors)"
 	@echo "make grade    grade your exercise files: mlp.py, dist.py, ... (EX=2 for one exercise)"
-	@echo "make student  regenerate mlp.py, dist.py, mydp.py, data.py and exercises/*.ipynb from solutions/"
+	@echo "make non-iid  exercise 9's experiment: IID or label-disjoint shards, synchronous or local SGD (non_iid.png, .json)"
+	@echo "make student  regenerate the student files (mlp.py, dist.py, ...) and exercises/*.ipynb from solutions/"
 	@echo "make release DEST=dir          instructors: write the students' copy (no solutions)"
 	@echo "make autograde SUBMISSIONS=dir instructors: grade one folder per student through nbgrader"
 	@echo "               and write the class report (grading/report.html; python -m course.report grading/)"
 	@echo "make bench    step time of DDP and MyDP variants, ring all-reduce against gloo (bench/)"
 	@echo "make bench-launch  what starting a world of workers costs, per start method"
 	@echo "make bench-grade   how long make grade takes, per exercise and in all, against its targets"
+	@echo "make bench-cost    exercise 12's cost model: predicted against measured steps of MyDP and OverlappedDP"
 	@echo "make bench-zero    optimizer-state bytes per rank and step time of sharded Adam (exercise 11)"
 	@echo "make gpu-check  every reference solution on this machine's GPUs, compared with the CPU (ARGS=mlp.py flags)"
 
@@ -35,6 +37,10 @@ $(VENV)/.notebooks: requirements-notebooks.txt $(VENV)/.installed
 setup: $(VENV)/.installed
 
 notebooks: $(VENV)/.notebooks
+
+# Exercise 9's experiment (about a minute on 2 cores): your sync.py; the reference where there is one.
+non-iid: $(VENV)/.installed
+	$(PY) $(if $(wildcard solutions/.),solutions/)sync.py --non-iid-plot non_iid.png
 
 # A score below full marks is not an error; a broken grader is (see course/grade.py).
 grade: $(VENV)/.installed
@@ -54,6 +60,7 @@ demo: $(VENV)/.installed
 	$(PY) solutions/mydp.py --world-size 2 --niters 300 --compare
 	$(PY) solutions/data.py --world-size 3
 	$(PY) solutions/data.py --world-size 2 --uneven join
+	$(PY) solutions/sync.py --world-size 2
 	$(PY) solutions/zero.py --world-size 2 --niters 300
 	$(PY) solutions/zero.py --world-size 2 --niters 300 --bf16-hook
 
@@ -69,6 +76,9 @@ student: $(VENV)/.installed
 
 bench: $(VENV)/.instructors
 	$(PY) bench/overlap.py
+
+bench-cost: $(VENV)/.instructors
+	$(PY) bench/cost.py
 
 bench-grade: $(VENV)/.installed
 	$(PY) bench/grade_time.py

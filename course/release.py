@@ -44,6 +44,7 @@ RELEASED = (
     "bench/*.py",
     "exercises/*.md",
     "exercises/*.ipynb",
+    "exercises/*.svg",
     "tests/__init__.py",
     "tests/conftest.py",
     "tests/helpers.py",

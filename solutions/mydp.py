@@ -3,6 +3,7 @@
     python mydp.py --world-size 2
     python mydp.py --world-size 2 --compare    # also train with built-in DDP and compare
     python mydp.py --world-size 2 --bucket-cap-mb 1   # exercises 6-7: OverlappedDP, 1 MiB buckets
+    python mydp.py --world-size 2 --bucket-cap-mb 1 --timeline step.svg   # one step of each, drawn
 
 Handouts: exercises/04_mydp.md, exercises/06_overlap.md, exercises/07_accumulation.md.
 """
@@ -16,8 +17,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 
+from course import timeline
 from course.launch import launch, launch_options
-from mlp import config_from, make_parser, report, train, wrap_ddp
+from mlp import MLP, config_from, gen_dataset, make_parser, report, train, wrap_ddp
 
 
 class MyDP(nn.Module):
@@ -232,9 +234,21 @@ if __name__ == "__main__":
     parser.add_argument(
         "--bucket-cap-mb", type=float, default=None, help="train with OverlappedDP, buckets of this many MiB"
     )
+    parser.add_argument(
+        "--timeline", metavar="FILE.svg", help="draw one step of MyDP and of OverlappedDP on every rank, and stop"
+    )
     args = parser.parse_args()
     config = config_from(args)
-    if args.compare:
+    if args.timeline:
+        cap = 1 if args.bucket_cap_mb is None else args.bucket_cap_mb
+        wraps = {"MyDP": MyDP, f"OverlappedDP, buckets of {cap:g} MiB": partial(OverlappedDP, bucket_cap_mb=cap)}
+        x, y = (t[: config.batch_size] for t in gen_dataset(config, rand_state=config.seed))
+        steps = launch(
+            timeline.record_steps, args.world_size, partial(MLP, config), wraps, x, y, **launch_options(args)
+        )
+        timeline.write(args.timeline, timeline.by_wrapper(steps), f"one step on {args.world_size} ranks")
+        print(f"wrote {args.timeline}")
+    elif args.compare:
         mine, builtin = launch(train_both, args.world_size, config, args.check, **launch_options(args))[0]
         report(mine)
         gap = largest_difference(mine["state"], builtin["state"])

@@ -174,7 +174,14 @@ def test_release_has_no_solution_and_grades_an_untouched_clone(tmp_path):
     assert not any(
         f.startswith(("solutions", ".ci")) or "mutant" in f or f == "tests/test_student_files.py" for f in files
     )
-    assert {"mlp.py", "Makefile", "tests/test_ex2_dist.py", "exercises/03_ddp.ipynb", "course/grade.py"} <= set(files)
+    assert {
+        "mlp.py",
+        "Makefile",
+        "tests/test_ex2_dist.py",
+        "exercises/03_ddp.ipynb",
+        "course/grade.py",
+        "exercises/06_timeline.svg",
+    } <= set(files)
     assert leaks(str(dest)) == []
     secret = sorted(secret_lines())[0]
     (dest / "notes.txt").write_text(f"  {secret}\n")

@@ -19,7 +19,10 @@ from tests.test_ex4_mydp import check_start_sync
 from tests.test_ex5_ring import check_ring
 from tests.test_ex6_overlap import check_bucket_parameters
 from tests.test_ex8_data import check_shard_sizes
+from tests.test_ex9_sync import check_average_parameters, check_forward
+from tests.test_ex10_hvd import check_broadcast_parameters
 from tests.test_ex11_zero import check_owners
+from tests.test_ex12_cost import check_fit
 
 STUB = re.compile(r'raise NotImplementedError\("(Exercise (\d+): \S+ is not written yet, see (\S+))"\)')
 
@@ -60,7 +63,11 @@ def test_student_files_import():
         (lambda f: check_ring(f, 2), 5),
         (check_bucket_parameters, 6),
         (check_shard_sizes, 8),
+        (lambda f: check_forward(f, 2), 9),
+        (lambda f: check_average_parameters(f, 2), 9),
+        (lambda f: check_broadcast_parameters(f, 2), 10),
         (check_owners, 11),
+        (check_fit, 12),
     ],
 )
 def test_untouched_stubs_fail_fast_with_their_message(check, exercise):
@@ -84,6 +91,10 @@ def test_untouched_stubs_fail_fast_with_their_message(check, exercise):
         (
             ["mydp.py", "--world-size", "2", "--niters", "5"],
             "Exercise 1: MLP.__init__ is not written yet, see exercises/01_mlp.md",
+        ),
+        (
+            ["sync.py", "--world-size", "2"],
+            "Exercise 9: SyncBatchNorm1d.forward is not written yet, see exercises/09_sync.md",
         ),
     ],
 )
