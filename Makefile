@@ -7,7 +7,7 @@ SETUP := $(PYTHON) -m course setup
 # Workers share the cores: see course/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help setup notebooks demo test lint grade student release autograde bench bench-launch bench-grade bench-cost gpu-check non-iid
+.PHONY: help setup notebooks demo test lint grade student release autograde bench bench-launch bench-grade bench-cost bench-zero gpu-check non-iid
 
 help:
 	@echo "make setup    make .venv with what the .py exercises and grading need"
@@ -25,6 +25,7 @@ help:
 	@echo "make bench-launch  what starting a world of workers costs, per start method"
 	@echo "make bench-grade   how long make grade takes, per exercise and in all, against its targets"
 	@echo "make bench-cost    exercise 12's cost model: predicted against measured steps of MyDP and OverlappedDP"
+	@echo "make bench-zero    optimizer-state bytes per rank and step time of sharded Adam (exercise 11)"
 	@echo "make gpu-check  every reference solution on this machine's GPUs, compared with the CPU (ARGS=mlp.py flags)"
 
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -60,6 +61,8 @@ demo: $(VENV)/.installed
 	$(PY) solutions/data.py --world-size 3
 	$(PY) solutions/data.py --world-size 2 --uneven join
 	$(PY) solutions/sync.py --world-size 2
+	$(PY) solutions/zero.py --world-size 2 --niters 300
+	$(PY) solutions/zero.py --world-size 2 --niters 300 --bf16-hook
 
 test: $(VENV)/.instructors
 	COURSE_IMPL=solutions $(PYTEST) tests
@@ -93,6 +96,9 @@ endif
 
 bench-launch: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) bench/launch_cost.py
+
+bench-zero: $(VENV)/.installed
+	$(PY) bench/zero.py
 
 gpu-check: $(VENV)/.installed
 	$(PY) -m course.gpu_check $(ARGS)

@@ -42,11 +42,21 @@ class Event:
     number: int = -1  # which started operation, in order: a wait names the one it waits for
     nbytes: int = 0
     peer: int | None = None  # the other rank of a send or receive
+    dtype: str = ""  # of the first tensor sent, as "float32"
+
+
+def _tensors(first_argument) -> list:
+    tensors = first_argument if isinstance(first_argument, (list, tuple)) else [first_argument]
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
 
 
 def _nbytes(first_argument) -> int:
-    tensors = first_argument if isinstance(first_argument, (list, tuple)) else [first_argument]
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for t in _tensors(first_argument))
+
+
+def _dtype(first_argument) -> str:
+    tensors = _tensors(first_argument)
+    return str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
 
 
 class _Watched:
@@ -85,7 +95,8 @@ class CommLog:
     def _recording(self, name, method):
         def recorded(group, *args, **kwargs):
             peer = args[1] if name in ("send", "recv") and len(args) > 1 else None
-            event = Event("start", name, len(self.started()), _nbytes(args[0]) if args else 0, peer)
+            first = args[0] if args else None
+            event = Event("start", name, len(self.started()), _nbytes(first), peer, _dtype(first))
             self.events.append(event)
             return _Watched(method(group, *args, **kwargs), self, event)
 
@@ -112,6 +123,8 @@ class CommLog:
         received = [e for e in self.started() if e.what in ("recv", "recv_anysource")]
         return {
             "collectives": [e.what for e in self.collectives()],
+            "collective_dtypes": [e.dtype for e in self.collectives()],
+            "collective_bytes": [e.nbytes for e in self.collectives()],
             "sent_bytes": sum(e.nbytes for e in sent),
             "received_bytes": sum(e.nbytes for e in received),
             "send_peers": sorted({e.peer for e in sent}),

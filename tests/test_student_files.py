@@ -21,6 +21,7 @@ from tests.test_ex6_overlap import check_bucket_parameters
 from tests.test_ex8_data import check_shard_sizes
 from tests.test_ex9_sync import check_average_parameters, check_forward
 from tests.test_ex10_hvd import check_broadcast_parameters
+from tests.test_ex11_zero import check_owners
 from tests.test_ex12_cost import check_fit
 
 STUB = re.compile(r'raise NotImplementedError\("(Exercise (\d+): \S+ is not written yet, see (\S+))"\)')
@@ -65,6 +66,7 @@ def test_student_files_import():
         (lambda f: check_forward(f, 2), 9),
         (lambda f: check_average_parameters(f, 2), 9),
         (lambda f: check_broadcast_parameters(f, 2), 10),
+        (check_owners, 11),
         (check_fit, 12),
     ],
 )

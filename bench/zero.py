@@ -1,0 +1,148 @@
+"""Optimizer-state memory per rank and step time of sharded Adam (ZeRO stage 1): `make bench-zero`.
+
+    make bench-zero                          # the reference solutions
+    COURSE_IMPL=student make bench-zero      # your own zero.py
+
+For world sizes 1, 2 and 4 on CPU (gloo; the launcher gives each worker its share of the cores),
+on the course's default MLP (one layer holds 65% of the weights) and on an even one (eight equal
+layers), it measures one training step (zero_grad, forward, backward, Adam step) and the bytes of
+Adam's state tensors on each rank, for three ways of training:
+- unsharded: built-in DDP and plain Adam, every rank holds all the state;
+- sharded: the bare model and exercise 11's ShardedOptimizer(Adam) (all-reduce, step the owned
+  parameters, broadcast each from its owner);
+- ZeroRedundancyOptimizer: built-in DDP and torch's ZeroRedundancyOptimizer(Adam).
+
+Step times are the fastest of several steps, taken in turns (bench/overlap.py says why); the JSON
+has the medians too. Writes bench/zero.json and prints the tables.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from course import impl
+from course.launch import run
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORLD_SIZES = (1, 2, 4)
+VARIANTS = ("unsharded", "sharded", "ZeroRedundancyOptimizer")
+
+
+def models(mlp):
+    default = mlp.ModelConfig()
+    return {"default MLP": default, "even MLP": replace(default, d_in=256, n_layers=8, n_classes=256)}
+
+
+def state_bytes(state):
+    return sum(t.numel() * t.element_size() for s in state.values() for t in s.values() if torch.is_tensor(t))
+
+
+def training(ex, config, variant):
+    """(one training step of a fresh model, a function giving this rank's optimizer-state bytes)."""
+    torch.manual_seed(0)
+    model = ex.mlp.MLP(config)
+    if variant == "unsharded":
+        forward, optimizer = DDP(model), torch.optim.Adam(model.parameters(), lr=1e-3)
+        held = lambda: state_bytes(optimizer.state)  # noqa: E731
+    elif variant == "sharded":
+        forward, optimizer = model, ex.zero.ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+        held = lambda: state_bytes(optimizer.state)  # noqa: E731
+    else:
+        forward = DDP(model)
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+        held = lambda: state_bytes(optimizer.optim.state)  # noqa: E731
+    x, y = torch.randn(config.batch_size, config.d_in), torch.randint(0, config.n_classes, (config.batch_size,))
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        forward(x, y)[1].backward()
+        optimizer.step()
+
+    return step, held
+
+
+def slowest_rank(seconds):
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def measure(folder, rounds, per_round):
+    """On every rank of one world: each model and variant; state bytes by rank, step seconds."""
+    ex = impl.load(folder)
+    out = {}
+    for name, config in models(ex.mlp).items():
+        steps = {variant: training(ex, config, variant) for variant in VARIANTS}
+        times = {variant: [] for variant in VARIANTS}
+        for r in range(rounds + 1):  # the first round warms up
+            for variant, (step, _) in steps.items():
+                dist.barrier()
+                for _ in range(per_round):
+                    start = time.perf_counter()
+                    step()
+                    if r:
+                        times[variant].append(time.perf_counter() - start)
+        out[name] = {}
+        for variant, (_, held) in steps.items():
+            mine = torch.tensor([held()])
+            everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, mine)
+            out[name][variant] = {
+                "state_bytes": [int(b) for b in everyone],
+                "fastest_ms": slowest_rank(min(times[variant])) * 1000,
+                "median_ms": slowest_rank(statistics.median(times[variant])) * 1000,
+            }
+    return out
+
+
+def tables(results):
+    lines = []
+    for name in results[WORLD_SIZES[0]]:
+        lines.append(f"{name}: optimizer state per rank in KiB (largest, smallest), fastest step in ms")
+        lines.append(f"  {'variant':25}" + "".join(f"{f'W={w}':>24}" for w in WORLD_SIZES))
+        for variant in VARIANTS:
+            cells = []
+            for w in WORLD_SIZES:
+                got = results[w][name][variant]
+                kib = [b / 1024 for b in got["state_bytes"]]
+                cells.append(f"{max(kib):7.0f} {min(kib):6.0f} KiB {got['fastest_ms']:6.1f}")
+            lines.append(f"  {variant:25}" + "".join(f"{c:>24}" for c in cells))
+    return "\n".join(lines)
+
+
+def main(rounds=3, per_round=4):
+    folder = impl.selected()
+    start = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    # No collective fingerprints: they add a check to every collective, and DDP cannot run with them.
+    results = {w: run(measure, w, folder, rounds, per_round, debug=False)[0] for w in WORLD_SIZES}
+    load = (
+        f"load average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end,"
+        f" on {os.cpu_count()} cores"
+    )
+    print(f"{tables(results)}\n{load}")
+    with open(os.path.join(HERE, "zero.json"), "w") as f:
+        json.dump(
+            {
+                "implementation": os.path.relpath(folder),
+                "models": {name: asdict(c) for name, c in models(impl.load(folder).mlp).items()},
+                "results": results,
+                "machine_load": load,
+                "seconds": time.perf_counter() - start,
+            },
+            f,
+            indent=1,
+        )
+    print(f"wrote bench/zero.json in {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main(*map(int, sys.argv[1:])))

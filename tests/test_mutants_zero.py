@@ -1,0 +1,110 @@
+"""The checks of exercise 11 catch the mistakes of a sharded optimizer and of a bfloat16 comm hook.
+
+Instructors only: these need solutions/. Each case makes a mutant of the reference with one
+mistake and shows that the check for it fails, with a message that points at the mistake.
+
+One mistake is left out on purpose: a broadcast whose source differs across ranks (src=rank, say)
+does not fail, it waits until the collective timeout. "Broadcast from the wrong rank" is the
+same source on every rank, rank 0's, which returns wrong values instead.
+"""
+
+import pytest
+
+from tests.mutants import assert_caught
+from tests.test_ex11_zero import check_hook, check_owners, check_state_bytes, check_steps
+
+LEAST_LOADED = "        rank = load.index(min(load))\n"
+SENT = "    started = dist.all_reduce(compressed, group=group, async_op=True).get_future()\n"
+
+MUTANTS = {
+    "every rank steps every parameter (no sharding)": (
+        "zero.py",
+        "        self.optimizer = optimizer_class(mine, **defaults)",
+        "        self.optimizer = optimizer_class(self.params, **defaults)",
+        lambda folder: check_state_bytes(folder, 2),
+        "must see only the parameters rank 0 owns",
+    ),
+    "every parameter owned by rank 0": (
+        "zero.py",
+        LEAST_LOADED,
+        "        rank = 0\n",
+        check_owners,
+        "balance the ranks by size",
+    ),
+    "the largest parameter to the last rank, all others to rank 0, seen in the memory": (
+        "zero.py",
+        LEAST_LOADED,
+        "        rank = 0 if any(load) else world_size - 1\n",
+        lambda folder: check_state_bytes(folder, 2),
+        "not balanced by size",
+    ),
+    "parameters in their order, not largest first": (
+        "zero.py",
+        "    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):",
+        "    for i in range(len(sizes)):",
+        check_owners,
+        "largest first",
+    ),
+    "a tie to the higher rank": (
+        "zero.py",
+        LEAST_LOADED,
+        "        rank = len(load) - 1 - load[::-1].index(min(load))\n",
+        check_owners,
+        "a tie to the lower rank",
+    ),
+    "the owner does not broadcast": (
+        "zero.py",
+        "                dist.broadcast(p, src=owner)",
+        "                pass",
+        lambda folder: check_steps(folder, 2, steps=1),
+        "sends the new values to every rank",
+    ),
+    "every parameter broadcast from rank 0": (
+        "zero.py",
+        "                dist.broadcast(p, src=owner)",
+        "                dist.broadcast(p, src=0)",
+        lambda folder: check_steps(folder, 3, steps=1),
+        "send each parameter from its owner",
+    ),
+    "gradients summed, not averaged": (
+        "zero.py",
+        "            p.grad /= dist.get_world_size()\n",
+        "",
+        lambda folder: check_steps(folder, 2, steps=1),
+        "2.0x the expected average",
+    ),
+    "gradients not all-reduced": (
+        "zero.py",
+        "            dist.all_reduce(p.grad)\n            p.grad /= dist.get_world_size()\n",
+        "            pass\n",
+        lambda folder: check_steps(folder, 2, steps=1),
+        "not the average of the ranks' gradients",
+    ),
+    "the hook all-reduces in float32": (
+        "zero.py",
+        "    compressed = buffer.to(torch.bfloat16).div_(group.size())",
+        "    compressed = buffer.clone().div_(group.size())",
+        check_hook,
+        "on the wire in bfloat16",
+    ),
+    "the hook sums": (
+        "zero.py",
+        "    compressed = buffer.to(torch.bfloat16).div_(group.size())",
+        "    compressed = buffer.to(torch.bfloat16)",
+        check_hook,
+        "2.0x the expected average",
+    ),
+    "the hook waits for its all-reduce": (
+        "zero.py",
+        SENT,
+        "    dist.all_reduce(compressed, group=group)\n    started = torch.futures.Future()\n"
+        "    started.set_result([compressed])\n",
+        check_hook,
+        "start it with async_op=True",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(MUTANTS))
+def test_mistake_is_caught(mistake, tmp_path):
+    assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])
