@@ -63,6 +63,8 @@ demo: $(VENV)/.installed
 	$(PY) solutions/sync.py --world-size 2
 	$(PY) solutions/zero.py --world-size 2 --niters 300
 	$(PY) solutions/zero.py --world-size 2 --niters 300 --bf16-hook
+	$(PY) solutions/hvd.py --world-size 2 --niters 300
+	$(PY) solutions/cost.py
 
 test: $(VENV)/.instructors
 	COURSE_IMPL=solutions $(PYTEST) tests

@@ -13,7 +13,7 @@ Adam's state tensors on each rank, for three ways of training:
 - ZeroRedundancyOptimizer: built-in DDP and torch's ZeroRedundancyOptimizer(Adam).
 
 Step times are the fastest of several steps, taken in turns (bench/overlap.py says why); the JSON
-has the medians too. Writes bench/zero.json and prints the tables.
+has the medians too. Writes bench/zero.json and bench/zero.png (with matplotlib), and prints the tables.
 """
 
 import json
@@ -118,6 +118,34 @@ def tables(results):
     return "\n".join(lines)
 
 
+def plot(results, path) -> bool:
+    """Per model: the largest rank's optimizer state, and the fastest step, against W, per variant."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(results[WORLD_SIZES[0]])
+    fig, axes = plt.subplots(2, len(names), figsize=(5 * len(names), 6), squeeze=False)
+    for column, name in enumerate(names):
+        for variant in VARIANTS:
+            got = [results[w][name][variant] for w in WORLD_SIZES]
+            axes[0][column].plot(WORLD_SIZES, [max(g["state_bytes"]) / 2**20 for g in got], "o-", label=variant)
+            axes[1][column].plot(WORLD_SIZES, [g["fastest_ms"] for g in got], "o-", label=variant)
+        axes[0][column].set_title(name)
+        axes[0][column].set_ylabel("optimizer state, largest rank (MiB)")
+        axes[1][column].set_ylabel("fastest step (ms)")
+        axes[1][column].set_xlabel("ranks (W)")
+        for ax in axes[:, column]:
+            ax.set_xticks(WORLD_SIZES)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
 def main(rounds=3, per_round=4):
     folder = impl.selected()
     start = time.perf_counter()
@@ -141,7 +169,8 @@ def main(rounds=3, per_round=4):
             f,
             indent=1,
         )
-    print(f"wrote bench/zero.json in {time.perf_counter() - start:.0f} s")
+    drawn = plot(results, os.path.join(HERE, "zero.png"))
+    print(f"wrote bench/zero.json{' and bench/zero.png' if drawn else ''} in {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
