@@ -245,9 +245,11 @@ def _worker(
             # A rank that skipped a collective arrives here while its peers wait inside that
             # collective: the barrier turns the silent hang into a reported mismatch.
             dist.barrier()
-            dist.destroy_process_group()
             _send(conn, ("ok", {"result": result, "imported": [m for m in _ON_DEMAND if m in sys.modules]}))
             code = 0
+            # gloo takes about 20 ms to tear a group down: after the result, so that no one waits for
+            # it (the parent stops the world as soon as every rank has answered).
+            dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         _send(conn, ("error", failure.rank_report(rank, exc, time.time(), messages.waiting)))
     finally:
