@@ -20,6 +20,12 @@ def grade(args) -> int:
     One pytest process, no plugins but the grader's: pytest-xdist's second process and its
     workers cost more than the few checks of one exercise take (README, Benchmarks).
     """
+    import gc
+
+    # Importing torch, torch._dynamo and the checks takes a fifth longer with the cyclic garbage
+    # collector running, and they make no garbage to collect: course/workers.py turns it back on
+    # before the first worker is forked.
+    gc.disable()
     from course import grade as plugin
     from course.grade import POINTS
     from course.layout import ROOT
