@@ -45,6 +45,8 @@ RELEASED = (
     "exercises/*.md",
     "exercises/*.ipynb",
     "exercises/*.svg",
+    "docs/*.md",  # the README links them
+    "docs/*.png",
     "tests/__init__.py",
     "tests/conftest.py",
     "tests/helpers.py",
