@@ -26,6 +26,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from overlap import slowest_rank  # bench/, where this script runs from
 
 from course import impl, timeline
 from course.launch import run
@@ -49,9 +50,7 @@ def median_step(step) -> float:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.item()
+    return slowest_rank(statistics.median(times))
 
 
 def allreduce_times(folder: str) -> dict:

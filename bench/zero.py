@@ -25,6 +25,7 @@ from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
+from overlap import slowest_rank  # bench/, where this script runs from
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -67,12 +68,6 @@ def training(ex, config, variant):
         optimizer.step()
 
     return step, held
-
-
-def slowest_rank(seconds):
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def measure(folder, rounds, per_round):

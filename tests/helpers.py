@@ -137,6 +137,35 @@ def parallel_steps(folder, wrap_name, steps):
     return {"grads": grads, "history": history}
 
 
+def model_with_buffers(seed):
+    """A small model with parameters and buffers. Seeded by rank in a probe, the ranks' copies differ
+    (its running_mean holds the seed too); model_with_buffers(0) is rank 0's."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    model[1].running_mean.fill_(float(seed))
+    return model
+
+
+def one_process(model, optimizer, steps, world_size):
+    """The judge's run: `steps` steps of one process on each step's whole batch (global_batch). Returns
+    each rank's own gradients of the first step's batch, before any step, and the parameters after
+    each step."""
+    local, history = [], []
+    for step in range(steps):
+        x, y = global_batch(CONFIG, step, world_size)
+        if step == 0:
+            for r in range(world_size):
+                model.zero_grad()
+                mine = slice(r * CONFIG.batch_size, (r + 1) * CONFIG.batch_size)
+                model(x[mine], y[mine])[1].backward()
+                local.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        optimizer.zero_grad()
+        model(x, y)[1].backward()
+        optimizer.step()
+        history.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return local, history
+
+
 def check_equivalence(folder, wrap_name, world_size, steps=3):
     """k parallel steps equal k steps of one process on the concatenated batch, on every rank."""
     results = world(parallel_steps, world_size, folder, wrap_name, steps)

@@ -7,7 +7,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.comm_log import CommLog
-from tests.helpers import CONFIG, SmallMLP, describe_ratio, global_batch, load, world
+from tests.helpers import CONFIG, SmallMLP, describe_ratio, global_batch, load, model_with_buffers, one_process, world
 
 OPTIMIZERS = {
     "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
@@ -36,19 +36,14 @@ def resumed(kind, rank):
 
 def start_state(folder):
     """Probe: ranks build different weights and buffers, then broadcast_parameters."""
-    hvd = load(folder).hvd
-    rank = dist.get_rank()
-    torch.manual_seed(rank)
-    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
-    model[1].running_mean.fill_(float(rank))
-    hvd.broadcast_parameters(model)
+    model = model_with_buffers(dist.get_rank())
+    load(folder).hvd.broadcast_parameters(model)
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def check_broadcast_parameters(folder, world_size):
     states = world(start_state, world_size, folder)
-    torch.manual_seed(0)
-    expected = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).state_dict()
+    expected = model_with_buffers(0).state_dict()
     for rank, state in enumerate(states):
         for name, value in expected.items():
             what = "buffer" if "running" in name or "num_batches" in name else "parameter"
@@ -116,29 +111,10 @@ def parallel_steps(folder, kind, steps, builtin):
     return {"history": history, "grads": grads, "collectives": all_reduces}
 
 
-def one_process(kind, steps, world_size):
-    """The judge's run: rank 0's resumed model and optimizer, stepping on the whole batch."""
-    model, optimizer = resumed(kind, 0)
-    local, history = [], []
-    for step in range(steps):
-        x, y = global_batch(CONFIG, step, world_size)
-        if step == 0:
-            for r in range(world_size):
-                model.zero_grad()
-                mine = slice(r * CONFIG.batch_size, (r + 1) * CONFIG.batch_size)
-                model(x[mine], y[mine])[1].backward()
-                local.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        optimizer.zero_grad()
-        model(x, y)[1].backward()
-        optimizer.step()
-        history.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return local, history
-
-
 def check_steps(folder, world_size, kind, steps=3):
     """k steps on W ranks equal k steps of one process on the whole batch, and built-in DDP's."""
     got = world(parallel_steps, world_size, folder, kind, steps, False)
-    local, expected = one_process(kind, steps, world_size)
+    local, expected = one_process(*resumed(kind, 0), steps, world_size)  # rank 0's checkpoint, whole batches
     for rank, result in enumerate(got):
         for name, grad in result["grads"].items():
             mean = sum(g[name] for g in local) / world_size

@@ -9,7 +9,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.comm_log import CommLog
-from tests.helpers import CONFIG, SMALL_BUCKET_MB, SmallMLP, describe_ratio, global_batch, load, world
+from tests.helpers import CONFIG, SMALL_BUCKET_MB, SmallMLP, describe_ratio, global_batch, load, one_process, world
 
 LR = 0.01  # Adam's
 
@@ -110,20 +110,8 @@ def unsharded(steps, world_size):
     model = Ragged()
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    local, history = [], [start]
-    for step in range(steps):
-        x, y = global_batch(CONFIG, step, world_size)
-        if step == 0:
-            for r in range(world_size):
-                model.zero_grad()
-                mine = slice(r * CONFIG.batch_size, (r + 1) * CONFIG.batch_size)
-                model(x[mine], y[mine])[1].backward()
-                local.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        optimizer.zero_grad()
-        model(x, y)[1].backward()
-        optimizer.step()
-        history.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return local, history
+    local, history = one_process(model, optimizer, steps, world_size)
+    return local, [start, *history]
 
 
 def check_steps(folder, world_size, steps=3):

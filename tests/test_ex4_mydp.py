@@ -5,24 +5,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.helpers import check_equivalence, load, small_config, world
+from tests.helpers import check_equivalence, load, model_with_buffers, small_config, world
 
 
 def start_state(folder):
     """Probe: ranks build different weights and buffers; MyDP must hand every rank rank 0's."""
-    mydp = load(folder).mydp
-    rank = dist.get_rank()
-    torch.manual_seed(rank)
-    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
-    model[1].running_mean.fill_(float(rank))
-    wrapped = mydp.MyDP(model)
+    model = model_with_buffers(dist.get_rank())
+    wrapped = load(folder).mydp.MyDP(model)
     return {"kept": wrapped.module is model, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
 def check_start_sync(folder, world_size):
     states = world(start_state, world_size, folder)
-    torch.manual_seed(0)
-    expected = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).state_dict()
+    expected = model_with_buffers(0).state_dict()
     for rank, got in enumerate(states):
         assert got["kept"] is True, "MyDP should keep the wrapped model as .module"
         state = got["state"]
