@@ -24,7 +24,7 @@ def grade(args) -> int:
 
     # Importing torch, torch._dynamo and the checks takes a fifth longer with the cyclic garbage
     # collector running, and they make no garbage to collect: course/workers.py turns it back on
-    # before the first worker is forked.
+    # before the first world starts.
     gc.disable()
     from course import grade as plugin
     from course.grade import POINTS

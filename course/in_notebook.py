@@ -45,7 +45,7 @@ def folder() -> str:
 
 
 def load():
-    """Your modules, read again from the files: .mlp, .dist, .mydp, .data."""
+    """Your modules, read again from the files: one attribute per student file (.mlp, .dist, ...)."""
     impl.forget(folder())
     return impl.load(folder())
 

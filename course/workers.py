@@ -297,7 +297,6 @@ def _context(method: str):
     if method == "fork":
         for name in _WORKER_MODULES + sorted(_needed):
             importlib.import_module(name)
-        gc.enable()  # off while the grader imported (course/__main__.py)
     elif method == "forkserver":
         ctx.set_forkserver_preload(_WORKER_MODULES + _ON_DEMAND)
     return ctx
@@ -315,6 +314,7 @@ def _freeze_once() -> None:
     if not _frozen:
         gc.freeze()
         _frozen = True
+    gc.enable()  # off while the grader imported (course/__main__.py), whatever the start method
 
 
 def _seconds_from_env(name: str, default: float) -> float:
