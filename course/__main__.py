@@ -17,8 +17,9 @@ from course import setup
 def grade(args) -> int:
     """Grade the student files (COURSE_IMPL, default the top-level ones) in this process.
 
-    One pytest process, no plugins but the grader's: pytest-xdist's second process and its
-    workers cost more than the few checks of one exercise take (README, Benchmarks).
+    No plugins but the grader's: pytest-xdist's processes each import torch and the checks anew,
+    which costs more than the few checks of one exercise take; the grader forks a copy of itself
+    instead where it can (course.grade.processes_here; README, Benchmarks).
     """
     import gc
 
@@ -39,7 +40,8 @@ def grade(args) -> int:
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     import pytest
 
-    return int(pytest.main(["-p", "no:cacheprovider", "--rootdir", ROOT, *args.pytest, *checks], plugins=[plugin]))
+    options = ["-p", "no:cacheprovider", "--rootdir", ROOT, "--grade-processes", str(plugin.processes_here())]
+    return int(pytest.main([*options, *args.pytest, *checks], plugins=[plugin]))
 
 
 def main(argv=None) -> int:

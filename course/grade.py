@@ -329,6 +329,23 @@ class Fingerprint:
 
 def pytest_addoption(parser):
     parser.addoption("--grade-results", default="results.json", help="where to write Gradescope's results.json")
+    parser.addoption(
+        "--grade-processes",
+        type=int,
+        default=1,
+        help="grading processes that run checks at once (`python -m course grade`: processes_here())",
+    )
+
+
+def processes_here() -> int:
+    """Two grading processes where this one can fork (Linux, CPU workers): a world of 2 to 4 ranks
+    leaves a third of 2 cores idle, waiting on messages, so two worlds at once fill them. One
+    elsewhere: macOS's and Windows' graders cannot fork a copy of themselves safely."""
+    from course import env
+
+    cores = env.usable_cores()
+    method = env.default_start_method(sys.platform, env.threads_per_worker(2, cores), False)
+    return min(2, cores) if method == "fork" else 1
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -370,11 +387,35 @@ class _Grader:
         self.broken: list = []
         self.final: list = []
         self.fingerprint: Fingerprint | None = None
+        self.changed_elsewhere: list = []  # what the other grading processes found changed
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session):
         # Every check module is imported, and no check has run yet: no submission code has either.
         self.fingerprint = Fingerprint()
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtestloop(self, session):
+        """The checks in `--grade-processes` processes: forked copies of this one, made after the
+        fingerprint, run every other check and send back their reports and what of the grader
+        changed while they ran; this process runs its share, then logs theirs as its own."""
+        processes = min(self.config.getoption("grade_processes"), len(session.items))
+        if processes < 2 or session.testsfailed or self.config.option.collectonly:
+            return None  # pytest's own loop
+        from course import workers
+
+        workers.ready_to_fork()
+        children = [_Share(session, session.items[k::processes], self) for k in range(1, processes)]
+        try:
+            _run(session, session.items[0::processes], log=True)
+            for child in children:
+                for report in child.reports():
+                    self.config.hook.pytest_runtest_logreport(report=report)
+                self.changed_elsewhere += child.changed
+        finally:
+            for child in children:
+                child.stop()
+        return True
 
     def pytest_runtest_logreport(self, report):
         exercise = exercise_of(report.nodeid)
@@ -400,7 +441,8 @@ class _Grader:
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session, exitstatus):
         self.final = share_points(sorted(self.checks.values(), key=lambda c: (c.exercise, c.name)))
-        changed = self.fingerprint.changes() if self.fingerprint is not None else []
+        changed = (self.fingerprint.changes() if self.fingerprint is not None else []) + self.changed_elsewhere
+        changed = list(dict.fromkeys(changed))  # each process finds what changed on disk
         if changed:
             more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
             for check in self.final:
@@ -422,3 +464,84 @@ class _Grader:
         for problem in self.broken:
             terminalreporter.write_line(f"GRADER ERROR (not your code): {problem}", red=True)
         terminalreporter.write_line(f"(Gradescope results: {self.config.getoption('grade_results')})")
+
+
+def _run(session, items: list, log: bool) -> list:
+    """Run items as pytest's own loop does; with log=False, return their reports instead of logging them."""
+    from _pytest.runner import runtestprotocol
+
+    reports = []
+    for i, item in enumerate(items):
+        following = items[i + 1] if i + 1 < len(items) else None
+        if log:
+            item.config.hook.pytest_runtest_protocol(item=item, nextitem=following)
+        else:
+            reports += runtestprotocol(item, log=False, nextitem=following)
+        if session.shouldstop:
+            raise session.Interrupted(session.shouldstop)
+    return reports
+
+
+class _Share:
+    """A forked copy of the grading process that runs some of the checks.
+
+    It reports to the process it was forked from through a pipe that no worker keeps
+    (course/workers.py closes every inherited descriptor in a worker), dies with it, and leaves
+    Ctrl-C to it. Reports missing when it ends (it crashed) fail their checks as grader errors.
+    """
+
+    def __init__(self, session, items: list, grader: _Grader):
+        import pickle
+        import signal
+
+        from course import workers
+
+        self.config, self.items, self.changed = session.config, items, []
+        reader, writer = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 1
+            try:
+                os.close(reader)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                workers.die_with_parent()
+                reports = [
+                    self.config.hook.pytest_report_to_serializable(config=self.config, report=r)
+                    for r in _run(session, items, log=False)
+                ]
+                with os.fdopen(writer, "wb") as pipe:
+                    pickle.dump((reports, grader.fingerprint.changes()), pipe)
+                code = 0
+            except BaseException:  # noqa: BLE001 - said here; the parent fails the checks it did not report
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(writer)
+        self.pipe = os.fdopen(reader, "rb")
+
+    def reports(self) -> list:
+        """The reports it sent, once it has ended; a failed one for each check it did not report."""
+        import pickle
+
+        from _pytest.reports import TestReport
+
+        try:
+            sent, self.changed = pickle.load(self.pipe)
+        except (EOFError, pickle.UnpicklingError):
+            sent = []
+        _, status = os.waitpid(self.pid, 0)
+        self.pid = None
+        reports = [self.config.hook.pytest_report_from_serializable(config=self.config, data=d) for d in sent]
+        done = {r.nodeid for r in reports}
+        for item in self.items:
+            if item.nodeid not in done:
+                reason = f"the grading process that ran it ended without its report (status {status})"
+                reports.append(TestReport(item.nodeid, item.location, {}, "failed", reason, "setup"))
+        return reports
+
+    def stop(self) -> None:
+        if self.pid:  # it has not ended: this process was interrupted
+            from course import workers
+
+            workers.stop_tree(self.pid)
+        self.pipe.close()

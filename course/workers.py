@@ -90,6 +90,11 @@ def _prctl(option: int, value: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(option, value)
 
 
+def die_with_parent() -> None:
+    """This process is killed when the one that started it ends, however it ends (Linux only)."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _processes() -> dict:
     """pid -> parent pid, from /proc (Linux; empty elsewhere)."""
     parents = {}
@@ -210,7 +215,7 @@ def _worker(
     # Ctrl-C reaches every process in the terminal's group; only the parent acts on it, so the
     # student sees one message rather than a KeyboardInterrupt traceback from every rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent()
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a daemon the student starts stays ours, to be stopped
     stack_file = open(os.path.join(settings.stack_dir, f"rank{rank}.stack"), "w")
     _private_descriptors({conn.fileno(), stack_file.fileno()}, stdout, stderr)
@@ -295,11 +300,32 @@ def expect_many_worlds() -> None:
 def _context(method: str):
     ctx = mp.get_context(method)
     if method == "fork":
-        for name in _WORKER_MODULES + sorted(_needed):
-            importlib.import_module(name)
+        _import_for_workers()
     elif method == "forkserver":
         ctx.set_forkserver_preload(_WORKER_MODULES + _ON_DEMAND)
     return ctx
+
+
+def _import_for_workers() -> None:
+    for name in _WORKER_MODULES + sorted(_needed):
+        importlib.import_module(name)
+
+
+def ready_to_fork() -> None:
+    """Before this process forks a copy of itself that starts worlds too (course/grade.py's second
+    grading process): import what workers need and freeze, once here rather than once in each.
+    The copy's workers, orphaned if it is stopped, come to this process to be reaped (stop_tree)."""
+    _import_for_workers()
+    _freeze_once()
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def stop_tree(pid: int) -> None:
+    """Stop a child process and every process it started; reap them all."""
+    started = descendants([pid])
+    _kill([pid, *started])
+    os.waitpid(pid, 0)
+    _reap(started)
 
 
 _frozen = False

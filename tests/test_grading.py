@@ -17,6 +17,7 @@ from course.grade import POINTS, explain
 from course.launch import WorldFailed, run
 from course.release import leaks, release, secret_lines
 from course.student import ROOT, SOLUTIONS, STUDENT_FILES
+from tests.mutants import make_mutant
 
 TESTS = os.path.join(ROOT, "tests")
 
@@ -156,6 +157,46 @@ def test_grade_scores_checks_and_exits_0_for_a_low_grade(tmp_path):
         "func": "test_fails",
         "line": FAKE_CHECKS.splitlines().index('    assert 1 == 2, "one is not two: fix the arithmetic"') + 1,
     }, "the failed check's facts, from the worker that ran it (pytest-xdist) to results.json"
+
+
+PID_CHECKS = """
+import os
+
+def test_a():
+    assert False, f"pid {os.getpid()}"
+
+def test_b():
+    assert False, f"pid {os.getpid()}"
+
+def test_c():
+    assert False, f"pid {os.getpid()}"
+"""
+
+
+def test_grading_processes_share_the_checks(tmp_path):
+    (tmp_path / "test_ex1_pids.py").write_text(PID_CHECKS)
+    for processes, expected in ((2, 2), (5, 3)):  # never more processes than checks
+        done = grade(tmp_path, "--grade-processes", str(processes), "test_ex1_pids.py")
+        assert done.returncode == 0, done.stdout + done.stderr
+        with open(tmp_path / "results.json") as f:
+            tests = json.load(f)["tests"]
+        assert [t["name"] for t in tests] == [f"Exercise 1: test_{c}" for c in "abc"]
+        pids = {t["output"] for t in tests}
+        assert len(pids) == expected and all(p.startswith("pid ") for p in pids), (processes, pids)
+
+
+def test_two_grading_processes_grade_as_one(tmp_path):
+    """The same verdicts, messages and facts whichever process ran a check."""
+    folder = make_mutant(tmp_path / "sums", "mydp.py", "mean = grad / dist.get_world_size()", "mean = grad.clone()")
+    results = []
+    for processes in (1, 2):
+        done = course_grade("--ex", "4", "--", "--grade-processes", str(processes), impl=folder, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        with open(tmp_path / "results.json") as f:
+            results.append(json.load(f))
+        results[-1].pop("execution_time")
+    assert results[0] == results[1]
+    assert 0 < results[0]["score"] < POINTS[4], "some checks of exercise 4 fail on summed gradients, not all"
 
 
 def test_a_broken_grader_exits_non_zero(tmp_path):
