@@ -15,9 +15,10 @@ Only the students' own work is graded, and only by the instructor's checks:
   only delay grading (tests/test_grading.py runs them). (nbgrader copies an assignment's
   non-notebook source files over a submission; the sources here have none, so the students'
   files are the ones graded.)
-- One kernel per student runs the cells of all their notebooks (execute()), --jobs students at a
-  time. That kernel never holds the submission's code: each check runs it in processes of its
-  own, and a probe after the last cell proves it. Each cell has a wall-clock limit
+- One kernel per student runs the cells of all their notebooks (execute()), --jobs kernels at a
+  time; with fewer students than --jobs, a student's notebooks are shared among kernels. A
+  kernel never holds the submission's code: each check runs it in processes of its own, and a
+  probe after the last cell proves it. Each cell has a wall-clock limit
   (--cell-timeout); every world of workers has its own (COURSE_TIMEOUT,
   COURSE_COLLECTIVE_TIMEOUT). A submission that hangs, crashes or does not import scores 0 on the
   checks it fails, with the reason; its other exercises, and the other students, are graded.
@@ -186,11 +187,11 @@ _PROBE = "import json, os\nfrom course.in_notebook import submission_modules\npr
 
 
 async def execute(out: str, student: str, assignments: dict, code: str, cell_timeout: int) -> float:
-    """Run the code cells of a student's notebooks, all in one kernel; save their outputs in place.
+    """Run the code cells of a student's notebooks (of `assignments`), all in one kernel; save their outputs in place.
 
     The cells are this repository's (take_in keeps only the written answers of a submission), so
-    their outputs, which nbgrader then grades, are the checks' own. One kernel serves every
-    notebook of a student: a kernel is started once, not once per exercise. It never holds the
+    their outputs, which nbgrader then grades, are the checks' own. One kernel serves several
+    notebooks: a kernel is started once, not once per exercise. It never holds the
     submission's code: each check runs it in processes of its own (course.in_notebook.check),
     and a probe after the last cell proves it, or grading stops. Returns the seconds it took.
     """
@@ -238,15 +239,25 @@ async def execute(out: str, student: str, assignments: dict, code: str, cell_tim
 
 
 async def execute_all(out: str, codes: dict, assignments: dict, cell_timeout: int, jobs: int) -> dict:
-    """execute() every student's notebooks, `jobs` kernels at a time; the seconds each took, by student."""
+    """execute() every student's notebooks, `jobs` kernels at a time; the seconds each took, by student.
+
+    With fewer students than kernels, each student's notebooks are shared among kernels (a class
+    of one uses every core); a class keeps one kernel per student, started once.
+    """
     slots = asyncio.Semaphore(jobs)
+    kernels = max(1, min(len(assignments), -(-jobs // max(1, len(codes)))))  # ceil(jobs / students)
+    names = list(assignments)
 
-    async def one(student: str) -> float:
+    async def one(student: str, part: list) -> float:
         async with slots:
-            return await execute(out, student, assignments, codes[student], cell_timeout)
+            return await execute(out, student, {a: assignments[a] for a in part}, codes[student], cell_timeout)
 
-    seconds = await asyncio.gather(*(one(student) for student in codes))
-    return dict(zip(codes, seconds))
+    parts = [(student, names[k::kernels]) for student in codes for k in range(kernels)]
+    seconds = await asyncio.gather(*(one(student, part) for student, part in parts))
+    total = dict.fromkeys(codes, 0.0)
+    for (student, _), taken in zip(parts, seconds):
+        total[student] += taken
+    return total
 
 
 def _reason(cell: dict) -> str:

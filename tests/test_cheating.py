@@ -11,12 +11,11 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 
 from course.grade import POINTS
 from course.student import ROOT, SOLUTIONS, STUDENT_FILES
+from tests import warm
 
 
 def grade(tmp_path, cheats, base=ROOT, ex=2):
@@ -30,13 +29,10 @@ def grade(tmp_path, cheats, base=ROOT, ex=2):
     for name, text in cheats.items():
         with open(submission / name, "a") as f:
             f.write("\n" + text)
-    done = subprocess.run(
-        [sys.executable, "-m", "course", "grade", *(["--ex", str(ex)] if ex else [])],
+    done = warm.run(
+        ["-m", "course", "grade", *(["--ex", str(ex)] if ex else [])],
         cwd=grader,
         env=dict(os.environ, COURSE_IMPL=str(submission)),
-        capture_output=True,
-        text=True,
-        timeout=120,
     )
     return done, grader / "results.json"
 

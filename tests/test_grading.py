@@ -17,6 +17,7 @@ from course.grade import POINTS, explain
 from course.launch import WorldFailed, run
 from course.release import leaks, release, secret_lines
 from course.student import ROOT, SOLUTIONS, STUDENT_FILES
+from tests import warm
 from tests.mutants import make_mutant
 
 TESTS = os.path.join(ROOT, "tests")
@@ -123,13 +124,7 @@ def test_given_code():
 
 
 def grade(folder, *args):
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "course.grade", "-p", "no:cacheprovider", *args],
-        cwd=folder,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return warm.run(["-m", "pytest", "-p", "course.grade", "-p", "no:cacheprovider", *args], cwd=folder)
 
 
 def test_grade_scores_checks_and_exits_0_for_a_low_grade(tmp_path):
@@ -269,14 +264,7 @@ def test_max_scores_add_up_to_each_exercise_points_exactly():
 
 
 def course_grade(*args, impl, cwd):
-    return subprocess.run(
-        [sys.executable, "-m", "course", "grade", *args],
-        cwd=cwd,
-        env=dict(os.environ, COURSE_IMPL=str(impl)),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return warm.run(["-m", "course", "grade", *args], cwd=cwd, env=dict(os.environ, COURSE_IMPL=str(impl)))
 
 
 def test_grade_names_the_exercises_when_there_is_no_such_one(tmp_path):

@@ -19,6 +19,7 @@ from course.failure import diagnose
 from course.flags import SCRIPT_TIME_LIMIT
 from course.launch import WorldFailed, add_launch_arguments, launch, launch_options, run
 from course.student import ROOT
+from tests import warm
 
 # --- worker functions: top level, so every start method can send them ---------------------
 
@@ -98,9 +99,11 @@ def descendants(pid):
 
 
 def stray_workers():
-    """Our descendants, less the forkserver (it lives as long as this process, by design)."""
-    server = multiprocessing.forkserver._forkserver._forkserver_pid
-    return [p for p in descendants(os.getpid()) if p != server and p not in descendants(server or -1)]
+    """Our descendants, less the forkserver and tests/warm.py's server (they live as long as this
+    process, by design)."""
+    servers = [multiprocessing.forkserver._forkserver._forkserver_pid, warm.server_pid()]
+    helpers = {p for server in servers if server for p in [server, *descendants(server)]}
+    return [p for p in descendants(os.getpid()) if p not in helpers]
 
 
 def timed_failure(fn, world_size=2, *args, **limits):

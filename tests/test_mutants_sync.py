@@ -8,8 +8,6 @@ mistake and shows that the check for it fails, with a message that points at the
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course.layout import SOLUTIONS
+from tests import warm
 from tests.helpers import world
 from tests.mutants import assert_caught
 from tests.test_ex9_sync import (
@@ -248,13 +247,7 @@ SMALL_EXPERIMENT = [
 def test_experiment_script_writes_png_and_json(tmp_path):
     """`python sync.py --non-iid-plot PNG` (small, fast here) writes the plot and its JSON."""
     png = tmp_path / "non_iid.png"
-    done = subprocess.run(
-        [sys.executable, "sync.py", *SMALL_EXPERIMENT, "--niters", "16", "--non-iid-plot", str(png)],
-        cwd=SOLUTIONS,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = warm.run(["sync.py", *SMALL_EXPERIMENT, "--niters", "16", "--non-iid-plot", str(png)], cwd=SOLUTIONS)
     assert done.returncode == 0, done.stderr
     assert png.stat().st_size > 0
     with open(tmp_path / "non_iid.json") as f:

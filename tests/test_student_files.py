@@ -2,8 +2,6 @@
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -11,6 +9,7 @@ from course import impl
 from course.grade import POINTS
 from course.launch import WorldFailed
 from course.student import BEGIN, ROOT, SOLUTIONS, STUDENT_FILES, stub_source
+from tests import warm
 from tests.mutants import make_mutant
 from tests.test_ex1_mlp import check_layers
 from tests.test_ex2_dist import check_matmul
@@ -99,7 +98,7 @@ def test_untouched_stubs_fail_fast_with_their_message(check, exercise):
     ],
 )
 def test_cli_stops_at_first_stub_with_one_line(command, message):
-    done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = warm.run(command, cwd=ROOT, timeout=60)
     assert done.returncode == 1
     assert done.stderr.strip() == message, done.stderr
 
@@ -135,9 +134,7 @@ SMALL_RUN = [
 
 
 def run_script(folder, *args):
-    return subprocess.run(
-        [sys.executable, "mydp.py", *SMALL_RUN, *args], cwd=folder, capture_output=True, text=True, timeout=120
-    )
+    return warm.run(["mydp.py", *SMALL_RUN, *args], cwd=folder)
 
 
 def test_script_shows_a_missing_broadcast(tmp_path):
