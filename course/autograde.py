@@ -15,9 +15,8 @@ Only the students' own work is graded, and only by the instructor's checks:
   only delay grading (tests/test_grading.py runs them). (nbgrader copies an assignment's
   non-notebook source files over a submission; the sources here have none, so the students'
   files are the ones graded.)
-- One kernel per student runs the cells of all their notebooks (execute()), --jobs kernels at a
-  time; with fewer students than --jobs, a student's notebooks are shared among kernels. A
-  kernel never holds the submission's code: each check runs it in processes of its own, and a
+- Kernels run the cells of the notebooks (execute()), --jobs at a time, each student's notebooks
+  shared among --jobs kernels. A kernel never holds the submission's code: each check runs it in processes of its own, and a
   probe after the last cell proves it. Each cell has a wall-clock limit
   (--cell-timeout); every world of workers has its own (COURSE_TIMEOUT,
   COURSE_COLLECTIVE_TIMEOUT). A submission that hangs, crashes or does not import scores 0 on the
@@ -241,11 +240,11 @@ async def execute(out: str, student: str, assignments: dict, code: str, cell_tim
 async def execute_all(out: str, codes: dict, assignments: dict, cell_timeout: int, jobs: int) -> dict:
     """execute() every student's notebooks, `jobs` kernels at a time; the seconds each took, by student.
 
-    With fewer students than kernels, each student's notebooks are shared among kernels (a class
-    of one uses every core); a class keeps one kernel per student, started once.
+    Each student's notebooks are shared among `jobs` kernels, so that one student, or the last
+    ones of a class, use every core too (a kernel starts in a fraction of a second: kernels.py).
     """
     slots = asyncio.Semaphore(jobs)
-    kernels = max(1, min(len(assignments), -(-jobs // max(1, len(codes)))))  # ceil(jobs / students)
+    kernels = max(1, min(len(assignments), jobs))
     names = list(assignments)
 
     async def one(student: str, part: list) -> float:
