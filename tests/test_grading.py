@@ -180,6 +180,19 @@ def test_grading_processes_share_the_checks(tmp_path):
         assert len(pids) == expected and all(p.startswith("pid ") for p in pids), (processes, pids)
 
 
+def test_the_grader_forks_a_second_process_only_where_workers_are_forked(monkeypatch):
+    from course import env
+    from course.grade import processes_here
+
+    monkeypatch.setattr(env, "usable_cores", lambda: 2)
+    for method, processes in (("fork", 2), ("forkserver", 1), ("spawn", 1)):
+        monkeypatch.setenv("COURSE_START_METHOD", method)  # macOS gets forkserver, Windows spawn
+        assert processes_here() == processes, method
+    monkeypatch.setenv("COURSE_START_METHOD", "fork")
+    monkeypatch.setattr(env, "usable_cores", lambda: 1)
+    assert processes_here() == 1, "one core: one process"
+
+
 def test_two_grading_processes_grade_as_one(tmp_path):
     """The same verdicts, messages and facts whichever process ran a check."""
     folder = make_mutant(tmp_path / "sums", "mydp.py", "mean = grad / dist.get_world_size()", "mean = grad.clone()")
