@@ -338,9 +338,10 @@ def pytest_addoption(parser):
 
 
 def processes_here() -> int:
-    """Two grading processes where this one can fork (Linux, CPU workers): a world of 2 to 4 ranks
-    leaves a third of 2 cores idle, waiting on messages, so two worlds at once fill them. One
-    elsewhere: macOS's and Windows' graders cannot fork a copy of themselves safely."""
+    """Two grading processes where workers are forked (Linux, one thread per worker: 2 or 3 cores):
+    one world of 2 to 4 ranks leaves a third of 2 cores idle, waiting on messages, and two worlds
+    at once fill them. One elsewhere: macOS's and Windows' graders cannot fork a copy of themselves
+    safely, and with more cores each worker of a world runs several threads."""
     from course import env
 
     cores = env.usable_cores()
