@@ -16,8 +16,8 @@ Only the students' own work is graded, and only by the instructor's checks:
   non-notebook source files over a submission; the sources here have none, so the students'
   files are the ones graded.)
 - Kernels run the cells of the notebooks (execute()), --jobs at a time, each student's notebooks
-  shared among --jobs kernels. A kernel never holds the submission's code: each check runs it in processes of its own, and a
-  probe after the last cell proves it. Each cell has a wall-clock limit
+  shared among --jobs kernels. A kernel never holds the submission's code: each check runs it
+  in processes of its own, and a probe after the last cell proves it. Each cell has a wall-clock limit
   (--cell-timeout); every world of workers has its own (COURSE_TIMEOUT,
   COURSE_COLLECTIVE_TIMEOUT). A submission that hangs, crashes or does not import scores 0 on the
   checks it fails, with the reason; its other exercises, and the other students, are graded.
@@ -186,7 +186,7 @@ _PROBE = "import json, os\nfrom course.in_notebook import submission_modules\npr
 
 
 async def execute(out: str, student: str, assignments: dict, code: str, cell_timeout: int) -> float:
-    """Run the code cells of a student's notebooks (of `assignments`), all in one kernel; save their outputs in place.
+    """Run the code cells of a student's notebooks in `assignments`, all in one kernel; save their outputs in place.
 
     The cells are this repository's (take_in keeps only the written answers of a submission), so
     their outputs, which nbgrader then grades, are the checks' own. One kernel serves several
