@@ -70,7 +70,7 @@ for line in sys.stdin:
     request = ast.literal_eval(line)
     pid = os.fork()
     if pid == 0:
-        sys.stdin = None
+        sys.stdin = open(os.devnull)
         child(request)
     print(pid, flush=True)
     _, status = os.waitpid(pid, 0)
