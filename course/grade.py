@@ -23,7 +23,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import re
+import signal
 import sys
 import time
 import traceback
@@ -492,9 +494,6 @@ class _Share:
     """
 
     def __init__(self, session, items: list, grader: _Grader):
-        import pickle
-        import signal
-
         from course import workers
 
         self.config, self.items, self.changed = session.config, items, []
@@ -522,8 +521,6 @@ class _Share:
 
     def reports(self) -> list:
         """The reports it sent, once it has ended; a failed one for each check it did not report."""
-        import pickle
-
         from _pytest.reports import TestReport
 
         try:
