@@ -515,6 +515,7 @@ class _Share:
             except BaseException:  # noqa: BLE001 - said here; the parent fails the checks it did not report
                 traceback.print_exc()
             finally:
+                workers.stop_kept()
                 os._exit(code)
         os.close(writer)
         self.pipe = os.fdopen(reader, "rb")

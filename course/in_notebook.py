@@ -14,7 +14,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from course import env, impl
+from course import env, impl, workers
 from course.layout import ROOT
 
 # The settings the test suite uses, applied before torch is imported; and the checks live in tests/.
@@ -88,18 +88,65 @@ def _stderr_to_stdout():
         sys.stderr = saved_stream
 
 
-def _check_here(fn, folder: str, args: tuple, conn) -> None:
-    """In the check's own process: run it; send back one sentence ('' for passed) and the mistake's facts."""
-    impl.forget(folder)  # what the kernel read before an edit is stale
-    try:
-        with _stderr_to_stdout():
-            faulthandler.enable()  # a crash shows its Python stack in the cell's output
-            fn(folder, *args)
-        verdict, facts = "", None
-    except Exception as error:  # noqa: BLE001 - any failure of the check is the student's to read
-        verdict, facts = explain(error) or type(error).__name__, mistake(error)
-    conn.send((verdict, facts))
-    conn.close()
+def _serve(conn) -> None:
+    """The checks' own process: run the checks it is sent, one after another, answering each with
+    one sentence ('' for passed) and the mistake's facts. Its worlds of workers are kept from one
+    check to the next (course/workers.py): they start once, not once per check."""
+    workers.die_with_parent()
+    if hasattr(os, "setpgid"):
+        # A group of its own: a shutting-down ipykernel signals the children in its group and waits
+        # until none is left, reaping none (2.6 s a kernel). This process ends when its pipe closes.
+        os.setpgid(0, 0)
+    # The kernel's descriptors, forked with it, held open between checks, would stop its shutdown.
+    workers.private_descriptors({conn.fileno()})
+    workers.drop_streams()
+    torch.set_num_threads(1)  # the judges compare small tensors; their workers have threads of their own
+    faulthandler.enable()  # a crash shows its Python stack in the cell's output
+    while True:
+        try:
+            fn, where, args = conn.recv()
+            workers.take_streams(conn)
+        except EOFError:  # the kernel is gone
+            break
+        impl.forget(where)  # what this process read before an edit is stale
+        try:
+            with _stderr_to_stdout():
+                fn(where, *args)
+            verdict, facts = "", None
+        except Exception as error:  # noqa: BLE001 - any failure of the check is the student's to read
+            verdict, facts = explain(error) or type(error).__name__, mistake(error)
+        workers.drop_streams()
+        conn.send((verdict, facts))
+    workers.stop_kept()
+
+
+_checker: dict = {}  # "process", "conn": the checks' process of this kernel, while it lives
+
+
+def _checks_process():
+    """The process that runs this kernel's checks, started by the first."""
+    process = _checker.get("process")
+    if process is None or not process.is_alive():
+        # Forked where that is safe for a process of one thread (_serve): the kernel's imports come along.
+        ctx = mp.get_context(env.default_start_method(sys.platform, 1, torch.cuda.is_initialized()))
+        here, there = ctx.Pipe()
+        # Not a daemon: a daemon may not start the workers of a world.
+        process = ctx.Process(target=_serve, args=(there,), name="checks")
+        process.start()
+        there.close()
+        _checker.update(process=process, conn=here)
+    return process, _checker["conn"]
+
+
+def _stop_checks_process() -> None:
+    """The checks' process ends when its pipe closes: before multiprocessing, at exit, waits for its
+    children (a kernel that autograding forked is itself a multiprocessing child, without atexit)."""
+    if _checker:
+        _checker["conn"].close()
+        _checker["process"].join(timeout=10)
+        if _checker["process"].is_alive():
+            workers.stop_tree(_checker["process"].pid, _checker["process"].join)
+        _checker.clear()
 
 
 def _show_facts(facts: dict, seconds: float) -> None:
@@ -120,31 +167,36 @@ def _show_facts(facts: dict, seconds: float) -> None:
 def check(fn, *args) -> None:
     """Run one of the checks of `make grade` on your files; raise CheckFailed saying what is wrong.
 
-    The check runs in a process of its own, started for it: your code, which the check loads, never
-    runs in the notebook's kernel. A kernel that grades holds nothing of the code it grades, and a
-    crash of your code ends that process, not the kernel.
+    The check runs in a process of its own, started by the first check and kept for the next:
+    your code, which the check loads, never runs in the notebook's kernel. A kernel that grades
+    holds nothing of the code it grades, and a crash of your code ends a process of the check's,
+    not the kernel. Interrupting the kernel stops the check and every process it started.
     """
     sys.stdout.flush()
     started = time.monotonic()
-    ctx = mp.get_context(env.default_start_method(sys.platform, torch.get_num_threads(), torch.cuda.is_initialized()))
-    reader, writer = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_check_here, args=(fn, folder(), args, writer), name=fn.__name__)
-    process.start()
-    writer.close()
+    process, conn = _checks_process()
     try:
-        verdict, facts = reader.recv()
-    except EOFError:  # it died before it could say
+        conn.send((fn, folder(), args))
+        workers.send_streams(conn, process.pid)
+        verdict, facts = conn.recv()
+    except (EOFError, OSError):  # it died before it could say
         process.join()
+        _checker.clear()
         _show_facts({"kind": "check_died", "exit_code": process.exitcode}, time.monotonic() - started)
         raise CheckFailed(
             f"the check's process died with exit code {process.exitcode}: a crash in the code it ran"
         ) from None
-    finally:
-        process.join()
+    except BaseException:  # Ctrl-C (the kernel interrupted): the check and its workers stop
+        _checker.clear()
+        workers.stop_tree(process.pid, process.join)
+        raise
     if verdict:
         _show_facts(facts, time.monotonic() - started)
         raise CheckFailed(verdict)
     print(f"{fn.__name__}: passed")
+
+
+mp.util.Finalize(None, _stop_checks_process, exitpriority=10)
 
 
 def submission_modules(where: str) -> list:

@@ -14,13 +14,22 @@ list of their return values, indexed by rank. It never hangs and never leaves a 
 - With TORCH_DISTRIBUTED_DEBUG=DETAIL (``debug=True``) torch checks before every collective that
   all ranks call the same one.
 - Workers ignore Ctrl-C (the parent stops them and says where they were) and die with their
-  parent (Linux). Their output is line-buffered, so two ranks never share a line.
+  parent (Linux; elsewhere they end when its pipe closes). Their output is line-buffered, so two
+  ranks never share a line, and goes where the parent's goes at each call.
+- ``keep=True`` (the checks): a world whose call succeeded and left its workers as it found them
+  serves the next call with the same settings, instead of new processes (a world costs about
+  0.1 s of start-up and warm-up, a call on a kept one a few ms). Each call still gets the code
+  under test read afresh, and the random state, environment, working folder, threads and
+  defaults the world's first call found; a call that fails, times out, starts a thread, replaces
+  a function of torch or ends the process group stops its world. Kept workers end with this
+  process (``stop_kept`` ends them sooner).
 
 What went wrong is diagnosed in course/failure.py; ``WorldFailed.failure`` carries it.
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import gc
 import importlib
@@ -28,6 +37,7 @@ import io
 import multiprocessing as mp
 import os
 import pickle
+import random
 import shutil
 import signal
 import sys
@@ -41,10 +51,11 @@ from multiprocessing import reduction
 from multiprocessing.connection import wait
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 
-from course import env, failure
+from course import env, failure, impl
 from course.device import bound_device
 from course.device import select as select_device
 from course.instrument import PointToPoint, check_ddp_on_an_unchecked_group
@@ -76,6 +87,7 @@ class _WorkerSettings:
     stack_dir: str
     collective_timeout: float
     env: dict
+    keep: bool
 
 
 # --- processes: die with the parent, and take descendants along -------------------------------
@@ -158,34 +170,20 @@ def _own_helpers() -> set:
 
 # --- in the worker --------------------------------------------------------------------------
 
-
-class _Stream:
-    """The parent's stdout or stderr as it is when a world starts, handed to a worker: a child of
-    the forkserver or of spawn would otherwise write where that server's own output went."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-
-    def __reduce__(self):  # pickled while a worker starts: the descriptor travels with it
-        if sys.platform == "win32":  # spawn's child inherits the console's handles as they are
-            return (_Stream, (None,))
-        return (_Stream._received, (reduction.DupFd(self.fd),))
-
-    @staticmethod
-    def _received(dup) -> _Stream:
-        return _Stream(dup.detach())
+# Where a call's stdout and stderr go travels with the call, as descriptors (not on Windows, whose
+# spawned workers write to the console they inherit): a kept worker writes where its caller's
+# output goes now (a notebook cell's, a test's capture), not where it went when the world started.
+_PASS_STREAMS = sys.platform != "win32"
 
 
-def _private_descriptors(keep: set, stdout: _Stream, stderr: _Stream) -> None:
+def private_descriptors(keep: set) -> None:
     """Cut every descriptor inherited through fork but ``keep`` and 0, 1, 2 off what it reached
-    (pytest-xdist's channel, the other ranks' pipes); write to the parent's stdout and stderr.
+    (pytest-xdist's channel, the other ranks' pipes, the other kept worlds', a Jupyter kernel's
+    output pipes, whose readers wait for every writer to close them).
 
     Each is pointed at /dev/null rather than closed: a Python file object inherited with it may
     still close it when collected, and must not close a descriptor that gloo opened since.
     """
-    for stream, fd in ((stdout, 1), (stderr, 2)):
-        if stream.fd not in (None, fd):
-            os.dup2(stream.fd, fd)
     listing = next((d for d in ("/proc/self/fd", "/dev/fd") if os.path.isdir(d)), None)  # Linux, macOS
     inherited = [int(fd) for fd in os.listdir(listing) if int(fd) > 2 and int(fd) not in keep] if listing else []
     null = os.open(os.devnull, os.O_RDWR)
@@ -209,18 +207,96 @@ def _send(conn, message) -> None:
     conn.send_bytes(buffer.getvalue())
 
 
-def _worker(
-    fn: Callable, args: tuple, rank: int, settings: _WorkerSettings, conn, stdout: _Stream, stderr: _Stream
-) -> None:
+def send_streams(conn, pid: int) -> None:
+    """Hand the process at the other end of conn (a duplex Pipe) this process's stdout and stderr."""
+    if _PASS_STREAMS:
+        for fd in (1, 2):
+            reduction.send_handle(conn, fd, pid)
+
+
+def take_streams(conn) -> None:
+    """Write, from now on, where send_streams's caller writes."""
+    if _PASS_STREAMS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target in (1, 2):
+            fd = reduction.recv_handle(conn)
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def drop_streams() -> None:
+    """Write to the null device until take_streams: a process kept between calls must not hold its
+    caller's output open (a Jupyter kernel waits at shutdown for every writer of its output to close it)."""
+    if _PASS_STREAMS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        null = os.open(os.devnull, os.O_WRONLY)
+        for target in (1, 2):
+            os.dup2(null, target)
+        os.close(null)
+
+
+# What a call must leave as it found it for its world to be kept: a function of these replaced
+# (a patched all_reduce, a wrapped Module.__call__) would reach the next call.
+_WATCHED = ("torch", "torch.distributed", "torch.nn.functional", "torch.optim", "torch.nn.parallel")
+
+
+def _watched() -> list:
+    import torch.nn.parallel  # noqa: F401 - imported by torch.distributed's users anyway
+
+    objects = [sys.modules[name] for name in _WATCHED] + [torch.Tensor, torch.nn.Module, torch.optim.Optimizer]
+    objects.append(torch.nn.parallel.DistributedDataParallel)
+    return [(o, dict(vars(o))) for o in objects]
+
+
+_GONE = object()
+
+
+class _Baseline:
+    """What a kept worker's first call found: restored after each call, then checked."""
+
+    def __init__(self):
+        self.environ, self.cwd, self.path = dict(os.environ), os.getcwd(), list(sys.path)
+        self.rng = torch.random.get_rng_state(), random.getstate(), numpy.random.get_state()
+        self.threads, self.dtype = torch.get_num_threads(), torch.get_default_dtype()
+        self.python_threads = set(threading.enumerate())
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.attributes = _watched()
+
+    def restored(self) -> bool:
+        """Restore what a call may change; whether the rest is as the first call found it."""
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        sys.path[:] = self.path
+        torch.random.set_rng_state(self.rng[0])
+        random.setstate(self.rng[1])
+        numpy.random.set_state(self.rng[2])
+        torch.set_num_threads(self.threads)
+        torch.set_default_dtype(self.dtype)
+        torch.set_grad_enabled(True)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for folder in impl.loaded():  # the code under test is read again, as in a new worker
+            impl.forget(folder)
+        if not (dist.is_initialized() and (dist.get_rank(), dist.get_world_size()) == (self.rank, self.world_size)):
+            return False
+        if not set(threading.enumerate()) <= self.python_threads:
+            return False
+        return all(
+            all(vars(o).get(name, _GONE) is value for name, value in saved.items()) for o, saved in self.attributes
+        )
+
+
+def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
     # Ctrl-C reaches every process in the terminal's group; only the parent acts on it, so the
     # student sees one message rather than a KeyboardInterrupt traceback from every rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a daemon the student starts stays ours, to be stopped
     stack_file = open(os.path.join(settings.stack_dir, f"rank{rank}.stack"), "w")
-    _private_descriptors({conn.fileno(), stack_file.fileno()}, stdout, stderr)
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    private_descriptors({conn.fileno(), stack_file.fileno()})
+    drop_streams()  # until the first call brings its caller's
     faulthandler.enable(file=stack_file)  # a crash (segfault, abort) leaves its stack too
     os.environ.update(settings.env)
     # The names torchrun sets, so code can ask os.environ["RANK"] as it would on a cluster.
@@ -231,38 +307,56 @@ def _worker(
     messages = PointToPoint()
     messages.install()
     torch.set_num_threads(settings.threads)
-    code = 1
-    try:
-        gpus = torch.cuda.device_count() if settings.device == "cuda" else 0
-        select_device(env.choose_device(settings.device, settings.backend, rank, gpus, settings.world_size))
-        dist.init_process_group(
-            settings.backend,
-            store=_store(settings, rank),
-            rank=rank,
-            world_size=settings.world_size,
-            timeout=timedelta(seconds=settings.collective_timeout),
-            device_id=bound_device(settings.backend),
-        )
-        result = fn(*args)
-        never_waited = messages.never_waited()
-        if never_waited:
-            _send(conn, ("error", failure.unwaited_report(rank, time.time(), never_waited)))
-        else:
-            # A rank that skipped a collective arrives here while its peers wait inside that
-            # collective: the barrier turns the silent hang into a reported mismatch.
-            dist.barrier()
-            _send(conn, ("ok", {"result": result, "imported": [m for m in _ON_DEMAND if m in sys.modules]}))
-            code = 0
-            # gloo takes about 20 ms to tear a group down: after the result, so that no one waits for
-            # it (the parent stops the world as soon as every rank has answered).
-            dist.destroy_process_group()
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        _send(conn, ("error", failure.rank_report(rank, exc, time.time(), messages.waiting)))
-    finally:
-        _kill(descendants([os.getpid()]))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    baseline = None
+    while True:
+        try:
+            fn, args = pickle.loads(conn.recv_bytes())
+            take_streams(conn)
+        except (EOFError, OSError):  # the parent ended, or stopped keeping this world
+            os._exit(0)
+        if hasattr(signal, "SIGUSR1"):  # the parent asks for the stack with it; code may have taken it
+            faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+        code, kept = 1, False
+        try:
+            if baseline is None:  # the world's first call
+                gpus = torch.cuda.device_count() if settings.device == "cuda" else 0
+                select_device(env.choose_device(settings.device, settings.backend, rank, gpus, settings.world_size))
+                dist.init_process_group(
+                    settings.backend,
+                    store=_store(settings, rank),
+                    rank=rank,
+                    world_size=settings.world_size,
+                    timeout=timedelta(seconds=settings.collective_timeout),
+                    device_id=bound_device(settings.backend),
+                )
+                baseline = _Baseline()
+            messages.pending.clear()
+            messages.waiting = None
+            result = fn(*args)
+            never_waited = messages.never_waited()
+            if never_waited:
+                _send(conn, ("error", failure.unwaited_report(rank, time.time(), never_waited)))
+            else:
+                # A rank that skipped a collective arrives here while its peers wait inside that
+                # collective: the barrier turns the silent hang into a reported mismatch.
+                dist.barrier()
+                kept = settings.keep and baseline.restored()
+                imported = [m for m in _ON_DEMAND if m in sys.modules]
+                _send(conn, ("ok", {"result": result, "imported": imported, "kept": kept}))
+                code = 0
+                if not kept:
+                    # gloo takes about 20 ms to tear a group down: after the result, so that no one
+                    # waits for it (the parent stops the world as soon as every rank has answered).
+                    dist.destroy_process_group()
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+            _send(conn, ("error", failure.rank_report(rank, exc, time.time(), messages.waiting)))
+        finally:
+            _kill(descendants([os.getpid()]))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            if not kept:
+                os._exit(code)
+            drop_streams()
 
 
 def _store(settings: _WorkerSettings, rank: int):
@@ -320,11 +414,15 @@ def ready_to_fork() -> None:
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
-def stop_tree(pid: int) -> None:
-    """Stop a child process and every process it started; reap them all."""
+def stop_tree(pid: int, join: Callable | None = None) -> None:
+    """Stop a child process and every process it started; reap them all. ``join``: how to wait
+    for the child when a multiprocessing.Process started it (its join reaps it)."""
     started = descendants([pid])
     _kill([pid, *started])
-    os.waitpid(pid, 0)
+    if join is None:
+        os.waitpid(pid, 0)
+    else:
+        join()
     _reap(started)
 
 
@@ -358,6 +456,7 @@ def run(
     start_method: str | None = None,
     debug: bool | None = None,
     port: int | None = None,
+    keep: bool = False,
 ) -> list:
     """Run ``fn(*args)`` on every rank of a new world; return the results by rank.
 
@@ -367,6 +466,7 @@ def run(
     is named before the world is stopped) and COURSE_DEBUG (set: check collectives). ``device``
     is "cpu" or "cuda" (rank r on cuda:r); course.device.current_device() tells each rank its own.
     Results must be data: tensors, numbers, strings, None, and lists, tuples and dicts of those.
+    With ``keep``, a world kept by an earlier call with the same settings runs it (module docstring).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -377,57 +477,45 @@ def run(
     debug = debug if debug is not None else bool(os.environ.get("COURSE_DEBUG"))
     threads = env.threads_per_worker(world_size, env.usable_cores())
     method = start_method or env.default_start_method(sys.platform, threads, torch.cuda.is_initialized(), device)
-    ctx = _context(method)
-    # Fork would accept anything; pickling here first makes every start method accept the same
-    # functions: ones defined at the top level of an importable module (not in a notebook cell).
+    # Pickled here, whatever the start method: every method then accepts the same functions, ones
+    # defined at the top level of an importable module (not in a notebook cell).
     try:
-        pickle.dumps((fn, args))
+        call = pickle.dumps((fn, args))
     except Exception as exc:
         raise TypeError(
             f"{fn!r} and its arguments must be picklable by reference: define it at the top level of a .py file ({exc})"
         ) from exc
-
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a worker's orphans come here, to be stopped with the world
-    workdir = tempfile.mkdtemp(prefix="course-world-")
     child_env = env.loopback_settings(sys.platform)
     if debug:
         child_env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    settings = _WorkerSettings(
-        world_size,
-        threads,
-        backend,
-        device,
-        os.path.join(workdir, "store"),
-        port,
-        workdir,
-        collective_timeout,
-        child_env,
-    )
-
-    world = _World(world_size, workdir, timeout)
-    children_before = {p for p, parent in _processes().items() if parent == os.getpid()}
-    _freeze_once()
+    keep = keep and port is None and _PASS_STREAMS
+    key = (world_size, threads, backend, device, collective_timeout, method, tuple(sorted(child_env.items())))
+    world = _kept.take(key) if keep else None
     try:
-        for rank in range(world_size):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_worker,
-                args=(fn, args, rank, settings, writer, _Stream(1), _Stream(2)),
-                name=f"rank{rank}",
-                daemon=True,
+        if world is not None:
+            try:
+                world.call(call)
+            except OSError:  # a kept worker ended while it waited (killed from outside)
+                world.stop()
+                world = None
+        if world is None:
+            world = _World.start(
+                method, world_size, threads, backend, device, port, collective_timeout, child_env, keep
             )
-            with _live_lock:
-                proc.start()
-                _live.add(proc.pid)
-            writer.close()  # the child holds the only write end: its exit reads as EOF here
-            world.procs.append(proc)
-            world.conns.append(reader)
-        return world.collect()
+            world.call(call)
+        world.timeout = timeout
+        results = world.collect()
+        if world.reusable:
+            _kept.put(key, world)
+            world = None
+        return results
     except KeyboardInterrupt:
+        if world is None:  # while it started: start stopped what it had started
+            raise
         world.interrupted()
     finally:
-        world.stop(children_before)
-        shutil.rmtree(workdir, ignore_errors=True)
+        if world is not None:
+            world.stop()
 
 
 _POLL = 0.25  # seconds between looks at whether a worker's process has ended
@@ -436,20 +524,64 @@ _POLL = 0.25  # seconds between looks at whether a worker's process has ended
 class _World:
     """The parent's view of one world: its processes, their pipes, and what they sent."""
 
-    def __init__(self, world_size: int, stack_dir: str, timeout: float):
-        self.world_size, self.stack_dir, self.timeout = world_size, stack_dir, timeout
+    def __init__(self, world_size: int, workdir: str, children_before: set):
+        self.world_size, self.stack_dir, self.children_before = world_size, workdir, children_before
+        self.timeout = 0.0
         self.procs: list = []
         self.conns: list = []
         self.results: dict = {}
         self.reports: list = []
         self.ended: list = []
         self.pending: set = set()
+        self.reusable = False
+
+    @classmethod
+    def start(cls, method: str, world_size: int, threads, backend, device, port, collective_timeout, child_env, keep):
+        ctx = _context(method)
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a worker's orphans come here, to be stopped with the world
+        workdir = tempfile.mkdtemp(prefix="course-world-")
+        settings = _WorkerSettings(
+            world_size,
+            threads,
+            backend,
+            device,
+            os.path.join(workdir, "store"),
+            port,
+            workdir,
+            collective_timeout,
+            child_env,
+            keep,
+        )
+        world = cls(world_size, workdir, {p for p, parent in _processes().items() if parent == os.getpid()})
+        _freeze_once()
+        try:
+            for rank in range(world_size):
+                here, there = ctx.Pipe(duplex=True)  # a socket: descriptors travel on it (_next_call)
+                proc = ctx.Process(target=_worker, args=(rank, settings, there), name=f"rank{rank}", daemon=True)
+                with _live_lock:
+                    proc.start()
+                    _live.add(proc.pid)
+                there.close()  # the child holds the only other end: its exit reads as EOF here
+                world.procs.append(proc)
+                world.conns.append(here)
+        except BaseException:
+            world.stop()
+            raise
+        return world
+
+    def call(self, call: bytes) -> None:
+        """Hand every rank the pickled (fn, args), and this process's stdout and stderr as they are now."""
+        self.results, self.reports, self.ended, self.reusable = {}, [], [], False
+        for proc, conn in zip(self.procs, self.conns):
+            conn.send_bytes(call)
+            send_streams(conn, proc.pid)
 
     def collect(self) -> list:
         rank_of = {id(c): r for r, c in enumerate(self.conns)}
         self.pending = set(range(self.world_size))
         deadline = time.monotonic() + self.timeout
         grace_end = None  # after a first failure, peers get a moment to report theirs
+        kept = []
         while self.pending:
             end = deadline if grace_end is None else min(deadline, grace_end)
             left = end - time.monotonic()
@@ -459,7 +591,7 @@ class _World:
             # A process's end too, not only its pipe's: a daemon it forked may hold the pipe open.
             ended = [r for r in self.pending if not self.procs[r].is_alive()]
             for rank in {rank_of[id(conn)] for conn in ready} | set(ended):
-                self._receive(rank, self.conns[rank])
+                kept.append(self._receive(rank, self.conns[rank]))
             if (self.reports or self.ended) and grace_end is None:
                 grace_end = time.monotonic() + 1.0
         if self.reports or self.ended:
@@ -467,36 +599,39 @@ class _World:
             raise WorldFailed(failure.diagnose(self.reports, self.ended, self.world_size))
         if self.pending:
             raise WorldFailed(failure.timed_out(self._where_running(), self.world_size, self.timeout))
+        self.reusable = all(kept)
         return [self.results[r] for r in range(self.world_size)]
 
-    def _receive(self, rank: int, conn) -> None:
+    def _receive(self, rank: int, conn) -> bool:
+        """Take what a rank sent; whether it can run another call."""
         self.pending.discard(rank)
         try:
             if not conn.poll(0):  # the process ended and sent nothing
                 raise EOFError
             data = conn.recv_bytes()
-        except EOFError:
+        except (EOFError, OSError):
             self.procs[rank].join(timeout=1)
             self.ended.append(
                 failure.ended_without_report(rank, self.procs[rank].exitcode, self._stack(rank), when=time.time())
             )
-            return
+            return False
         try:
             status, payload = torch.load(io.BytesIO(data), weights_only=True)
             if status == "ok":
-                result, imported = payload["result"], set(payload["imported"])
+                result, imported, kept = payload["result"], set(payload["imported"]), payload["kept"] is True
         except Exception as exc:  # noqa: BLE001 - whatever a worker sent, it is that rank's failure
             reason = (
                 f"it sent something that is not data (tensors, numbers, strings, lists, dicts):"
                 f" {type(exc).__name__}: {failure.first_line(str(exc))}"
             )
             self.ended.append(failure.ended_without_report(rank, None, "", reason, when=time.time()))
-            return
-        if status == "ok":
-            self.results[rank] = result
-            _needed.update(imported & set(_ON_DEMAND))
-        else:
+            return False
+        if status != "ok":
             self.reports.append(payload)
+            return False
+        self.results[rank] = result
+        _needed.update(imported & set(_ON_DEMAND))
+        return kept
 
     def _stack(self, rank: int, offset: int = 0) -> str:
         try:
@@ -534,7 +669,10 @@ class _World:
         facts = self._where_running() if self.procs else []
         raise Interrupted(failure.timed_out(facts, self.world_size, 0, interrupted=True))
 
-    def stop(self, children_before: set) -> None:
+    def alive(self) -> bool:
+        return all(proc.is_alive() for proc in self.procs)
+
+    def stop(self) -> None:
         """Stop every process this world started: workers, what they started, and their orphans."""
         workers = [p.pid for p in self.procs if p.pid]
         parents = _processes()
@@ -547,10 +685,67 @@ class _World:
             proc.join(timeout=5)
         with _live_lock:
             _live.difference_update(workers)
-            keep = children_before | _live | _own_helpers()
+            keep = self.children_before | _live | _own_helpers()
         orphans = [p for p, parent in _processes().items() if parent == os.getpid() and p not in keep]
         _kill(orphans)
         _reap(set(started) | set(orphans))
+        for conn in self.conns:
+            conn.close()
+        shutil.rmtree(self.stack_dir, ignore_errors=True)
+
+
+class _Kept:
+    """The worlds kept for later calls, by settings; the least recently used goes first."""
+
+    MOST = 4  # world sizes 1 to 4, or a size with and without collectives checked
+
+    def __init__(self):
+        self.worlds: dict = {}
+        self.owner = os.getpid()
+
+    def _mine(self) -> None:
+        if self.owner != os.getpid():  # a forked copy of the process that kept them: not ours to use
+            for world in self.worlds.values():
+                for conn in world.conns:
+                    conn.close()
+            self.worlds, self.owner = {}, os.getpid()
+
+    def take(self, key) -> _World | None:
+        self._mine()
+        world = self.worlds.pop(key, None)
+        if world is not None and not world.alive():
+            world.stop()
+            world = None
+        return world
+
+    def put(self, key, world: _World) -> None:
+        self._mine()
+        self.worlds[key] = world
+        while len(self.worlds) > self.MOST:
+            self.worlds.pop(next(iter(self.worlds))).stop()
+
+    def stop(self) -> None:
+        self._mine()
+        while self.worlds:
+            self.worlds.popitem()[1].stop()
+
+    def pids(self) -> list:
+        self._mine()
+        return [proc.pid for world in self.worlds.values() for proc in world.procs]
+
+
+_kept = _Kept()
+atexit.register(_kept.stop)
+
+
+def stop_kept() -> None:
+    """End the workers of every kept world now (they end with this process anyway)."""
+    _kept.stop()
+
+
+def kept_workers() -> list:
+    """The pids of the kept worlds' workers: alive between calls, by design."""
+    return _kept.pids()
 
 
 class Interrupted(KeyboardInterrupt):

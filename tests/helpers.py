@@ -60,8 +60,9 @@ def forward_from(weights, x):
 
 
 def world(fn, world_size, *args):
-    """Run the probe fn on every rank of a new gloo world, collectives checked; what it returned, by rank."""
-    return run(fn, world_size, *args)
+    """Run the probe fn on every rank of a gloo world, collectives checked; what it returned, by rank.
+    The world is kept for the next probe of its size (course/workers.py says what each call gets afresh)."""
+    return run(fn, world_size, *args, keep=True)
 
 
 def _without_process_group(fn, args):
@@ -75,7 +76,7 @@ def _without_process_group(fn, args):
 def alone(fn, *args):
     """Run the probe fn in one worker process with no process group, as a script run alone
     (mlp.train wraps its model in DDP whenever a process group exists); what it returned."""
-    return run(_without_process_group, 1, fn, args)[0]
+    return run(_without_process_group, 1, fn, args, keep=True)[0]
 
 
 def printed(fn, *args):

@@ -22,8 +22,10 @@ with a mistake already made, for the class report, on the exercises where they l
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -31,6 +33,7 @@ import pytest
 from course.grade import POINTS
 from course.layout import ROOT
 from course.make_notebooks import exercise_of, sources
+from tests.helpers import world
 from tests.mutants import make_mutant
 from tests.test_report import References
 
@@ -253,6 +256,54 @@ def test_a_check_runs_the_code_outside_the_kernel(tmp_path, monkeypatch):
     impl.load(folder)  # what a demo cell does, in a kernel that does not grade
     assert submission_modules(folder) == [f"{folder} (course.impl)"], "the probe must see code this process loaded"
     impl.forget(folder)
+
+
+def records_pids(folder, path):
+    """A check that notes its own process and the workers of a world of 2."""
+    from tests.test_kept_worlds import pid
+
+    with open(path, "a") as f:
+        f.write(json.dumps([os.getpid(), *world(pid, 2)]) + "\n")
+
+
+def sleeps_in_a_world(folder, path):
+    records_pids(folder, path)
+    world(time.sleep, 2, 60)
+
+
+def test_a_kernels_checks_share_one_process_and_its_worlds(tmp_path):
+    from course.in_notebook import check
+
+    path = tmp_path / "pids"
+    check(records_pids, path)
+    check(records_pids, path)
+    first, second = [json.loads(line) for line in path.read_text().splitlines()]
+    assert first == second, "the second check started a process or a world again"
+    assert os.getpid() not in first
+
+
+def test_interrupting_a_check_stops_it_and_its_workers(tmp_path):
+    """Jupyter's interrupt is SIGINT to the kernel alone: the check and its world stop, the next check runs."""
+    from course.in_notebook import check
+    from tests.test_launch import alive, wait_for
+
+    path = tmp_path / "pids"
+    check(records_pids, path)
+
+    def interrupt_once_it_sleeps():
+        wait_for(lambda: len(path.read_text().splitlines()) == 2, 30)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_it_sleeps, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        check(sleeps_in_a_world, path)
+    assert time.monotonic() - started < 10
+    stopped = json.loads(path.read_text().splitlines()[-1])
+    assert not any(alive(p) for p in stopped)
+    check(records_pids, path)
+    assert set(json.loads(path.read_text().splitlines()[-1])).isdisjoint(stopped)
 
 
 def test_autograde_refuses_an_exercise_that_does_not_exist(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course import env
+from course import env, workers
 from course.failure import diagnose
 from course.flags import SCRIPT_TIME_LIMIT
 from course.launch import WorldFailed, add_launch_arguments, launch, launch_options, run
@@ -99,9 +99,9 @@ def descendants(pid):
 
 
 def stray_workers():
-    """Our descendants, less the forkserver and tests/warm.py's server (they live as long as this
-    process, by design)."""
-    servers = [multiprocessing.forkserver._forkserver._forkserver_pid, warm.server_pid()]
+    """Our descendants, less the forkserver, tests/warm.py's server and the workers of kept worlds
+    (they live as long as this process, by design)."""
+    servers = [multiprocessing.forkserver._forkserver._forkserver_pid, warm.server_pid(), *workers.kept_workers()]
     helpers = {p for server in servers if server for p in [server, *descendants(server)]}
     return [p for p in descendants(os.getpid()) if p not in helpers]
 
