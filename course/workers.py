@@ -30,6 +30,7 @@ What went wrong is diagnosed in course/failure.py; ``WorldFailed.failure`` carri
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import faulthandler
 import gc
 import importlib
@@ -499,9 +500,10 @@ def run(
                 world.stop()
                 world = None
         if world is None:
-            world = _World.start(
-                method, world_size, threads, backend, device, port, collective_timeout, child_env, keep
+            settings = _WorkerSettings(
+                world_size, threads, backend, device, "", port, "", collective_timeout, child_env, keep
             )
+            world = _World.start(method, settings)
             world.call(call)
         world.timeout = timeout
         results = world.collect()
@@ -536,27 +538,18 @@ class _World:
         self.reusable = False
 
     @classmethod
-    def start(cls, method: str, world_size: int, threads, backend, device, port, collective_timeout, child_env, keep):
+    def start(cls, method: str, settings: _WorkerSettings) -> _World:
+        """Start the ranks of settings in a private folder (its store and stack files)."""
         ctx = _context(method)
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a worker's orphans come here, to be stopped with the world
         workdir = tempfile.mkdtemp(prefix="course-world-")
-        settings = _WorkerSettings(
-            world_size,
-            threads,
-            backend,
-            device,
-            os.path.join(workdir, "store"),
-            port,
-            workdir,
-            collective_timeout,
-            child_env,
-            keep,
-        )
+        settings = dataclasses.replace(settings, store_path=os.path.join(workdir, "store"), stack_dir=workdir)
+        world_size = settings.world_size
         world = cls(world_size, workdir, {p for p, parent in _processes().items() if parent == os.getpid()})
         _freeze_once()
         try:
             for rank in range(world_size):
-                here, there = ctx.Pipe(duplex=True)  # a socket: descriptors travel on it (_next_call)
+                here, there = ctx.Pipe(duplex=True)  # a socket: descriptors travel on it (send_streams)
                 proc = ctx.Process(target=_worker, args=(rank, settings, there), name=f"rank{rank}", daemon=True)
                 with _live_lock:
                     proc.start()
