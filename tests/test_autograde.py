@@ -237,7 +237,17 @@ def check_class_report(out, said):
     assert top.returncode == 0 and top.stdout.splitlines()[1].split()[:3] == ["3", "exercise", "4:"], top.stdout
 
 
-def test_a_check_runs_the_code_outside_the_kernel(tmp_path, monkeypatch):
+@pytest.fixture
+def checks_process():
+    """check() keeps its process and that process's worlds for the next check, as in a kernel; a
+    test ends them, so that a later test in this pytest process finds no workers of its own."""
+    from course.in_notebook import _stop_checks_process
+
+    yield
+    _stop_checks_process()
+
+
+def test_a_check_runs_the_code_outside_the_kernel(tmp_path, monkeypatch, checks_process):
     """check() runs the submission's code in a process of its own: the kernel's probe finds none of it."""
     from course import impl
     from course.in_notebook import CheckFailed, check, submission_modules
@@ -271,7 +281,7 @@ def sleeps_in_a_world(folder, path):
     world(time.sleep, 2, 60)
 
 
-def test_a_kernels_checks_share_one_process_and_its_worlds(tmp_path):
+def test_a_kernels_checks_share_one_process_and_its_worlds(tmp_path, checks_process):
     from course.in_notebook import check
 
     path = tmp_path / "pids"
@@ -282,7 +292,7 @@ def test_a_kernels_checks_share_one_process_and_its_worlds(tmp_path):
     assert os.getpid() not in first
 
 
-def test_interrupting_a_check_stops_it_and_its_workers(tmp_path):
+def test_interrupting_a_check_stops_it_and_its_workers(tmp_path, checks_process):
     """Jupyter's interrupt is SIGINT to the kernel alone: the check and its world stop, the next check runs."""
     from course.in_notebook import check
     from tests.test_launch import alive, wait_for
