@@ -217,6 +217,16 @@ def libuv_available(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get("USE_LIBUV", "1") != "0"
 
 
+# What a worker imports before its first call (course/workers.py). A worker's first optimizer step
+# imports torch._dynamo too: 1.4 s on 2 cores, paid by every rank at once. Under fork the parent
+# imports it once a world's workers have needed it, so that later worlds start with it and a grading
+# run whose worlds never step never pays it (exercises 2, 5). multiprocessing's forkserver starts
+# once per process, so it imports all of them from the start.
+WORKER_MODULES = ("torch", "torch.distributed", "course.workers")
+ON_DEMAND_MODULES = ("torch._dynamo",)
+FORKSERVER_PRELOAD = [*WORKER_MODULES, *ON_DEMAND_MODULES]
+
+
 def default_start_method(platform: str, threads: int, cuda_initialized: bool, device: str = "cpu") -> str:
     """The fastest safe way to start CPU workers here. COURSE_START_METHOD overrides.
 
@@ -241,3 +251,8 @@ def default_start_method(platform: str, threads: int, cuda_initialized: bool, de
     if threads == 1 and device == "cpu" and not cuda_initialized:
         return "fork"
     return "forkserver"
+
+
+def checks_start_method(platform: str, cores: int) -> str:
+    """How the checks' worlds (2 to 4 ranks, tests/helpers.py) start their workers here."""
+    return default_start_method(platform, threads_per_worker(2, cores), False)

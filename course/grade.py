@@ -347,8 +347,7 @@ def processes_here() -> int:
     from course import env
 
     cores = env.usable_cores()
-    method = env.default_start_method(sys.platform, env.threads_per_worker(2, cores), False)
-    return min(2, cores) if method == "fork" else 1
+    return min(2, cores) if env.checks_start_method(sys.platform, cores) == "fork" else 1
 
 
 @pytest.hookimpl(tryfirst=True)

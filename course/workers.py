@@ -342,7 +342,7 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
                 # collective: the barrier turns the silent hang into a reported mismatch.
                 dist.barrier()
                 kept = settings.keep and baseline.restored()
-                imported = [m for m in _ON_DEMAND if m in sys.modules]
+                imported = [m for m in env.ON_DEMAND_MODULES if m in sys.modules]
                 _send(conn, ("ok", {"result": result, "imported": imported, "kept": kept}))
                 code = 0
                 if not kept:
@@ -376,20 +376,14 @@ def _store(settings: _WorkerSettings, rank: int):
 
 # --- in the parent --------------------------------------------------------------------------
 
-_WORKER_MODULES = ["torch", "torch.distributed", "course.workers"]
-# A worker's first optimizer step imports torch._dynamo: 1.4 s on 2 cores, paid by every rank at
-# once. Under fork the parent imports it once a world's workers have needed it, so that later
-# worlds start with it and a grading run whose worlds never step never pays it (exercises 2, 5).
-# The forkserver starts once per process, so it preloads it from the start.
-_ON_DEMAND = ["torch._dynamo"]
-_needed: set = set()
+_needed: set = set()  # of env.ON_DEMAND_MODULES: what this process's workers have needed
 
 
 def expect_many_worlds() -> None:
     """Say that this process will start many worlds (the checks do): the first fork imports what
     workers import on demand, once here, instead of once per rank of the first world that steps and
     again here after it. A process whose worlds build no optimizer would pay about 1 s for nothing."""
-    _needed.update(_ON_DEMAND)
+    _needed.update(env.ON_DEMAND_MODULES)
 
 
 def _context(method: str):
@@ -397,12 +391,12 @@ def _context(method: str):
     if method == "fork":
         _import_for_workers()
     elif method == "forkserver":
-        ctx.set_forkserver_preload(_WORKER_MODULES + _ON_DEMAND)
+        ctx.set_forkserver_preload(env.FORKSERVER_PRELOAD)
     return ctx
 
 
 def _import_for_workers() -> None:
-    for name in _WORKER_MODULES + sorted(_needed):
+    for name in [*env.WORKER_MODULES, *sorted(_needed)]:
         importlib.import_module(name)
 
 
@@ -623,7 +617,7 @@ class _World:
             self.reports.append(payload)
             return False
         self.results[rank] = result
-        _needed.update(imported & set(_ON_DEMAND))
+        _needed.update(imported & set(env.ON_DEMAND_MODULES))
         return kept
 
     def _stack(self, rank: int, offset: int = 0) -> str:

@@ -1,20 +1,28 @@
 """Test-suite settings. COURSE_IMPL picks the implementation under test (see course/impl.py)."""
 
+import multiprocessing
+import multiprocessing.forkserver
 import os
+import sys
 
 from course import env
 
 # Before torch is imported (course/env.py says why).
 os.environ.update(env.check_settings())
-
-import pytest  # noqa: E402
-
-from course import impl, workers  # noqa: E402
-
 # The suite starts its own worlds. Under srun or mpiexec (a CI job on a cluster) the launcher's
 # variables would make every script the tests start join the launcher's world instead.
 for name in env.LAUNCHER_VARIABLES:
     os.environ.pop(name, None)
+# Where the checks' workers come from multiprocessing's forkserver (macOS): its server starts now,
+# with the environment above, so that its imports (torch: about 3 s of CPU) run beside this
+# process's own instead of after them, at the first world.
+if env.checks_start_method(sys.platform, env.usable_cores()) == "forkserver":
+    multiprocessing.get_context("forkserver").set_forkserver_preload(env.FORKSERVER_PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+
+import pytest  # noqa: E402
+
+from course import impl, workers  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """The worker runtime: no fixed ports, bounded time, the right diagnosis, nothing left behind."""
 
+import json
 import multiprocessing.forkserver
 import os
 import re
@@ -578,6 +579,44 @@ def test_start_method_choice():
 @pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
 def test_every_start_method_runs_the_same_world(method):
     assert run(rank_sum, 2, start_method=method) == [3.0, 3.0]
+
+
+# Imports tests/conftest.py as a grading run does; says which forkserver was running when torch was
+# first imported, and what that server's environment holds.
+_SERVER_PROBE = """
+import json, sys, multiprocessing.forkserver as f
+class Spy:
+    server = "torch never imported"
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and Spy.server == "torch never imported":
+            Spy.server = f._forkserver._forkserver_pid
+sys.meta_path.insert(0, Spy())
+import tests.conftest
+environ = {}
+if Spy.server:
+    with open(f"/proc/{Spy.server}/environ") as fd:
+        environ = dict(v.split("=", 1) for v in fd.read().split("\\0") if "=" in v)
+print(json.dumps([Spy.server, {k: environ.get(k) for k in ("OMP_NUM_THREADS", "RANK")}]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("method", ["forkserver", "fork"])
+def test_a_forkserver_grader_starts_its_server_before_it_imports_torch(method):
+    """Under forkserver (macOS) the server's imports run beside the grader's own, with the checks'
+    settings (course/env.py) and without a cluster launcher's variables; under fork there is no server."""
+    environ = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    environ.update(COURSE_START_METHOD=method, RANK="3", WORLD_SIZE="4", PYTHONPATH=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", _SERVER_PROBE], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    server, seen = json.loads(done.stdout)
+    if method == "fork":
+        assert server is None, "a forkserver started where workers are forked"
+    else:
+        assert isinstance(server, int), f"torch was imported before the forkserver started: {server}"
+        assert seen == {"OMP_NUM_THREADS": "1", "RANK": None}, seen
 
 
 # --- 6. platforms -----------------------------------------------------------------------------
