@@ -581,22 +581,24 @@ def test_every_start_method_runs_the_same_world(method):
     assert run(rank_sum, 2, start_method=method) == [3.0, 3.0]
 
 
-# Imports tests/conftest.py as a grading run does; says which forkserver was running when torch was
-# first imported, and what that server's environment holds.
+# Imports tests/conftest.py as a grading run does, up to its first import of torch; says which forkserver
+# was running then, and what that server's environment holds. Then it ends, and ends the server, whose
+# own imports would only cost time here.
 _SERVER_PROBE = """
-import json, sys, multiprocessing.forkserver as f
+import json, os, signal, sys, multiprocessing.forkserver as f
 class Spy:
-    server = "torch never imported"
     def find_spec(self, name, path=None, target=None):
-        if name == "torch" and Spy.server == "torch never imported":
-            Spy.server = f._forkserver._forkserver_pid
+        if name == "torch":
+            server, environ = f._forkserver._forkserver_pid, {}
+            if server:
+                with open(f"/proc/{server}/environ") as fd:
+                    environ = dict(v.split("=", 1) for v in fd.read().split("\\0") if "=" in v)
+                os.kill(server, signal.SIGKILL)
+            print(json.dumps([server, {k: environ.get(k) for k in ("OMP_NUM_THREADS", "RANK")}]), flush=True)
+            os._exit(0)
 sys.meta_path.insert(0, Spy())
 import tests.conftest
-environ = {}
-if Spy.server:
-    with open(f"/proc/{Spy.server}/environ") as fd:
-        environ = dict(v.split("=", 1) for v in fd.read().split("\\0") if "=" in v)
-print(json.dumps([Spy.server, {k: environ.get(k) for k in ("OMP_NUM_THREADS", "RANK")}]))
+print(json.dumps(["torch never imported", {}]))
 """
 
 
@@ -615,7 +617,7 @@ def test_a_forkserver_grader_starts_its_server_before_it_imports_torch(method):
     if method == "fork":
         assert server is None, "a forkserver started where workers are forked"
     else:
-        assert isinstance(server, int), f"torch was imported before the forkserver started: {server}"
+        assert isinstance(server, int), f"torch was imported before the forkserver started ({server})"
         assert seen == {"OMP_NUM_THREADS": "1", "RANK": None}, seen
 
 
