@@ -164,6 +164,9 @@ def _show_facts(facts: dict, seconds: float) -> None:
         display({MISTAKE_MIME: {"mistake": facts, "seconds": round(seconds, 3)}}, raw=True)
 
 
+_INTERRUPT_LATENCY = 0.1  # seconds: how long after Jupyter's interrupt a check stops, at most
+
+
 def check(fn, *args) -> None:
     """Run one of the checks of `make grade` on your files; raise CheckFailed saying what is wrong.
 
@@ -178,6 +181,10 @@ def check(fn, *args) -> None:
     try:
         conn.send((fn, folder(), args))
         workers.send_streams(conn, process.pid)
+        # In short waits: Python acts on a signal between two of them, whichever of the kernel's
+        # threads received it, whereas a read blocked in the main thread ends only with the check.
+        while not conn.poll(_INTERRUPT_LATENCY):
+            pass
         verdict, facts = conn.recv()
     except (EOFError, OSError):  # it died before it could say
         process.join()

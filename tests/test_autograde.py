@@ -292,7 +292,18 @@ def test_a_kernels_checks_share_one_process_and_its_worlds(tmp_path, checks_proc
     assert os.getpid() not in first
 
 
-def test_interrupting_a_check_stops_it_and_its_workers(tmp_path, checks_process):
+def _to_the_process():
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def _to_another_thread():
+    """Where a process-directed signal can land in a kernel with several threads (ipykernel's):
+    Python acts on it in the main thread, which may be waiting in a read that no signal ends."""
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+
+@pytest.mark.parametrize("interrupt", [_to_the_process, _to_another_thread], ids=["process", "another_thread"])
+def test_interrupting_a_check_stops_it_and_its_workers(tmp_path, checks_process, interrupt):
     """Jupyter's interrupt is SIGINT to the kernel alone: the check and its world stop, the next check runs."""
     from course.in_notebook import check
     from tests.test_launch import alive, wait_for
@@ -303,7 +314,7 @@ def test_interrupting_a_check_stops_it_and_its_workers(tmp_path, checks_process)
     def interrupt_once_it_sleeps():
         wait_for(lambda: len(path.read_text().splitlines()) == 2, 30)
         time.sleep(0.2)
-        os.kill(os.getpid(), signal.SIGINT)
+        interrupt()
 
     threading.Thread(target=interrupt_once_it_sleeps, daemon=True).start()
     started = time.monotonic()
