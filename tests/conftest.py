@@ -1,7 +1,5 @@
 """Test-suite settings. COURSE_IMPL picks the implementation under test (see course/impl.py)."""
 
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import sys
 
@@ -17,6 +15,8 @@ for name in env.LAUNCHER_VARIABLES:
 # with the environment above, so that its imports (torch: about 3 s of CPU) run beside this
 # process's own instead of after them, at the first world.
 if env.checks_start_method(sys.platform, env.usable_cores()) == "forkserver":
+    import multiprocessing.forkserver  # not on Windows, which has no forkserver
+
     multiprocessing.get_context("forkserver").set_forkserver_preload(env.FORKSERVER_PRELOAD)
     multiprocessing.forkserver.ensure_running()
 
