@@ -202,36 +202,47 @@ async def execute(out: str, student: str, assignments: dict, code: str, cell_tim
     books = {a: nbformat.read(path, as_version=4) for a, path in paths.items()}
     cells = [cell for book in books.values() for cell in book.cells if cell.cell_type == "code"]
     probe = nbformat.v4.new_code_cell(_PROBE)
-    client = NotebookClient(
-        nbformat.v4.new_notebook(cells=cells + [probe], metadata=next(iter(books.values())).metadata),
-        timeout=cell_timeout,
-        allow_errors=True,
-        interrupt_on_timeout=True,
-        error_on_timeout={
-            "ename": "CellTimeoutError",
-            "evalue": f"still running after {cell_timeout} s: a hang that the launcher's own timeouts did not stop",
-            "traceback": [],
-        },
-        resources={"metadata": {"path": code}},
-    )
-    try:
-        await client.async_execute(env=dict(os.environ, COURSE_IMPL=code))
-    except Exception as error:  # noqa: BLE001 - the kernel died: the cells it did not run fail, with the reason
-        reason = f"{type(error).__name__}: {error}".strip().splitlines()[0]
-        for cell in cells:
-            if cell.execution_count is None:
-                cell.outputs = [
-                    nbformat.v4.new_output(
-                        "error", ename="NotGraded", evalue=f"the notebook could not be graded: {reason}", traceback=[]
-                    )
-                ]
-    else:
-        said = [o["text"] for o in probe.outputs if o.get("name") == "stdout"]
-        if not said:
-            raise RuntimeError(f"the kernel that graded {student} could not be probed: {probe.outputs}")
-        held = json.loads("".join(said))
-        if held:
-            raise RuntimeError(f"the kernel that graded {student} held the submission's code: {held}")
+    for attempt in (1, 2):
+        client = NotebookClient(
+            nbformat.v4.new_notebook(cells=cells + [probe], metadata=next(iter(books.values())).metadata),
+            timeout=cell_timeout,
+            allow_errors=True,
+            interrupt_on_timeout=True,
+            error_on_timeout={
+                "ename": "CellTimeoutError",
+                "evalue": f"still running after {cell_timeout} s: a hang that the launcher's own timeouts did not stop",
+                "traceback": [],
+            },
+            resources={"metadata": {"path": code}},
+        )
+        try:
+            await client.async_execute(env=dict(os.environ, COURSE_IMPL=code))
+        except Exception as error:  # noqa: BLE001 - the kernel died: the cells it did not run fail, with the reason
+            # A kernel that died before its first cell ran nothing of the student's: a second one
+            # grades the notebooks. (Seen once in ten suite runs, "Kernel died before replying to
+            # kernel_info"; likely a port that jupyter_client found free and let go, taken by a
+            # worker before the kernel bound it. A new kernel gets new ports.)
+            if attempt == 1 and all(cell.execution_count is None for cell in cells):
+                continue
+            reason = f"{type(error).__name__}: {error}".strip().splitlines()[0]
+            for cell in cells:
+                if cell.execution_count is None:
+                    cell.outputs = [
+                        nbformat.v4.new_output(
+                            "error",
+                            ename="NotGraded",
+                            evalue=f"the notebook could not be graded: {reason}",
+                            traceback=[],
+                        )
+                    ]
+        else:
+            said = [o["text"] for o in probe.outputs if o.get("name") == "stdout"]
+            if not said:
+                raise RuntimeError(f"the kernel that graded {student} could not be probed: {probe.outputs}")
+            held = json.loads("".join(said))
+            if held:
+                raise RuntimeError(f"the kernel that graded {student} held the submission's code: {held}")
+        break
     for assignment, book in books.items():
         nbformat.write(book, paths[assignment])
     return time.monotonic() - started

@@ -340,6 +340,58 @@ def test_interrupting_a_check_stops_it_and_its_workers(tmp_path, checks_process,
     assert set(json.loads(path.read_text().splitlines()[-1])).isdisjoint(stopped)
 
 
+class _Kernels:
+    """nbclient's NotebookClient as execute() uses it, with kernels that die as a list says: before
+    their first cell ("start") or after it ("cell"), or not at all (None: every cell runs)."""
+
+    def __init__(self, deaths):
+        self.deaths, self.started = list(deaths), 0
+
+    def __call__(self, nb, **options):
+        self.started += 1
+        death, cells = self.deaths.pop(0), nb.cells
+
+        class Client:
+            async def async_execute(self, env):
+                if death == "start":
+                    raise RuntimeError("Kernel died before replying to kernel_info")
+                for cell in cells[: 1 if death == "cell" else len(cells)]:
+                    cell.execution_count = 1
+                if death == "cell":
+                    raise RuntimeError("Kernel died")
+                cells[-1].outputs = [{"output_type": "stream", "name": "stdout", "text": "[]"}]
+
+        return Client()
+
+
+@pytest.mark.parametrize(
+    "deaths, kernels, graded",
+    [(["start", None], 2, 2), (["cell"], 1, 1), (["start", "start"], 2, 0)],
+    ids=["at_start_once", "after_a_cell", "at_start_twice"],
+)
+def test_a_kernel_that_dies_before_its_first_cell_is_started_again(tmp_path, monkeypatch, deaths, kernels, graded):
+    """Only a kernel that ran nothing is replaced; the cells no kernel ran are not graded, with the reason."""
+    import asyncio
+
+    import nbclient
+    import nbformat
+
+    from course.autograde import execute
+
+    path = tmp_path / "submitted" / "s" / "ex1" / "01_mlp.ipynb"
+    path.parent.mkdir(parents=True)
+    nbformat.write(
+        nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1"), nbformat.v4.new_code_cell("2")]), path
+    )
+    started = _Kernels(deaths)
+    monkeypatch.setattr(nbclient, "NotebookClient", started)
+    asyncio.run(execute(str(tmp_path), "s", {"ex1": "01_mlp"}, str(tmp_path), 60))
+    cells = nbformat.read(path, as_version=4).cells
+    assert started.started == kernels
+    assert sum(c.execution_count is not None for c in cells) == graded
+    assert all("could not be graded: RuntimeError: Kernel died" in c.outputs[0]["evalue"] for c in cells[graded:])
+
+
 def test_autograde_refuses_an_exercise_that_does_not_exist(tmp_path):
     from course.autograde import _nbgrader_config, make_assignments
 
