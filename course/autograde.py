@@ -219,9 +219,9 @@ async def execute(out: str, student: str, assignments: dict, code: str, cell_tim
             await client.async_execute(env=dict(os.environ, COURSE_IMPL=code))
         except Exception as error:  # noqa: BLE001 - the kernel died: the cells it did not run fail, with the reason
             # A kernel that died before its first cell ran nothing of the student's: a second one
-            # grades the notebooks. (Seen once in ten suite runs, "Kernel died before replying to
-            # kernel_info"; likely a port that jupyter_client found free and let go, taken by a
-            # worker before the kernel bound it. A new kernel gets new ports.)
+            # grades the notebooks. (Seen once in a fresh clone's test suite, "Kernel died before
+            # replying to kernel_info"; likely a port that jupyter_client found free and let go,
+            # taken by a worker before the kernel bound it. A new kernel gets new ports.)
             if attempt == 1 and all(cell.execution_count is None for cell in cells):
                 continue
             reason = f"{type(error).__name__}: {error}".strip().splitlines()[0]
