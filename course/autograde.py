@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import html
 import json
 import logging
@@ -46,6 +47,7 @@ import shutil
 import sys
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 # jsonschema's optional IRI format checker builds a grammar for seconds whenever nbformat is
 # imported; notebooks never need it.
@@ -248,11 +250,12 @@ async def execute(out: str, student: str, assignments: dict, code: str, cell_tim
     return time.monotonic() - started
 
 
-async def execute_all(out: str, codes: dict, assignments: dict, cell_timeout: int, jobs: int) -> dict:
+async def execute_all(out: str, codes: dict, assignments: dict, cell_timeout: int, jobs: int, then=None) -> dict:
     """execute() every student's notebooks, `jobs` kernels at a time; the seconds each took, by student.
 
     Each student's notebooks are shared among `jobs` kernels, so that one student, or the last
     ones of a class, use every core too (a kernel starts in a fraction of a second: kernels.py).
+    then(student, part), if given, is called as soon as the notebooks in `part` have run.
     """
     slots = asyncio.Semaphore(jobs)
     kernels = max(1, min(len(assignments), jobs))
@@ -260,7 +263,10 @@ async def execute_all(out: str, codes: dict, assignments: dict, cell_timeout: in
 
     async def one(student: str, part: list) -> float:
         async with slots:
-            return await execute(out, student, {a: assignments[a] for a in part}, codes[student], cell_timeout)
+            seconds = await execute(out, student, {a: assignments[a] for a in part}, codes[student], cell_timeout)
+        if then is not None:
+            then(student, part)
+        return seconds
 
     parts = [(student, names[k::kernels]) for student in codes for k in range(kernels)]
     seconds = await asyncio.gather(*(one(student, part) for student, part in parts))
@@ -427,19 +433,42 @@ def grade_all(submissions: str, out: str, cell_timeout: int, jobs: int = 1, exer
         d for d in os.listdir(submissions) if os.path.isdir(os.path.join(submissions, d)) and not d.startswith(".")
     )
     codes = {student: take_in(os.path.join(submissions, student), student, out, assignments) for student in students}
-    executed = asyncio.run(execute_all(out, codes, assignments, cell_timeout, jobs))
-    results = {}
-    for student in students:
-        started = time.monotonic()
-        failures = {}
-        for assignment in assignments:
+
+    def record(student: str, part: list) -> tuple:
+        """nbgrader's record of notebooks that have run: the reasons of those it could not grade, its seconds."""
+        started, failures = time.monotonic(), {}
+        for assignment in part:
             error = _run(Autograde, config, assignment, student)
             if error:
                 failures[assignment] = f"the notebook could not be graded: {error}"
+        return failures, time.monotonic() - started
+
+    # nbgrader records a kernel's notebooks in this thread while the next kernels run: recording
+    # is one process's work, and would otherwise leave the other cores idle at the end.
+    with ThreadPoolExecutor(1) as recorder:
+        records = {student: [] for student in students}
+        executed = asyncio.run(
+            execute_all(
+                out,
+                codes,
+                assignments,
+                cell_timeout,
+                jobs,
+                then=lambda student, part: records[student].append(recorder.submit(record, student, part)),
+            )
+        )
+    results = {}
+    for student in students:
+        started = time.monotonic()
+        failures, recording = {}, 0.0
+        for done in records[student]:
+            found, seconds = done.result()
+            failures.update(found)
+            recording += seconds
         checks = collect(out, student, assignments, failures)
         feedback = os.path.join(out, "feedback", student)
         os.makedirs(feedback, exist_ok=True)
-        seconds = executed[student] + time.monotonic() - started
+        seconds = executed[student] + recording + time.monotonic() - started
         write_results(os.path.join(feedback, "results.json"), checks, seconds)
         with open(os.path.join(feedback, "feedback.txt"), "w") as f:
             f.write(f"Autograded checks of {student} (written answers are graded by hand):\n\n{table(checks)}\n")
@@ -471,12 +500,16 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     os.environ.update(env.check_settings(), COURSE_MISTAKE_FACTS="1")  # the kernels' checks show their facts
+    if sys.platform.startswith("linux"):  # kernels forked from a server that imported torch once (course/kernels.py)
+        os.environ.setdefault("JUPYTER_DEFAULT_PROVISIONER_NAME", "course-forked")
+    if os.environ.get("JUPYTER_DEFAULT_PROVISIONER_NAME") == "course-forked":
+        from course import kernels
+
+        kernels.start_server()  # its imports (about 3 s of CPU) beside nbgrader's and the assignments
     warnings.filterwarnings("ignore", module=r"nbgrader\.")  # its own SQLAlchemy session warnings
     import nbgrader.api
 
     nbgrader.api.get_alembic_version = _gradebook_version
-    if sys.platform.startswith("linux"):  # kernels forked from a server that imported torch once (course/kernels.py)
-        os.environ.setdefault("JUPYTER_DEFAULT_PROVISIONER_NAME", "course-forked")
     try:
         grade_all(args.submissions, args.out, args.cell_timeout, args.jobs, args.ex)
     finally:
@@ -490,4 +523,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # Tearing down what nbgrader, nbconvert and torch built, object by object, takes 1 to 2 s here and
+    # leaves nothing an exit would not: run the exit handlers, flush, and end the process.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -35,6 +35,14 @@ def _forkserver():
     return _server
 
 
+def start_server() -> None:
+    """Start the kernels' server now, so that its imports run while autograding does its own set-up."""
+    import multiprocessing.forkserver
+
+    _forkserver()
+    multiprocessing.forkserver.ensure_running()
+
+
 def _kernel(argv: list, environ: dict, cwd: str) -> None:
     os.setsid()
     os.environ.clear()
