@@ -54,7 +54,8 @@ def main():
         forkserver = seconds(command, dict(base, COURSE_START_METHOD="forkserver"))
         target = TARGET_ONE if ex is not None else TARGET_ALL
         label = f"make grade EX={ex}" if ex is not None else "make grade"
-        flag = "" if max(default, forkserver) <= target else "  over"
+        over = [name for name, t in (("default", default), ("forkserver", forkserver)) if t > target]
+        flag = f"  over: {', '.join(over)}" if over else ""
         print(f"{label:>22}  {default:8.2f}  {forkserver:10.2f}  {target:6.0f}{flag}")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
