@@ -180,6 +180,12 @@ def test_autograde_end_to_end(tmp_path):
     done = autograde(tmp_path / "submissions" / "class", out, *CLASS_EXERCISES)
     for student, lost in LOST.items():
         check_scores(out, done, student, CLASS_EXERCISES, lost)
+    written = {
+        step: [p.stat().st_mtime for p in (out / step).glob("*/ex*/*.ipynb")] for step in ("autograded", "submitted")
+    }
+    assert min(written["autograded"]) < max(written["submitted"]), (
+        "nbgrader records a kernel's notebooks while the next kernels run, not all of them at the end"
+    )
 
     def feedback(student, kind="txt"):
         with open(out / "feedback" / student / f"feedback.{kind}") as f:
