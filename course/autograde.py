@@ -447,16 +447,11 @@ def grade_all(submissions: str, out: str, cell_timeout: int, jobs: int = 1, exer
     # is one process's work, and would otherwise leave the other cores idle at the end.
     with ThreadPoolExecutor(1) as recorder:
         records = {student: [] for student in students}
-        executed = asyncio.run(
-            execute_all(
-                out,
-                codes,
-                assignments,
-                cell_timeout,
-                jobs,
-                then=lambda student, part: records[student].append(recorder.submit(record, student, part)),
-            )
-        )
+
+        def ran(student: str, part: list) -> None:
+            records[student].append(recorder.submit(record, student, part))
+
+        executed = asyncio.run(execute_all(out, codes, assignments, cell_timeout, jobs, then=ran))
     results = {}
     for student in students:
         started = time.monotonic()
