@@ -53,7 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 # imported; notebooks never need it.
 sys.modules.setdefault("rfc3987_syntax", None)
 
-from course import env, report  # noqa: E402
+from course import env, report, sandbox  # noqa: E402
 from course.failure import parse_stub  # noqa: E402
 from course.grade import MISTAKE_MIME, Check, table, write_results  # noqa: E402
 from course.layout import STUDENT_FILES, graded_exercises  # noqa: E402
@@ -139,26 +139,40 @@ def make_assignments(out: str, config, exercises: list | None = None) -> dict:
     return assignments
 
 
-def _answers(submission: str, stem: str) -> dict:
-    """The student's written answers in their copy of a notebook, by nbgrader cell id."""
+def _text(source) -> str | None:
+    """A cell's source as nbformat keeps it (a string, or a list of strings), else None."""
+    if isinstance(source, str):
+        return source
+    if isinstance(source, list) and all(isinstance(line, str) for line in source):
+        return "".join(source)
+    return None
+
+
+def _answers(submission: str, stem: str) -> tuple:
+    """The student's written answers in their copy of a notebook, by nbgrader cell id, and what
+    could not be read of it ('' when nothing): a notebook that is not one costs its answers only."""
     for where in (submission, os.path.join(submission, "exercises")):
         path = os.path.join(where, stem + ".ipynb")
         if os.path.isfile(path) and not os.path.islink(path):
             try:
-                with open(path) as f:
+                with open(path, encoding="utf-8") as f:
                     cells = json.load(f)["cells"]
-            except (ValueError, KeyError, TypeError):
-                return {}
-            return {
-                c["metadata"]["nbgrader"]["grade_id"]: c["source"]
-                for c in cells
-                if isinstance(c, dict) and c.get("metadata", {}).get("nbgrader", {}).get("solution")
-            }
-    return {}
+                found = {
+                    c["metadata"]["nbgrader"]["grade_id"]: _text(c.get("source"))
+                    for c in cells
+                    if isinstance(c, dict) and c.get("metadata", {}).get("nbgrader", {}).get("solution")
+                }
+            except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as error:
+                return {}, f"{stem}.ipynb could not be read ({type(error).__name__}): its written answers are empty"
+            unreadable = sorted(str(grade_id) for grade_id, text in found.items() if text is None)
+            problem = f"{stem}.ipynb: the answers {unreadable} are not text: left empty" if unreadable else ""
+            return {grade_id: text for grade_id, text in found.items() if text is not None}, problem
+    return {}, ""
 
 
-def take_in(submission: str, student: str, out: str, assignments: dict) -> str:
-    """Copy what is graded of one submission into the course folder; return the code folder."""
+def take_in(submission: str, student: str, out: str, assignments: dict) -> tuple:
+    """Copy what is graded of one submission into the course folder; return the code folder and
+    what of the submission could not be read, one sentence each."""
     code = os.path.join(out, "code", student)
     shutil.rmtree(code, ignore_errors=True)
     os.makedirs(code)
@@ -166,21 +180,23 @@ def take_in(submission: str, student: str, out: str, assignments: dict) -> str:
         path = os.path.join(submission, name)
         if os.path.isfile(path) and not os.path.islink(path):
             shutil.copyfile(path, os.path.join(code, name))
+    problems = []
     for assignment, stem in assignments.items():
         with open(os.path.join(out, "release", assignment, stem + ".ipynb")) as f:
             nb = json.load(f)
-        answers = _answers(submission, stem)
+        answers, problem = _answers(submission, stem)
+        problems += [problem] if problem else []
         nb["cells"] = [c for c in nb["cells"] if "demo" not in c["metadata"].get("tags", [])]
         for cell in nb["cells"]:
             grading = cell["metadata"].get("nbgrader", {})
-            if grading.get("solution") and isinstance(answers.get(grading["grade_id"]), (str, list)):
+            if grading.get("solution") and grading["grade_id"] in answers:
                 cell["source"] = answers[grading["grade_id"]]
         folder = os.path.join(out, "submitted", student, assignment)
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
         with open(os.path.join(folder, stem + ".ipynb"), "w") as f:
             f.write(dumps(nb))
-    return code
+    return code, problems
 
 
 # Run after the graded cells, in the same kernel: what it holds of the submission's own code.
@@ -421,6 +437,19 @@ def export_csv(out: str) -> str:
     return path
 
 
+def _import_what_follows_the_kernels() -> None:
+    """Import, before the first kernel starts a world of submission code, every module this process
+    uses after it (recording, feedback, the report): none is then read from disk once submission
+    code has run (course/sandbox.py keeps workers from writing there; this does not rely on it)."""
+    import nbconvert.exporters  # noqa: F401 - feedback_html
+    import nbgrader.api  # noqa: F401 - collect, export_csv
+    import nbgrader.converters  # noqa: F401 - record
+    import nbgrader.plugins  # noqa: F401 - export_csv
+    from nbconvert import HTMLExporter
+
+    HTMLExporter()  # its templates and filters load when it is first made
+
+
 def grade_all(submissions: str, out: str, cell_timeout: int, jobs: int = 1, exercises: list | None = None) -> dict:
     """Grade every student's folder in submissions, on every exercise or on `exercises`; return their checks by student."""
     from nbgrader.converters import Autograde
@@ -432,7 +461,9 @@ def grade_all(submissions: str, out: str, cell_timeout: int, jobs: int = 1, exer
     students = sorted(
         d for d in os.listdir(submissions) if os.path.isdir(os.path.join(submissions, d)) and not d.startswith(".")
     )
-    codes = {student: take_in(os.path.join(submissions, student), student, out, assignments) for student in students}
+    taken = {student: take_in(os.path.join(submissions, student), student, out, assignments) for student in students}
+    codes = {student: code for student, (code, _) in taken.items()}
+    _import_what_follows_the_kernels()
 
     def record(student: str, part: list) -> tuple:
         """nbgrader's record of notebooks that have run: the reasons of those it could not grade, its seconds."""
@@ -464,9 +495,11 @@ def grade_all(submissions: str, out: str, cell_timeout: int, jobs: int = 1, exer
         feedback = os.path.join(out, "feedback", student)
         os.makedirs(feedback, exist_ok=True)
         seconds = executed[student] + recording + time.monotonic() - started
-        write_results(os.path.join(feedback, "results.json"), checks, seconds)
+        notes = "\n".join(taken[student][1])  # what of the submission could not be read
+        write_results(os.path.join(feedback, "results.json"), checks, seconds, notes)
         with open(os.path.join(feedback, "feedback.txt"), "w") as f:
             f.write(f"Autograded checks of {student} (written answers are graded by hand):\n\n{table(checks)}\n")
+            f.write(f"{notes}\n" if notes else "")
         with open(os.path.join(feedback, "feedback.html"), "w") as f:
             f.write(feedback_html(student, checks, out, assignments))
         results[student] = checks
@@ -494,6 +527,7 @@ def main(argv=None) -> int:
         "--ex", type=int, action="append", help="grade only this exercise (again for more; default: every exercise)"
     )
     args = parser.parse_args(argv)
+    sandbox.protect()
     os.environ.update(env.check_settings(), COURSE_MISTAKE_FACTS="1")  # the kernels' checks show their facts
     if sys.platform.startswith("linux"):  # kernels forked from a server that imported torch once (course/kernels.py)
         os.environ.setdefault("JUPYTER_DEFAULT_PROVISIONER_NAME", "course-forked")

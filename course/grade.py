@@ -10,12 +10,13 @@ A low grade is not an error: the run exits 0 when only checks failed. It exits n
 the grader itself is broken: a test module that does not import, a fixture that fails, an
 exercise missing from POINTS, or a results.json that is not what it wrote.
 
-What a submission cannot change (the README's "Grading" says why, and what it can still do):
-the checks run its code only in worker processes and judge here what they send back (see
-tests/helpers.py); the grader's own files (tests/, course/, and every module this process has
-loaded, torch's included) are fingerprinted before any check runs and compared at the end, and a
-change fails every check; results.json is written here, at the end, in one os.replace, and read
-back.
+What a submission cannot change (the README's "What a grade can be trusted for" says why, and
+against whom): the checks run its code only in sandboxed worker processes (course/sandbox.py)
+and judge here what they send back (see tests/helpers.py); the grader's own files (tests/,
+course/, and every module this process has loaded, torch's included) are fingerprinted before any
+check runs and compared at the end, and a change fails every check; results.json says "did not
+finish" before any check runs, and is replaced at the end, in one os.replace from a file made
+with O_EXCL, and read back.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import re
+import select
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -227,12 +229,12 @@ def table(checks: list) -> str:
     return "\n".join(lines)
 
 
-def gradescope(checks: list, seconds: float) -> dict:
-    """The results in Gradescope's autograder format (results.json)."""
+def gradescope(checks: list, seconds: float, note: str = "") -> dict:
+    """The results in Gradescope's autograder format (results.json); ``note`` ends its output."""
     return {
         "score": round(sum(c.score for c in checks), 4),
         "execution_time": round(seconds),
-        "output": table(checks),
+        "output": table(checks) + (f"\n{note}" if note else ""),
         "tests": [
             {
                 "name": f"Exercise {c.exercise}: {c.name}",
@@ -248,20 +250,40 @@ def gradescope(checks: list, seconds: float) -> dict:
     }
 
 
-def write_results(path: str, checks: list, seconds: float) -> None:
-    """Write results.json in one step (a temporary file, then os.replace) and read it back.
+def write_results(path: str, checks: list, seconds: float, note: str = "") -> None:
+    """Write results.json in one step and read it back (write_json)."""
+    write_json(path, gradescope(checks, seconds, note))
+
+
+# What results.json says from before the first check until the last: a grader that was stopped
+# (killed, out of time) leaves it, and a score of 0 that says why.
+UNFINISHED = {
+    "score": 0,
+    "output": "The grader did not finish: it was stopped before it could write the grade.",
+    "tests": [],
+}
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write a JSON file in one step: a new file of a name no one can know beforehand (O_EXCL,
+    never a file or link planted there), then os.replace. Read back.
 
     Raises RuntimeError when the file read back is not the one written: another process wrote it.
     """
-    results = gradescope(checks, seconds)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    with open(temporary, "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(temporary, path)
+    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
     with open(path) as f:
-        if json.load(f) != results:
+        if json.load(f) != data:
             raise RuntimeError(f"{path} changed after the grader wrote it: another process wrote it")
 
 
@@ -358,6 +380,10 @@ def pytest_configure(config):
     config.option.reportchars = ""
     config.option.verbose = min(config.option.verbose, -2)
     if not hasattr(config, "workerinput"):  # under pytest-xdist the controller keeps the score
+        from course import sandbox
+
+        sandbox.protect()
+        write_json(config.getoption("grade_results"), UNFINISHED)  # before any submission code runs
         config.pluginmanager.register(_Grader(config), "course-grader")
 
 
@@ -390,10 +416,18 @@ class _Grader:
         self.final: list = []
         self.fingerprint: Fingerprint | None = None
         self.changed_elsewhere: list = []  # what the other grading processes found changed
+        self.sandbox = ""  # the line that says how submission code ran (course/sandbox.py)
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session):
         # Every check module is imported, and no check has run yet: no submission code has either.
+        from course import sandbox, workers
+
+        try:
+            self.sandbox = workers.sandbox_level().line()
+        except sandbox.NoSandbox as refused:  # COURSE_SANDBOX=required: no check may run
+            self.broken.append(str(refused))
+            session.shouldfail = str(refused)
         self.fingerprint = Fingerprint()
 
     @pytest.hookimpl(tryfirst=True)
@@ -451,7 +485,8 @@ class _Grader:
                 check.passed = False
                 check.message = f"the grader's own files changed while it ran ({changed[0]}{more}): no check counts"
         try:
-            write_results(self.config.getoption("grade_results"), self.final, time.monotonic() - self.started)
+            seconds = time.monotonic() - self.started
+            write_results(self.config.getoption("grade_results"), self.final, seconds, self.sandbox)
         except (OSError, RuntimeError, ValueError) as error:  # ValueError: what was read back is not JSON
             self.broken.append(f"results.json: {error}")
         if self.broken:
@@ -463,6 +498,8 @@ class _Grader:
         terminalreporter.write_line("")
         for line in table(self.final).splitlines():
             terminalreporter.write_line(line)
+        if self.sandbox:
+            terminalreporter.write_line(self.sandbox)
         for problem in self.broken:
             terminalreporter.write_line(f"GRADER ERROR (not your code): {problem}", red=True)
         terminalreporter.write_line(f"(Gradescope results: {self.config.getoption('grade_results')})")
@@ -488,12 +525,13 @@ class _Share:
     """A forked copy of the grading process that runs some of the checks.
 
     It reports to the process it was forked from through a pipe that no worker keeps
-    (course/workers.py closes every inherited descriptor in a worker), dies with it, and leaves
-    Ctrl-C to it. Reports missing when it ends (it crashed) fail their checks as grader errors.
+    (course/workers.py closes every inherited descriptor in a worker), as JSON: nothing read from
+    it can run code here. It dies with that process, and leaves Ctrl-C to it. Reports missing when
+    it ends (it crashed, or ran past its time) fail their checks as grader errors.
     """
 
     def __init__(self, session, items: list, grader: _Grader):
-        from course import workers
+        from course import sandbox, workers
 
         self.config, self.items, self.changed = session.config, items, []
         reader, writer = os.pipe()
@@ -504,12 +542,13 @@ class _Share:
                 os.close(reader)
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 workers.die_with_parent()
+                sandbox.protect()
                 reports = [
                     self.config.hook.pytest_report_to_serializable(config=self.config, report=r)
                     for r in _run(session, items, log=False)
                 ]
-                with os.fdopen(writer, "wb") as pipe:
-                    pickle.dump((reports, grader.fingerprint.changes()), pipe)
+                with os.fdopen(writer, "w") as pipe:
+                    json.dump({"reports": reports, "changed": grader.fingerprint.changes()}, pipe)
                 code = 0
             except BaseException:  # noqa: BLE001 - said here; the parent fails the checks it did not report
                 traceback.print_exc()
@@ -517,23 +556,41 @@ class _Share:
                 workers.stop_kept()
                 os._exit(code)
         os.close(writer)
-        self.pipe = os.fdopen(reader, "rb")
+        self.pipe = reader
+
+    def _read(self) -> bytes:
+        """What it sent, read until it closes the pipe or its checks' time is up: each check's
+        worlds stop at their time limit, so a copy still running after all of them is stuck."""
+        limit = time.monotonic() + 60 + len(self.items) * float(os.environ.get("COURSE_TIMEOUT", 600))
+        sent = b""
+        while time.monotonic() < limit:
+            if select.select([self.pipe], [], [], 1.0)[0]:
+                chunk = os.read(self.pipe, 1 << 16)
+                if not chunk:
+                    return sent
+                sent += chunk
+        raise TimeoutError(f"it was still running after {limit:.0f} s")
 
     def reports(self) -> list:
         """The reports it sent, once it has ended; a failed one for each check it did not report."""
         from _pytest.reports import TestReport
 
+        from course import workers
+
         try:
-            sent, self.changed = pickle.load(self.pipe)
-        except (EOFError, pickle.UnpicklingError):
-            sent = []
-        _, status = os.waitpid(self.pid, 0)
+            found = json.loads(self._read())
+            sent, self.changed = found["reports"], found["changed"]
+        except (ValueError, KeyError, TypeError, TimeoutError) as error:
+            sent, status = [], f"{type(error).__name__}: {error}"
+            workers.stop_tree(self.pid)
+        else:
+            status = f"exit status {os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])}"
         self.pid = None
         reports = [self.config.hook.pytest_report_from_serializable(config=self.config, data=d) for d in sent]
         done = {r.nodeid for r in reports}
         for item in self.items:
             if item.nodeid not in done:
-                reason = f"the grading process that ran it ended without its report (status {status})"
+                reason = f"the grading process that ran it ended without its report ({status})"
                 reports.append(TestReport(item.nodeid, item.location, {}, "failed", reason, "setup"))
         return reports
 
@@ -542,4 +599,4 @@ class _Share:
             from course import workers
 
             workers.stop_tree(self.pid)
-        self.pipe.close()
+        os.close(self.pipe)

@@ -8,13 +8,15 @@ COURSE_IMPL picks the files, as for the tests; unset, they are the top-level stu
 from __future__ import annotations
 
 import faulthandler
+import importlib
+import json
 import multiprocessing as mp
 import os
 import sys
 import time
 from contextlib import contextmanager
 
-from course import env, impl, workers
+from course import env, impl, sandbox, workers
 from course.layout import ROOT
 
 # The settings the test suite uses, applied before torch is imported; and the checks live in tests/.
@@ -88,11 +90,21 @@ def _stderr_to_stdout():
         sys.stderr = saved_stream
 
 
+def _send(conn, message) -> None:
+    """Kernel and checks process talk in JSON: neither end unpickles what the other sends."""
+    conn.send_bytes(json.dumps(message).encode())
+
+
+def _receive(conn):
+    return json.loads(conn.recv_bytes())
+
+
 def _serve(conn) -> None:
     """The checks' own process: run the checks it is sent, one after another, answering each with
     one sentence ('' for passed) and the mistake's facts. Its worlds of workers are kept from one
     check to the next (course/workers.py): they start once, not once per check."""
     workers.die_with_parent()
+    sandbox.protect()
     if hasattr(os, "setpgid"):
         # A group of its own: a shutting-down ipykernel signals the children in its group and waits
         # until none is left, reaping none (2.6 s a kernel). This process ends when its pipe closes.
@@ -104,10 +116,12 @@ def _serve(conn) -> None:
     faulthandler.enable()  # a crash shows its Python stack in the cell's output
     while True:
         try:
-            fn, where, args = conn.recv()
+            asked = _receive(conn)
             workers.take_streams(conn)
         except EOFError:  # the kernel is gone
             break
+        where, args = asked["folder"], asked["args"]
+        fn = getattr(importlib.import_module(asked["module"]), asked["name"])
         impl.forget(where)  # what this process read before an edit is stale
         try:
             with _stderr_to_stdout():
@@ -116,7 +130,7 @@ def _serve(conn) -> None:
         except Exception as error:  # noqa: BLE001 - any failure of the check is the student's to read
             verdict, facts = explain(error) or type(error).__name__, mistake(error)
         workers.drop_streams()
-        conn.send((verdict, facts))
+        _send(conn, {"verdict": verdict, "facts": facts})
     workers.stop_kept()
 
 
@@ -179,14 +193,15 @@ def check(fn, *args) -> None:
     started = time.monotonic()
     process, conn = _checks_process()
     try:
-        conn.send((fn, folder(), args))
+        _send(conn, {"module": fn.__module__, "name": fn.__qualname__, "folder": folder(), "args": list(args)})
         workers.send_streams(conn, process.pid)
         # In short waits: Python acts on a signal between two of them, whichever of the kernel's
         # threads received it, whereas a read blocked in the main thread ends only with the check.
         while not conn.poll(_INTERRUPT_LATENCY):
             pass
-        verdict, facts = conn.recv()
-    except (EOFError, OSError):  # it died before it could say
+        answer = _receive(conn)
+        verdict, facts = answer["verdict"], answer["facts"]
+    except (EOFError, OSError, ValueError, KeyError, TypeError):  # it died (or broke) before it could say
         process.join()
         _checker.clear()
         _show_facts({"kind": "check_died", "exit_code": process.exitcode}, time.monotonic() - started)

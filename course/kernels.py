@@ -20,6 +20,8 @@ import os
 
 from jupyter_client.provisioning import LocalProvisioner
 
+from course import sandbox
+
 # A process's first optimizer or DDP imports torch._dynamo: 2 s of CPU, paid once here instead
 # of in every kernel and every worker. (Each kernel imports course.in_notebook itself: that sets
 # up the kernel's sys.path.)
@@ -45,6 +47,7 @@ def start_server() -> None:
 
 def _kernel(argv: list, environ: dict, cwd: str) -> None:
     os.setsid()
+    sandbox.protect()  # its memory and descriptors (the checks process's connection) are no one's to take
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)

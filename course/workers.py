@@ -56,10 +56,11 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from course import env, failure, impl
+from course import env, failure, impl, sandbox
 from course.device import bound_device
 from course.device import select as select_device
 from course.instrument import PointToPoint, check_ddp_on_an_unchecked_group
+from course.layout import ROOT
 
 
 class WorldFailed(RuntimeError):
@@ -89,23 +90,13 @@ class _WorkerSettings:
     collective_timeout: float
     env: dict
     keep: bool
+    sandbox: str  # course/sandbox.py's level for this world: "uid", "namespaces" or "none"
+    guard: int | None = None  # what its workers need of the world's sandbox.Guard (its handle)
 
 
 # --- processes: die with the parent, and take descendants along -------------------------------
 
-_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
-
-
-def _prctl(option: int, value: int) -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(option, value)
-
-
-def die_with_parent() -> None:
-    """This process is killed when the one that started it ends, however it ends (Linux only)."""
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+die_with_parent = sandbox.die_with_parent
 
 
 def _processes() -> dict:
@@ -294,10 +285,14 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
     # student sees one message rather than a KeyboardInterrupt traceback from every rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a daemon the student starts stays ours, to be stopped
+    sandbox.adopt_orphans()  # a daemon the student starts stays ours, to be stopped
     stack_file = open(os.path.join(settings.stack_dir, f"rank{rank}.stack"), "w")
     private_descriptors({conn.fileno(), stack_file.fileno()})
     drop_streams()  # until the first call brings its caller's
+    # Before any code under test: under "namespaces" this process forks, and only the child returns.
+    sandbox.confine(settings.sandbox, settings.guard, settings.stack_dir)
+    if settings.sandbox != "none":
+        tempfile.tempdir = None  # TMPDIR is the world's folder now (settings.env): read it again
     faulthandler.enable(file=stack_file)  # a crash (segfault, abort) leaves its stack too
     os.environ.update(settings.env)
     # The names torchrun sets, so code can ask os.environ["RANK"] as it would on a cluster.
@@ -352,12 +347,29 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
             _send(conn, ("error", failure.rank_report(rank, exc, time.time(), messages.waiting)))
         finally:
-            _kill(descendants([os.getpid()]))
+            _end_descendants()
             sys.stdout.flush()
             sys.stderr.flush()
             if not kept:
                 os._exit(code)
             drop_streams()
+
+
+def _end_descendants() -> None:
+    """Kill every process this worker started, and reap them: a kept world starts each call clean."""
+    if sandbox.in_own_namespace():  # every other process of the namespace is a descendant
+        try:
+            os.kill(-1, signal.SIGKILL)  # all at once: none can fork past it
+        except ProcessLookupError:
+            pass
+    else:
+        _kill(descendants([os.getpid()]))
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                break
+        except ChildProcessError:
+            break
 
 
 def _store(settings: _WorkerSettings, rank: int):
@@ -406,7 +418,7 @@ def ready_to_fork() -> None:
     The copy's workers, orphaned if it is stopped, come to this process to be reaped (stop_tree)."""
     _import_for_workers()
     _freeze_once()
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    sandbox.adopt_orphans()
 
 
 def stop_tree(pid: int, join: Callable | None = None) -> None:
@@ -452,6 +464,7 @@ def run(
     debug: bool | None = None,
     port: int | None = None,
     keep: bool = False,
+    sandbox: bool = False,
 ) -> list:
     """Run ``fn(*args)`` on every rank of a new world; return the results by rank.
 
@@ -462,6 +475,7 @@ def run(
     is "cpu" or "cuda" (rank r on cuda:r); course.device.current_device() tells each rank its own.
     Results must be data: tensors, numbers, strings, None, and lists, tuples and dicts of those.
     With ``keep``, a world kept by an earlier call with the same settings runs it (module docstring).
+    With ``sandbox`` (the checks), the workers are confined before they run anything (course/sandbox.py).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -483,8 +497,10 @@ def run(
     child_env = env.loopback_settings(sys.platform)
     if debug:
         child_env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    confinement = sandbox_level().name if sandbox else "none"
     keep = keep and port is None and _PASS_STREAMS
     key = (world_size, threads, backend, device, collective_timeout, method, tuple(sorted(child_env.items())))
+    key += (confinement,)
     world = _kept.take(key) if keep else None
     try:
         if world is not None:
@@ -495,7 +511,7 @@ def run(
                 world = None
         if world is None:
             settings = _WorkerSettings(
-                world_size, threads, backend, device, "", port, "", collective_timeout, child_env, keep
+                world_size, threads, backend, device, "", port, "", collective_timeout, child_env, keep, confinement
             )
             world = _World.start(method, settings)
             world.call(call)
@@ -514,14 +530,20 @@ def run(
             world.stop()
 
 
+def sandbox_level() -> sandbox.Level:
+    """The sandbox of this machine, for workers that must read the course, the code under test and torch."""
+    return sandbox.level((ROOT, impl.selected(), os.path.dirname(torch.__file__)))
+
+
 _POLL = 0.25  # seconds between looks at whether a worker's process has ended
 
 
 class _World:
     """The parent's view of one world: its processes, their pipes, and what they sent."""
 
-    def __init__(self, world_size: int, workdir: str, children_before: set):
+    def __init__(self, world_size: int, workdir: str, children_before: set, guard: sandbox.Guard | None):
         self.world_size, self.stack_dir, self.children_before = world_size, workdir, children_before
+        self.guard = guard  # what confines its workers (course/sandbox.py), stopped after them
         self.timeout = 0.0
         self.procs: list = []
         self.conns: list = []
@@ -535,11 +557,25 @@ class _World:
     def start(cls, method: str, settings: _WorkerSettings) -> _World:
         """Start the ranks of settings in a private folder (its store and stack files)."""
         ctx = _context(method)
-        _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a worker's orphans come here, to be stopped with the world
+        sandbox.adopt_orphans()  # a worker's orphans come here, to be stopped with the world
         workdir = tempfile.mkdtemp(prefix="course-world-")
-        settings = dataclasses.replace(settings, store_path=os.path.join(workdir, "store"), stack_dir=workdir)
+        children = {p for p, parent in _processes().items() if parent == os.getpid()}
+        world = cls(settings.world_size, workdir, children, None)
+        try:
+            settings = dataclasses.replace(settings, store_path=os.path.join(workdir, "store"), stack_dir=workdir)
+            if settings.sandbox != "none":
+                world.guard = sandbox.Guard.start(settings.sandbox)
+                # The one folder made for the workers to write: HOME and TMPDIR too.
+                tmp = os.path.join(workdir, "tmp")
+                os.mkdir(tmp)
+                for folder in (workdir, tmp):
+                    world.guard.own(folder)
+                extra = {"HOME": workdir, "TMPDIR": tmp}
+                settings = dataclasses.replace(settings, env=settings.env | extra, guard=world.guard.handle)
+        except BaseException:
+            world.stop()
+            raise
         world_size = settings.world_size
-        world = cls(world_size, workdir, {p for p, parent in _processes().items() if parent == os.getpid()})
         _freeze_once()
         try:
             for rank in range(world_size):
@@ -670,6 +706,8 @@ class _World:
                 proc.kill()
         for proc in self.procs:
             proc.join(timeout=5)
+        if self.guard is not None:
+            self.guard.stop()  # under "uid", whatever of its uid still runs: a daemon that outruns snapshots too
         with _live_lock:
             _live.difference_update(workers)
             keep = self.children_before | _live | _own_helpers()
@@ -695,6 +733,8 @@ class _Kept:
             for world in self.worlds.values():
                 for conn in world.conns:
                     conn.close()
+                if world.guard is not None:
+                    world.guard.forget()
             self.worlds, self.owner = {}, os.getpid()
 
     def take(self, key) -> _World | None:

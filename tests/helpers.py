@@ -61,8 +61,9 @@ def forward_from(weights, x):
 
 def world(fn, world_size, *args):
     """Run the probe fn on every rank of a gloo world, collectives checked; what it returned, by rank.
-    The world is kept for the next probe of its size (course/workers.py says what each call gets afresh)."""
-    return run(fn, world_size, *args, keep=True)
+    The workers are sandboxed (course/sandbox.py). The world is kept for the next probe of its size
+    (course/workers.py says what each call gets afresh)."""
+    return run(fn, world_size, *args, keep=True, sandbox=True)
 
 
 def _without_process_group(fn, args):
@@ -76,7 +77,7 @@ def _without_process_group(fn, args):
 def alone(fn, *args):
     """Run the probe fn in one worker process with no process group, as a script run alone
     (mlp.train wraps its model in DDP whenever a process group exists); what it returned."""
-    return run(_without_process_group, 1, fn, args, keep=True)[0]
+    return run(_without_process_group, 1, fn, args, keep=True, sandbox=True)[0]
 
 
 def printed(fn, *args):

@@ -1,34 +1,65 @@
 """Submissions that try to change their own grade, and gain nothing.
 
 Each test grades a copy of the grader (course/ and tests/, so a cheat that edits them cannot
-damage this repository) on a submission: the untouched student files with a few lines of cheat
-added, where the cheat attacks the grading process; a submission that solves nothing must still
-score 0, the grader must still write a valid results.json, and its feedback says what happened
-where it can. Exercise 2 only: its four checks are the quickest.
+damage this repository) on a submission: the untouched student files with a cheat appended to
+one of them; a submission that solves nothing must still score 0, the grader must still write a
+valid results.json, and its feedback says what happened where it can. Exercise 2 only: its checks
+are the quickest.
+
+Two kinds of cheat:
+- In Python, inside the workers: patch the checks, the grader or torch, send a result that runs
+  code when unpickled, print a table. Graded once, as the suite runs.
+- Through the operating system (course/sandbox.py): kill, stop, read or write the grader's
+  processes, their memory, descriptors and files, outlive them. Each is graded as root at the
+  level this machine gives root, as root at the uid level (Gradescope's: a Python every user can
+  read is needed), and as a normal user (a laptop, an instructor's machine): the ATTACKERS below.
+  The graders run with COURSE_SANDBOX=required or uid, so a machine that allows no sandbox skips
+  these tests and says why, rather than passing them unsandboxed. Each payload says on stderr
+  what the system let it do, which a failure shows.
 """
 
+import functools
 import json
 import os
+import pathlib
+import pwd
 import re
 import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
 import time
 
-from course.grade import POINTS
+import pytest
+
+from course import sandbox
 from course.student import ROOT, SOLUTIONS, STUDENT_FILES
 from tests import warm
 
+# One of exercise 2's checks, or two: two make two grading processes (course/grade.py), so that the
+# pipe from the copy to the grader is there to attack. -s: what a payload prints reaches stderr.
+ONE_CHECK = ["-m", "course", "grade", "--ex", "2", "--", "-s", "-k", "test_matmul[2]"]
+TWO_CHECKS = ["-m", "course", "grade", "--ex", "2", "--", "-s", "-k", "test_matmul[1] or test_matmul[2]"]
+GRADER_NAME = "grader"  # the process name (comm) of the graders these tests start: what a cheat looks for
 
-def grade(tmp_path, cheats, base=ROOT, ex=2):
-    """Grade, in a copy of the grader, the files of `base` with each cheat appended to its file."""
-    grader, submission = tmp_path / "grader", tmp_path / "submission"
+
+def _copy_grader(base, cheats, solved=ROOT):
+    grader, submission = base / "grader", base / "submission"
     for folder in ("course", "tests"):
         shutil.copytree(os.path.join(ROOT, folder), grader / folder, ignore=shutil.ignore_patterns("__pycache__"))
     submission.mkdir()
     for name in STUDENT_FILES:
-        shutil.copy(os.path.join(base, name), submission)
+        shutil.copy(os.path.join(solved, name), submission)
     for name, text in cheats.items():
         with open(submission / name, "a") as f:
             f.write("\n" + text)
+    return grader, submission
+
+
+def grade(tmp_path, cheats, base=ROOT, ex=2):
+    """Grade, in a copy of the grader, the files of `base` with each cheat appended to its file."""
+    grader, submission = _copy_grader(tmp_path, cheats, base)
     done = warm.run(
         ["-m", "course", "grade", *(["--ex", str(ex)] if ex else [])],
         cwd=grader,
@@ -44,16 +75,18 @@ def results(path):
     return found
 
 
-def assert_no_points(done, path, said=""):
+def assert_no_points(done, path, said="", checks=4):
     """0 points, a valid results.json, every check failed, and `said` in their feedback."""
     assert done.returncode == 0, done.stdout + done.stderr
     found = results(path)
-    assert found["score"] == 0 and [t["status"] for t in found["tests"]] == ["failed"] * 4, found
-    assert sum(t["max_score"] for t in found["tests"]) == POINTS[2]
+    assert found["score"] == 0 and [t["status"] for t in found["tests"]] == ["failed"] * checks, found
     assert re.search(said, " ".join(t["output"] for t in found["tests"])), found["tests"][0]["output"]
-    assert "25/25" not in done.stdout and "0/25" in done.stdout, done.stdout
+    assert "GRADER ERROR" not in done.stdout, done.stdout
+    assert "25/25" not in done.stdout and "0/" in done.stdout, done.stdout
     return found
 
+
+# ---- cheats in Python ---------------------------------------------------------------------------
 
 # The cheat of issue 14: before, exercise 2 scored 25/25 with dist.py untouched.
 ISSUE_14 = """
@@ -96,29 +129,7 @@ def par_matmul_by_reduction(A, B):
     return torch.zeros(_product_shape(A, B))
 """
 
-FAKE_RESULTS = {"score": 160, "execution_time": 1, "output": "", "tests": []}
-WRITE_RESULTS = f"""
-import json as _json, os as _os
-with open(_os.path.join(_os.getcwd(), "results.json"), "w") as _f:
-    _json.dump({FAKE_RESULTS!r}, _f)
-"""
-
-# A process of its own, in a session of its own, that writes results.json every 0.1 s for a minute.
-DAEMON_WRITER = f"""
-import json, time
-for _ in range(600):  # a minute: longer than any grading run
-    time.sleep(0.1)
-    with open("results.json", "w") as f:
-        json.dump({FAKE_RESULTS!r}, f)
-"""
-RESULTS_DAEMON = f"""
-import subprocess as _sp, sys as _sys
-_sp.Popen([_sys.executable, "-c", {DAEMON_WRITER!r}], start_new_session=True, stdin=_sp.DEVNULL, stdout=_sp.DEVNULL, stderr=_sp.DEVNULL)
-"""
-
 EXIT_0 = "import os as _os\n_os._exit(0)\n"
-
-KILL_GRADER = "import os as _os, signal as _signal\n_os.kill(_os.getppid(), _signal.SIGKILL)\n"
 
 FAKE_TABLE = """
 import os as _os, sys as _sys
@@ -126,13 +137,6 @@ _table = "exercise   checks       points\\n       2      4/4        25/25\\n   t
 print(_table)
 _os.write(1, _table.encode())
 _sys.__stderr__.write(_table)
-"""
-
-EDIT_CHECKS = """
-import os as _os
-from course.student import ROOT as _ROOT
-with open(_os.path.join(_ROOT, "tests", "test_ex2_dist.py"), "a") as _f:
-    _f.write("\\n# a submission was here\\n")
 """
 
 # A result whose unpickling runs code in the process that receives it.
@@ -163,38 +167,14 @@ def test_patching_torch_comparisons_gains_nothing(tmp_path):
     assert_no_points(*grade(tmp_path, {"dist.py": PATCH_TORCH}), "returned wrong numbers")
 
 
-def test_writing_results_json_gains_nothing(tmp_path):
-    done, path = grade(tmp_path, {"mlp.py": WRITE_RESULTS})
-    assert_no_points(done, path, "par_matmul_by_row is not written yet")
-
-
-def test_a_daemon_writing_results_json_gains_nothing(tmp_path):
-    done, path = grade(tmp_path, {"mlp.py": RESULTS_DAEMON})
-    time.sleep(1.0)  # the daemon, had it survived the grader, has written by now: it writes every 0.1 s
-    assert_no_points(done, path, "par_matmul_by_row is not written yet")
-
-
 def test_a_worker_that_exits_0_without_a_result_gains_nothing(tmp_path):
     assert_no_points(*grade(tmp_path, {"mlp.py": EXIT_0}), r"exit code 0|result")
-
-
-def test_killing_the_grader_gains_nothing(tmp_path):
-    """The grade is then missing, not higher (the README says so)."""
-    done, path = grade(tmp_path, {"mlp.py": KILL_GRADER})
-    assert done.returncode != 0
-    assert not path.exists() or results(path)["score"] == 0
 
 
 def test_printing_a_fake_table_gains_nothing(tmp_path):
     done, path = grade(tmp_path, {"mlp.py": FAKE_TABLE})
     assert_no_points(done, path, "par_matmul_by_row is not written yet")
     assert done.stdout.count("exercise   checks") == 1, done.stdout
-
-
-def test_editing_the_checks_on_disk_fails_everything(tmp_path):
-    """The reference itself, with the edit: it would score 25/25 without the fingerprint."""
-    done, path = grade(tmp_path, {"mlp.py": EDIT_CHECKS}, base=SOLUTIONS)
-    assert_no_points(done, path, r"the grader's own files changed while it ran \(tests/test_ex2_dist.py\)")
 
 
 def test_a_result_that_runs_code_when_unpickled_gains_nothing(tmp_path):
@@ -207,4 +187,389 @@ def test_the_reference_scores_full_marks(tmp_path):
     done, path = grade(tmp_path, {}, base=SOLUTIONS)
     assert done.returncode == 0, done.stdout + done.stderr
     found = results(path)
-    assert found["score"] == POINTS[2] and all(t["status"] == "passed" for t in found["tests"]), done.stdout
+    assert found["score"] == 25 and all(t["status"] == "passed" for t in found["tests"]), done.stdout
+
+
+def test_the_grader_files_fingerprint_catches_an_edit_where_there_is_no_sandbox(tmp_path):
+    """Without a sandbox (macOS, a kernel without user namespaces) a worker can edit the checks on
+    disk: the reference with that edit would score 25/25 if the grader did not notice."""
+    grader, submission = _copy_grader(tmp_path, {"mlp.py": EDIT_CHECKS}, SOLUTIONS)
+    env = dict(os.environ, COURSE_IMPL=str(submission), COURSE_SANDBOX="off")
+    done = warm.run(["-m", "course", "grade", "--ex", "2"], cwd=grader, env=env)
+    assert_no_points(
+        done, grader / "results.json", r"the grader's own files changed while it ran \(tests/test_ex2_dist.py\)"
+    )
+    assert "without a sandbox (COURSE_SANDBOX=off): this grade is advisory" in done.stdout, done.stdout
+
+
+# ---- cheats through the operating system ------------------------------------------------------
+
+# What every payload below starts with: the grading processes it can see (by process name, other
+# than its own world's ranks: its parent's children), and a line on stderr for each thing it tries.
+PRELUDE = f"""
+import json as _json, os as _os, signal as _signal, sys as _sys
+
+def _targets():
+    found = []
+    for _p in _os.listdir("/proc"):
+        if not _p.isdigit() or int(_p) == _os.getpid():
+            continue
+        try:
+            with open(f"/proc/{{_p}}/comm") as _f:
+                _name = _f.read().strip()
+            with open(f"/proc/{{_p}}/stat") as _f:
+                _parent = int(_f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if _name == {GRADER_NAME!r} and _parent != _os.getppid():
+            found.append(int(_p))
+    return found
+
+def _tried(what, act):
+    try:
+        act()
+        print(f"CHEAT {{what}}: done", file=_sys.stderr, flush=True)
+    except Exception as _e:
+        print(f"CHEAT {{what}}: refused ({{type(_e).__name__}}: {{_e}})", file=_sys.stderr, flush=True)
+
+_FAKE = {{"score": 160, "execution_time": 1, "output": "", "tests": []}}
+
+def _forge(folder):
+    with open(_os.path.join(folder, "results.json"), "w") as _f:
+        _json.dump(_FAKE, _f)
+"""
+
+# results.json with full marks where the grader writes it, then the grader and its copy killed:
+# Gradescope reads the file whatever the grader's exit status.
+FORGE_THEN_KILL = """
+_tried("forge results.json", lambda: _forge(_os.getcwd()))
+for _pid in _targets():
+    _tried(f"kill {_pid}", lambda: _os.kill(_pid, _signal.SIGKILL))
+"""
+
+# A daemon that forks and exits without pause, so that no snapshot of the processes holds it (a
+# fresh small interpreter: a fork of a worker, torch and all, takes milliseconds), and rewrites
+# results.json with full marks for 10 s, after the grader is gone.
+CHAIN = """
+import json, os, sys, time
+with open("/proc/self/comm", "w") as f:
+    f.write(sys.argv[2])  # its name, this test's own
+fake = json.dumps({"score": 160, "execution_time": 1, "output": "", "tests": []})
+end, n = time.time() + 10, 0
+while time.time() < end:
+    if os.fork():
+        os._exit(0)
+    n += 1
+    if n % 100 == 0:
+        try:
+            with open(os.path.join(sys.argv[1], "results.json"), "w") as f:
+                f.write(fake)
+        except OSError:
+            pass
+"""
+OUTRUNS_THE_REAPER = f"""
+if _os.fork() == 0:
+    _os.setsid()
+    _os.execv(_sys.executable, [_sys.executable, "-c", {CHAIN!r}, _os.getcwd(), DAEMON_NAME])
+"""
+
+# SIGSTOP to the grader and its copy: a grader that waits for its copy for ever.
+STOP_THE_GRADER = """
+for _pid in _targets():
+    _tried(f"stop {_pid}", lambda: _os.kill(_pid, _signal.SIGSTOP))
+"""
+
+# The grader's memory: workers are forks of it, so its objects sit at the same addresses. The
+# constant 0.0 of Check.score ("the score of a failed check") becomes 6.25 in the grader's memory.
+WRITE_ITS_MEMORY = """
+import struct as _struct
+import course.grade as _grade
+
+_zero = next(c for c in _grade.Check.score.fget.__code__.co_consts if isinstance(c, float) and c == 0.0)
+
+def _write(pid):
+    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as _mem:
+        _mem.seek(id(_zero) + 16)  # a float's value: after its reference count and its type
+        _mem.write(_struct.pack("d", 6.25))
+
+for _pid in _targets():
+    _tried(f"write the memory of {_pid}", lambda: _write(_pid))
+"""
+
+# The pipe that brings the copy's reports to the grader (both ends are reachable as
+# /proc/PID/fd/N): reports of its own first, every check passed.
+WRITE_ITS_PIPE = """
+import pickle as _pickle
+_nodeids = [f"tests/test_ex2_dist.py::test_matmul[{w}]" for w in (1, 2, 3, 4)]
+_passed = [
+    {"$report_type": "TestReport", "nodeid": n, "location": ["tests/test_ex2_dist.py", 1, n.split("::")[1]],
+     "keywords": {}, "outcome": "passed", "longrepr": None, "when": when, "user_properties": [], "sections": [],
+     "duration": 0.01, "start": 0.0, "stop": 0.01}
+    for n in _nodeids for when in ("setup", "call", "teardown")
+]
+_message = _json.dumps({"reports": _passed, "changed": []}).encode()
+
+def _write(path):
+    fd = _os.open(path, _os.O_WRONLY | _os.O_NONBLOCK)
+    try:
+        _os.write(fd, _message)
+        _os.write(fd, _pickle.dumps((_passed, [])))
+    finally:
+        _os.close(fd)
+
+for _pid in _targets():
+    try:
+        _fds = _os.listdir(f"/proc/{_pid}/fd")
+    except OSError as _e:
+        print(f"CHEAT the descriptors of {_pid}: refused ({_e})", file=_sys.stderr, flush=True)
+        continue
+    for _fd in _fds:
+        _path = f"/proc/{_pid}/fd/{_fd}"
+        try:
+            _pipe = _os.readlink(_path).startswith("pipe:")
+        except OSError:
+            continue
+        if _pipe:
+            _tried(f"write {_path}", lambda: _write(_path))
+"""
+
+# Bytecode for every module of the grader's own folders, valid for its source (its size and time):
+# a module imported after submission code ran would run it, and it gives every check its points.
+LATE_BYTECODE = """
+import importlib.util as _util, marshal as _marshal
+from course.layout import ROOT as _ROOT
+_evil = "\\nimport course.grade as _g\\n_g.Check.score = property(lambda self: self.max_score)\\n"
+
+def _plant(source):
+    st = _os.stat(source)
+    with open(source) as f:
+        code = compile(f.read() + _evil, source, "exec")
+    pyc = _util.cache_from_source(source)
+    _os.makedirs(_os.path.dirname(pyc), exist_ok=True)
+    header = _util.MAGIC_NUMBER + (0).to_bytes(4, "little") + (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
+    with open(pyc, "wb") as f:
+        f.write(header + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little") + _marshal.dumps(code))
+
+for _top, _dirs, _files in _os.walk(_os.path.join(_ROOT, "course")):
+    for _name in _files:
+        if _name.endswith(".py"):
+            _tried(f"plant bytecode for {_name}", lambda: _plant(_os.path.join(_top, _name)))
+"""
+
+# The name the grader once wrote its results to before moving them into place, made a link.
+PLANT_A_LINK = """
+for _pid in _targets():
+    _tried(f"link for {_pid}", lambda: _os.symlink("/tmp/course-cheat-victim", f".results.json.{_pid}.tmp"))
+"""
+
+# The checks, edited on disk: the grader would run the edited test module in later runs.
+EDIT_CHECKS = """
+import os as _os
+from course.student import ROOT as _ROOT
+with open(_os.path.join(_ROOT, "tests", "test_ex2_dist.py"), "a") as _f:
+    _f.write("\\n# a submission was here\\n")
+"""
+
+ATTACKS = {
+    "forge_then_kill": FORGE_THEN_KILL,
+    "outruns_the_reaper": OUTRUNS_THE_REAPER,
+    "stop_the_grader": STOP_THE_GRADER,
+    "write_its_memory": WRITE_ITS_MEMORY,
+    "write_its_pipe": WRITE_ITS_PIPE,
+    "late_bytecode": LATE_BYTECODE,
+    "plant_a_link": PLANT_A_LINK,
+    "edit_checks": EDIT_CHECKS,
+}
+
+
+@functools.cache
+def _free_uid():
+    """A uid of no account, outside the sandbox's range: the normal user these tests grade as."""
+
+    def no_account(uid):
+        try:
+            pwd.getpwuid(uid)
+            return False
+        except KeyError:
+            return True
+
+    return next(uid for uid in range(61000, 62000) if no_account(uid))
+
+
+@functools.cache
+def readable_python():
+    """This Python version as every user can run it (its standard library outside /root, say), with
+    this environment's packages on PYTHONPATH; None if there is none. The uid level needs it, and
+    so does a normal user's grader on a machine whose venv's Python lives under /root."""
+    packages = sysconfig.get_paths()["purelib"]
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for python in (sys.executable, f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"):
+        if not os.path.exists(python):
+            continue
+        uid = _free_uid()
+
+        def as_nobody(uid=uid):
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+
+        # Where it finds its standard library, as root and as another user: a Python that cannot
+        # read its own falls back to another one, which a process forked from root's would not.
+        probe = "import os, secrets, numpy, sys; print(sys.version_info[:2], os.__file__)"
+        env = dict(os.environ, PYTHONPATH=packages)
+        found = [
+            subprocess.run([python, "-c", probe], env=env, capture_output=True, text=True, preexec_fn=drop)
+            for drop in (None, as_nobody)
+        ]
+        same = found[0].stdout == found[1].stdout and found[1].returncode == 0
+        if same and found[0].stdout.startswith(str(tuple(sys.version_info[:2]))):
+            return python, packages
+    return None
+
+
+def _who(name):
+    """(python, user, COURSE_SANDBOX, PYTHONPATH) of a configuration, or a reason to skip it."""
+    if not sandbox.LINUX:
+        return f"no sandbox on {sys.platform}"
+    root = os.geteuid() == 0
+    if name == "root":
+        return (sys.executable, None, "required", "") if root else "the grader runs as a normal user here"
+    readable = readable_python() if root else (sys.executable, "")
+    if readable is None:
+        return "no Python every user can read here (the venv's lives where only root can read)"
+    python, packages = readable
+    if name == "root, uid level":
+        return (python, None, "uid", packages) if root else "the uid level needs root"
+    return python, (_free_uid(), _free_uid()) if root else None, "required", packages
+
+
+ATTACKERS = ["root", "root, uid level", "a normal user"]
+
+
+@pytest.fixture
+def attacked(request):
+    """A folder every user can enter, owned by the grader's user, removed afterwards; and the grader's settings."""
+    who = _who(request.param)
+    if isinstance(who, str):
+        pytest.skip(who)
+    base = tempfile.mkdtemp(prefix="course-cheat-")
+    os.chmod(base, 0o755)
+    yield base, who
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def grade_as(base, who, cheats, args=ONE_CHECK, timeout=120, files=None):
+    """Grade the stubs with cheats appended, as `who` says, in the grader's copy with files
+    ({name: text}) added; (done, results.json's path)."""
+    python, user, mode, packages = who
+    grader, submission = _copy_grader(pathlib.Path(base), cheats)
+    for name, text in (files or {}).items():
+        (grader / name).write_text(text)
+    if user is not None:
+        for top, dirs, files in os.walk(base):
+            for name in [top, *(os.path.join(top, n) for n in dirs + files)]:
+                os.lchown(name, *user)
+    env = dict(os.environ, COURSE_IMPL=str(submission), COURSE_SANDBOX=mode)
+    if packages:
+        env["PYTHONPATH"] = packages
+    done = warm.run([*args], cwd=grader, env=env, python=python, user=user, name=GRADER_NAME, timeout=timeout)
+    return done, grader / "results.json"
+
+
+def _daemons(name):
+    """Live processes of that name (zombies do nothing)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if f"({name})" in stat and stat.rsplit(")", 1)[1].split()[0] != "Z":
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.parametrize("attacked", ATTACKERS, indirect=True)
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_an_attack_through_the_system_gains_nothing(attacked, attack):
+    base, who = attacked
+    checks = 2 if attack == "write_its_pipe" else 1
+    daemon = f"daemon-{os.urandom(4).hex()}"  # a name of this test's own: tests run side by side
+    payload = f"DAEMON_NAME = {daemon!r}\n" + PRELUDE + ATTACKS[attack]
+    done, path = grade_as(base, who, {"mlp.py": payload}, args=[ONE_CHECK, TWO_CHECKS][checks - 1])
+    said = "\n".join(line for line in done.stderr.splitlines() if line.startswith("CHEAT")) or "(nothing)"
+    assert_no_points(done, path, "par_matmul_by_row is not written yet", checks=checks)
+    assert "Submission code ran sandboxed" in done.stdout, done.stdout
+    if attack == "outruns_the_reaper":
+        for _ in range(20):  # had it survived the grader, it would rewrite results.json every 2 ms
+            assert not _daemons(daemon), f"a daemon outlived the grader; what the payload could do:\n{said}"
+            time.sleep(0.05)
+        assert results(path)["score"] == 0, said
+    if attack == "edit_checks":
+        with open(os.path.join(base, "grader", "tests", "test_ex2_dist.py")) as f:
+            assert "a submission was here" not in f.read(), said
+    if attack == "plant_a_link":
+        assert not os.path.exists("/tmp/course-cheat-victim"), said
+    assert " done" not in said or attack in ("outruns_the_reaper",), f"the system let the payload do:\n{said}"
+
+
+@pytest.mark.parametrize("attacked", ATTACKERS[:1], indirect=True)
+def test_a_grader_killed_from_outside_leaves_a_failing_results_json(attacked):
+    """Gradescope's time limit, say: the results.json written before any check says 0, and why."""
+    base, who = attacked
+    with pytest.raises(subprocess.TimeoutExpired):  # warm.run kills it then
+        grade_as(base, who, {"mlp.py": "import time as _t\n_t.sleep(60)\n"}, timeout=2)
+    found = results(pathlib.Path(base) / "grader" / "results.json")
+    assert found["score"] == 0 and "did not finish" in found["output"], found
+
+
+# The kernel's side of a notebook's check (course/in_notebook.py): its checks process holds a
+# socket to the kernel. A worker takes it (pidfd_getfd) and answers first: "passed".
+STEAL_THE_KERNELS_SOCKET = """
+import ctypes as _ctypes, stat as _stat, struct as _struct
+_libc = _ctypes.CDLL(None, use_errno=True)
+_answer = _json.dumps({"verdict": "", "facts": None}).encode()
+
+def _steal(pid):
+    pidfd = _os.pidfd_open(pid)
+    try:
+        for fd in range(3, 64):
+            got = _libc.syscall(438, pidfd, fd, 0)  # pidfd_getfd
+            if got < 0:
+                if _ctypes.get_errno() == 1:
+                    raise PermissionError("pidfd_getfd: operation not permitted")
+                continue
+            if _stat.S_ISSOCK(_os.fstat(got).st_mode):
+                _os.write(got, _struct.pack("!i", len(_answer)) + _answer)
+            _os.close(got)
+    finally:
+        _os.close(pidfd)
+
+for _pid in _targets():
+    _tried(f"take the sockets of {_pid}", lambda: _steal(_pid))
+"""
+
+KERNEL = """
+import json
+from course.in_notebook import CheckFailed, check
+from tests.test_ex2_dist import check_matmul
+try:
+    check(check_matmul, 2)
+    print(json.dumps("passed"))
+except CheckFailed as failed:
+    print(json.dumps(str(failed)))
+"""
+
+
+@pytest.mark.parametrize("attacked", ATTACKERS, indirect=True)
+def test_taking_the_notebook_kernels_socket_gains_nothing(attacked):
+    """What the kernel of `make autograde` (or a student's notebook) does for each check cell."""
+    base, who = attacked
+    cheat = {"mlp.py": PRELUDE + STEAL_THE_KERNELS_SOCKET}
+    done, _ = grade_as(base, who, cheat, args=["kernel.py"], files={"kernel.py": KERNEL})
+    said = "\n".join(line for line in done.stderr.splitlines() if line.startswith("CHEAT")) or "(nothing)"
+    assert done.returncode == 0, done.stdout + done.stderr
+    verdict = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "par_matmul_by_row is not written yet" in verdict, f"{verdict}; what the payload could do:\n{said}"
+    assert " done" not in said, f"the system let the payload do:\n{said}"

@@ -7,6 +7,10 @@ of this repository. The fork then does what `python -m MODULE ARGS` or `python S
 does: its own argv, working directory, environment, sys.path and standard streams, atexit
 handlers at the end, the exit status of SystemExit or 1 with a traceback.
 
+run(..., python=P) forks from a server of interpreter P instead (one server per interpreter), and
+run(..., user=(uid, gid)) runs the command as that user (the server must run as root), and
+run(..., name=NAME) gives it (and what it forks) that process name (Linux's comm).
+
 What differs from a fresh interpreter: those modules are already imported, so what torch reads
 from the environment at import comes from the suite's (tests/conftest.py). Tests about how a
 process starts or stops (signals, Ctrl-C, a killed parent), the release test's `make grade`, and
@@ -29,6 +33,15 @@ base_path = list(sys.path[1:])
 
 
 def child(request):
+    if request["name"]:  # its process name (/proc/PID/comm), which the processes it forks keep
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, request["name"].encode(), 0, 0, 0)
+    if request["user"] is not None:
+        uid, gid = request["user"]
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -77,57 +90,66 @@ for line in sys.stdin:
     print(pid, os.waitstatus_to_exitcode(status), flush=True)
 """
 
-_server = None
-_unread = b""
 
-
-def _start():
-    global _server, _unread
-    if _server is None or _server.poll() is not None:
-        _server = subprocess.Popen(
-            [sys.executable, "-c", _SERVER],
+class _Server:
+    def __init__(self, python, environ):
+        self.process = subprocess.Popen(
+            [python, "-c", _SERVER],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,
             cwd=tempfile.gettempdir(),
+            env=environ,
         )
-        _unread = b""
-    return _server
+        self.unread = b""
+
+    def answer(self, timeout):
+        """The server's next line, or None if none came within timeout seconds."""
+        while b"\n" not in self.unread:
+            ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+            chunk = os.read(self.process.stdout.fileno(), 4096) if ready else b""
+            if not chunk:
+                return None
+            self.unread += chunk
+        line, self.unread = self.unread.split(b"\n", 1)
+        return line.decode()
+
+
+_servers = {}  # by interpreter
+
+
+def _start(python, environ):
+    server = _servers.get(python)
+    if server is None or server.process.poll() is not None:
+        server = _servers[python] = _Server(python, environ)
+    return server
 
 
 def server_pid():
-    """The server's pid, while it runs: it lives as long as the test process."""
-    return _server.pid if _server is not None and _server.poll() is None else None
+    """The pid of this interpreter's server, while it runs: it lives as long as the test process."""
+    server = _servers.get(sys.executable)
+    return server.process.pid if server is not None and server.process.poll() is None else None
 
 
-def _answer(timeout):
-    """The server's next line, or None if none came within timeout seconds."""
-    global _unread
-    while b"\n" not in _unread:
-        ready, _, _ = select.select([_server.stdout], [], [], timeout)
-        chunk = os.read(_server.stdout.fileno(), 4096) if ready else b""
-        if not chunk:
-            return None
-        _unread += chunk
-    line, _unread = _unread.split(b"\n", 1)
-    return line.decode()
-
-
-def run(args, cwd, env=None, timeout=120):
-    """subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
-    timeout=timeout), forked from the warm server; args start with "-m MODULE" or a script."""
-    server = _start()
+def run(args, cwd, env=None, timeout=120, python=None, user=None, name=""):
+    """subprocess.run([python, *args], cwd=cwd, env=env, capture_output=True, text=True,
+    timeout=timeout), forked from the warm server of python (default sys.executable), as user
+    (uid, gid) when given; args start with "-m MODULE" or a script."""
     environ = dict(os.environ if env is None else env)
-    command = [sys.executable, *args]
+    python = python or sys.executable
+    server = _start(python, environ)
+    command = [python, *args]
     with tempfile.TemporaryDirectory() as streams:
+        if user is not None:
+            os.chown(streams, *user)
         out, err = os.path.join(streams, "out"), os.path.join(streams, "err")
-        request = {"args": list(args), "cwd": os.fspath(cwd), "env": environ, "out": out, "err": err}
-        server.stdin.write((repr(request) + "\n").encode())
-        pid = int(_answer(60))
-        done = _answer(timeout)
+        request = dict(args=list(args), cwd=os.fspath(cwd), env=environ, out=out, err=err, user=user, name=name)
+        server.process.stdin.write((repr(request) + "\n").encode())
+        pid = int(server.answer(60))
+        done = server.answer(timeout)
         if done is None:
             _kill(pid)
-            _answer(60)
+            server.answer(60)
         with open(out) as f_out, open(err) as f_err:
             stdout, stderr = f_out.read(), f_err.read()
     if done is None:
