@@ -1,8 +1,11 @@
 """Exercise 2: matrix multiplication split across ranks, by row and by reduction."""
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
 
 from tests.helpers import load, world
 
@@ -21,13 +24,20 @@ def operands(i):
 
 
 def multiply_everything(folder):
-    """Probe, on every rank: both methods on every shape; A and B exist on rank 0 only."""
+    """Probe, on every rank: both methods on every shape; A and B exist on rank 0 only. With each
+    result, the floating-point operations of the products this rank computed (torch's own count,
+    whatever function or operator the code used)."""
     d = load(folder).dist
     rank = dist.get_rank()
     out = []
     for i in range(len(SHAPES)):
         args = operands(i) if rank == 0 else (None, None)
-        out.append((d.par_matmul_by_row(*args), d.par_matmul_by_reduction(*args)))
+        done = []
+        for method in (d.par_matmul_by_row, d.par_matmul_by_reduction):
+            with FlopCounterMode(display=False) as counted:
+                result = method(*args)
+            done += [result, counted.get_total_flops()]
+        out.append(tuple(done))
     return out
 
 
@@ -103,11 +113,11 @@ def check_matmul(folder, world_size):
         A, B = operands(i)
         expected = A @ B
         what = f"with {world_size} ranks, A {m}x{k} @ B {k}x{n}"
-        on_rank0 = results[0][i][1]
+        on_rank0 = results[0][i][2]  # (by_row, its flops, by_reduction, its flops)
         right_on_rank0 = isinstance(on_rank0, torch.Tensor) and on_rank0.shape == expected.shape
         right_on_rank0 = right_on_rank0 and torch.allclose(on_rank0, expected, atol=1e-5)
         for rank, per_shape in enumerate(results):
-            by_row, by_reduction = per_shape[i]
+            by_row, row_flops, by_reduction, reduction_flops = per_shape[i]
             if rank == 0:
                 assert isinstance(by_row, torch.Tensor), (
                     f"{what}: par_matmul_by_row should return the {m}x{n} product on rank 0, got {by_row!r}"
@@ -127,6 +137,21 @@ def check_matmul(folder, world_size):
                     "par_matmul_by_reduction", by_reduction, expected, A, B, world_size, rank, right_on_rank0
                 )
             )
+            # Right numbers may still come from one rank's work: each rank multiplies its block only.
+            for method, flops, share in (
+                ("par_matmul_by_row", row_flops, f"{math.ceil(m / world_size)} of A's rows"),
+                (
+                    "par_matmul_by_reduction",
+                    reduction_flops,
+                    f"{math.ceil(k / world_size)} of the k = {k} columns of A",
+                ),
+            ):
+                most = 2 * n * (math.ceil(m / world_size) * k if "row" in method else m * math.ceil(k / world_size))
+                assert flops <= most, (
+                    f"{what}: in {method}, rank {rank} computed {flops} floating-point operations of products, more"
+                    f" than its block needs ({most}: {share}, padded): each rank multiplies only its own block"
+                    + (", and rank 0 does not compute the whole product" if flops >= 2 * m * k * n else "")
+                )
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

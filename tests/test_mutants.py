@@ -91,6 +91,22 @@ MUTANTS = {
         lambda folder: check_matmul(folder, 3),
         "gave scatter 4 tensors for 3 ranks: its list takes one tensor per rank",
     ),
+    "rank 0 multiplies everything, the others receive their rows of the product": (
+        "dist.py",
+        "    my_C = (my_rows @ B).contiguous()\n",
+        "    my_C = torch.empty(max(rows), n, dtype=dtype)\n"
+        "    dist.scatter(my_C, padded_blocks(A @ B, rows, dim=0) if rank == 0 else None, src=0)\n",
+        lambda folder: check_matmul(folder, 2),
+        "rank 0 computed 1024 floating-point operations of products, more than its block needs (512: 4 of A's rows,"
+        " padded): each rank multiplies only its own block, and rank 0 does not compute the whole product",
+    ),
+    "rank 0 multiplies everything, the all-reduce adds zeros to it": (
+        "dist.py",
+        "    C = my_A @ my_B\n",
+        "    C = A @ B if rank == 0 else torch.zeros(m, n, dtype=dtype)\n",
+        lambda folder: check_matmul(folder, 3),
+        "in par_matmul_by_reduction, rank 0 computed 1024 floating-point operations of products",
+    ),
     "every rank trains on the same batches": (
         "mlp.py",
         "if i % world_size != rank:",
