@@ -438,16 +438,24 @@ def export_csv(out: str) -> str:
 
 
 def _import_what_follows_the_kernels() -> None:
-    """Import, before the first kernel starts a world of submission code, every module this process
-    uses after it (recording, feedback, the report): none is then read from disk once submission
-    code has run (course/sandbox.py keeps workers from writing there; this does not rely on it)."""
-    import nbconvert.exporters  # noqa: F401 - feedback_html
+    """Before the first kernel starts a world of submission code, import every module this process
+    uses after that (starting kernels, recording, feedback, the report): none is then read from
+    disk once submission code has run (course/sandbox.py keeps workers from writing there; this
+    does not rely on it). tests/import_audit.py finds what is missing here."""
+    import encodings.ascii  # noqa: F401 - a codec they look up by name
+    import multiprocessing.popen_forkserver  # noqa: F401 - course/kernels.py starts each kernel with it
+
+    import nbformat
     import nbgrader.api  # noqa: F401 - collect, export_csv
     import nbgrader.converters  # noqa: F401 - record
     import nbgrader.plugins  # noqa: F401 - export_csv
+    import psutil  # noqa: F401 - jupyter_client, when a kernel stops
+    from jupyter_client.kernelspec import KernelSpecManager
     from nbconvert import HTMLExporter
 
-    HTMLExporter()  # its templates and filters load when it is first made
+    KernelSpecManager().get_kernel_spec("python3")  # what finding the kernel imports (ipykernel, IPython)
+    # nbconvert loads its templates, filters and Markdown plugins on a first page.
+    HTMLExporter().from_notebook_node(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("*x*")]))
 
 
 def grade_all(submissions: str, out: str, cell_timeout: int, jobs: int = 1, exercises: list | None = None) -> dict:

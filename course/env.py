@@ -222,9 +222,18 @@ def libuv_available(environ: Mapping[str, str] = os.environ) -> bool:
 # imports it once a world's workers have needed it, so that later worlds start with it and a grading
 # run whose worlds never step never pays it (exercises 2, 5). multiprocessing's forkserver starts
 # once per process, so it imports all of them from the start.
-WORKER_MODULES = ("torch", "torch.distributed", "course.workers")
+WORKER_MODULES = ("torch", "torch.distributed", "numpy.random", "course.workers")
 ON_DEMAND_MODULES = ("torch._dynamo",)
 FORKSERVER_PRELOAD = [*WORKER_MODULES, *ON_DEMAND_MODULES]
+# What a process that starts worlds imports later of its own accord (reading a result, a judge's
+# first optimizer step, stopping a world): imported before its first world instead, so that nothing
+# it runs is read from disk once submission code has run (tests/import_audit.py finds any other).
+PARENT_MODULES = (
+    "torch.utils.serialization",
+    "torch.profiler._cupti_monitor",
+    "multiprocessing.forkserver",
+    "multiprocessing.resource_tracker",
+)
 
 
 def default_start_method(platform: str, threads: int, cuda_initialized: bool, device: str = "cpu") -> str:

@@ -412,6 +412,14 @@ def _import_for_workers() -> None:
         importlib.import_module(name)
 
 
+def _import_for_this_process() -> None:
+    for name in env.PARENT_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a module another torch does not have: nothing imports it then
+            pass
+
+
 def ready_to_fork() -> None:
     """Before this process forks a copy of itself that starts worlds too (course/grade.py's second
     grading process): import what workers need and freeze, once here rather than once in each.
@@ -557,6 +565,7 @@ class _World:
     def start(cls, method: str, settings: _WorkerSettings) -> _World:
         """Start the ranks of settings in a private folder (its store and stack files)."""
         ctx = _context(method)
+        _import_for_this_process()
         sandbox.adopt_orphans()  # a worker's orphans come here, to be stopped with the world
         workdir = tempfile.mkdtemp(prefix="course-world-")
         children = {p for p, parent in _processes().items() if parent == os.getpid()}

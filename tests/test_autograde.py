@@ -129,12 +129,15 @@ def processes_in(folder):
 
 
 def autograde(submissions, out, *exercises):
-    """`python -m course.autograde` on a folder of submissions; its completed process."""
+    """`python -m course.autograde` on a folder of submissions; its completed process. It runs under
+    tests/import_audit.py: its own process imports nothing once its first kernel is asked for."""
     # Short timeouts: the deadlock is caught by the collective timeout, in seconds.
-    environ = dict(os.environ, COURSE_COLLECTIVE_TIMEOUT="4", COURSE_TIMEOUT="30")
-    command = [sys.executable, "-m", "course.autograde", str(submissions), "--out", str(out), "--cell-timeout", "60"]
+    audit = out.parent / f"{out.name}-imports.txt"
+    environ = dict(os.environ, COURSE_COLLECTIVE_TIMEOUT="4", COURSE_TIMEOUT="30", PYTHONPATH=ROOT)
+    environ["COURSE_IMPORT_AUDIT"] = str(audit)
+    command = [sys.executable, "-m", "tests.import_audit", "course.autograde", str(submissions), "--out", str(out)]
     done = subprocess.run(
-        command + [f"--ex={n}" for n in exercises],
+        command + ["--cell-timeout", "60"] + [f"--ex={n}" for n in exercises],
         cwd=out.parent,
         env=environ,
         capture_output=True,
@@ -142,6 +145,7 @@ def autograde(submissions, out, *exercises):
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    assert audit.read_text() == "", f"imported once kernels could run submission code: {audit.read_text()}"
     return done
 
 
@@ -406,3 +410,30 @@ def test_autograde_refuses_an_exercise_that_does_not_exist(tmp_path):
 
     with pytest.raises(RuntimeError, match=r"no exercise \[99\]; exercises are \[1, "):
         make_assignments(str(tmp_path), _nbgrader_config(str(tmp_path)), [99])
+
+
+def test_a_notebook_that_is_not_one_costs_its_own_answers_only(tmp_path, monkeypatch):
+    """A written answer whose source is not text, or a file that is not JSON: that student's answers
+    are empty, with the reason, and the notebooks made for grading still parse (the class goes on)."""
+    import nbformat
+    import nbgrader.api
+
+    from course.autograde import _gradebook_version, _nbgrader_config, make_assignments, take_in
+
+    monkeypatch.setattr(nbgrader.api, "get_alembic_version", _gradebook_version)  # as main() does
+
+    out = tmp_path / "out"
+    assignments = make_assignments(str(out), _nbgrader_config(str(out)), [2, 4])
+    submission = tmp_path / "student"
+    submission.mkdir()
+    with open(os.path.join(ROOT, "exercises", "02_dist.ipynb")) as f:
+        nb = json.load(f)
+    for cell in nb["cells"]:
+        if cell["metadata"].get("nbgrader", {}).get("solution"):
+            cell["source"] = [1, 2, 3]
+    (submission / "02_dist.ipynb").write_text(json.dumps(nb))
+    (submission / "04_mydp.ipynb").write_text("{ not json")
+    _, problems = take_in(str(submission), "student", str(out), assignments)
+    assert len(problems) == 2 and "ex2_what_moves" in problems[0] and "could not be read" in problems[1], problems
+    for assignment, stem in assignments.items():
+        nbformat.read(out / "submitted" / "student" / assignment / f"{stem}.ipynb", as_version=4)

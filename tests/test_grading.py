@@ -198,8 +198,15 @@ def test_two_grading_processes_grade_as_one(tmp_path):
     folder = make_mutant(tmp_path / "sums", "mydp.py", "mean = grad / dist.get_world_size()", "mean = grad.clone()")
     results = []
     for processes in (1, 2):
-        done = course_grade("--ex", "4", "--", "--grade-processes", str(processes), impl=folder, cwd=tmp_path)
+        audit = tmp_path / f"imports-{processes}.txt"
+        done = course_grade(
+            *("--ex", "4", "--", "--grade-processes", str(processes), "-p", "tests.import_audit"),
+            impl=folder,
+            cwd=tmp_path,
+            env={"COURSE_IMPORT_AUDIT": str(audit)},
+        )
         assert done.returncode == 0, done.stdout + done.stderr
+        assert not audit.exists(), f"imported once submission code could run: {audit.read_text()}"
         with open(tmp_path / "results.json") as f:
             results.append(json.load(f))
         results[-1].pop("execution_time")
@@ -242,15 +249,18 @@ def test_release_has_no_solution_and_grades_an_untouched_clone(tmp_path):
     assert "-m course grade" in dry.stdout and "COURSE_IMPL=solutions" not in dry.stdout, (
         "without solutions/, make test is make grade"
     )
+    audit = tmp_path / "imports.txt"  # the stubs of every exercise: each check's failure path
+    shutil.copy(os.path.join(ROOT, "tests", "import_audit.py"), dest / "tests")  # the test's own instrument
     done = subprocess.run(
-        [sys.executable, "-m", "course", "grade"],
+        [sys.executable, "-m", "course", "grade", "--", "-p", "tests.import_audit"],
         cwd=dest,
-        env=dict(os.environ, COURSE_IMPL="student"),
+        env=dict(os.environ, COURSE_IMPL="student", COURSE_IMPORT_AUDIT=str(audit)),
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    assert not audit.exists(), f"imported once submission code could run: {audit.read_text()}"
     with open(dest / "results.json") as f:
         results = json.load(f)
     assert results["score"] == 0 and results["tests"]
@@ -276,8 +286,9 @@ def test_max_scores_add_up_to_each_exercise_points_exactly():
             assert sum(round(t["max_score"] * 100) for t in tests) == points * 100, (exercise, n)
 
 
-def course_grade(*args, impl, cwd):
-    return warm.run(["-m", "course", "grade", *args], cwd=cwd, env=dict(os.environ, COURSE_IMPL=str(impl)))
+def course_grade(*args, impl, cwd, env=None):
+    environ = dict(os.environ, COURSE_IMPL=str(impl), **(env or {}))
+    return warm.run(["-m", "course", "grade", *args], cwd=cwd, env=environ)
 
 
 def test_grade_names_the_exercises_when_there_is_no_such_one(tmp_path):
