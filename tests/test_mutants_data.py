@@ -125,7 +125,7 @@ MUTANTS = {
         DDP_LOOP,
         DDP_LOOP.replace("with Join([wrapped]):", "if True:"),
         check_join,
-        "inside Join",
+        "inside `with Join([ddp_model]):`",
     ),
     # Join passes its keyword arguments to DDP's join hook: the late steps are then divided by fewer ranks.
     "late steps divided by the ranks still training": (
@@ -141,7 +141,16 @@ MUTANTS = {
         "_, loss = wrapped(X[rows], Y[rows])",
         "_, loss = model(X[rows], Y[rows])",
         check_join,
-        "differs from DDP's averages",
+        "call the DDP model in the loop, not `model`",
+    ),
+    # The loop is inside Join; the extra average has no partner once a rank has run out of batches.
+    "a hand-written average inside Join": (
+        "data.py",
+        "            loss.backward()\n            optimizer.step()\n    ### END SOLUTION",
+        "            loss.backward()\n            for p in model.parameters():\n                dist.all_reduce(p.grad)\n"
+        "                p.grad /= dist.get_world_size()\n            optimizer.step()\n    ### END SOLUTION",
+        check_join,
+        "started collectives of its own",
     ),
 }
 
