@@ -25,6 +25,9 @@ SIZES = [
     (7, [0.2, 0.5, 0.3], [1, 4, 2]),
     (0, [0.5, 0.5], [0, 0]),
     (160, [0.7, 0.3], [112, 48]),
+    (12, [1 / 3, 1 / 3, 1 / 3], [4, 4, 4]),
+    (7, [0.5, 0.5], [4, 3]),
+    (160, [0.5, 0.5], [80, 80]),
 ]
 PARTITIONS = [(160, [0.7, 0.3], 3), (10, [1 / 3, 1 / 3, 1 / 3], 0), (11, [0.5, 0.3, 0.2], 7), (1, [0.5, 0.5], 1)]
 SAMPLER_CASES = [(12, 3, 0), (10, 3, 5), (7, 2, 1), (160, 2, 3)]
@@ -35,7 +38,21 @@ UNEVEN = {2: [0.7, 0.3], 3: [0.5, 0.3, 0.2]}
 
 
 def expected_sizes(n, fractions):
-    return next(sizes for m, f, sizes in SIZES if (m, f) == (n, fractions))
+    found = [sizes for m, f, sizes in SIZES if (m, f) == (n, list(fractions))]
+    if not found:
+        raise ValueError(
+            f"partition called shard_sizes({n}, {fractions}), sizes for another partition than the one asked for:"
+            " call shard_sizes(n, fractions) with partition's own arguments"
+        )
+    return list(found[0])
+
+
+def data_module(folder):
+    """data.py under test, its partition calling the rule's sizes from SIZES instead of its own shard_sizes: the
+    checks of partition judge partition alone, whatever shard_sizes does (test_shard_sizes judges that)."""
+    data = load(folder).data
+    data.shard_sizes = expected_sizes
+    return data
 
 
 def shards_of(world_size):
@@ -104,7 +121,7 @@ def check_shard_sizes(folder):
 
 def partitions_in_world(folder):
     """Probe, on every rank: each case's shards, and the collectives partition started."""
-    data = load(folder).data
+    data = data_module(folder)
     torch.manual_seed(dist.get_rank())  # the global generator differs on every rank, as on separate machines
     out = []
     for n, fractions, seed in PARTITIONS:
@@ -127,7 +144,8 @@ def check_partition(folder, world_size=3):
             assert len(shards) == len(fractions), f"{what} returned {len(shards)} shards for {len(fractions)} fractions"
             sizes = [len(s) for s in shards]
             assert sizes == expected_sizes(n, fractions), (
-                f"{what} made shards of {sizes} samples: their sizes are shard_sizes(n, fractions)"
+                f"{what} made shards of {sizes} samples, expected {expected_sizes(n, fractions)}: cut pieces of"
+                " shard_sizes(n, fractions) (this check gives partition a shard_sizes that follows the rule)"
             )
             every = torch.cat(shards).long() if shards else torch.zeros(0, dtype=torch.long)
             counts = torch.bincount(every, minlength=n) if n else torch.zeros(0)
@@ -153,7 +171,7 @@ def check_partition(folder, world_size=3):
 
 def equal_partitions(folder):
     """Probe: partition by equal fractions for each sampler case."""
-    data = load(folder).data
+    data = data_module(folder)
     return [[torch.as_tensor(s) for s in data.partition(n, [1 / w] * w, seed)] for n, w, seed in SAMPLER_CASES]
 
 
@@ -427,7 +445,7 @@ def check_join(folder, world_size=2):
 
 def unwaited_training(folder):
     """Probe: the reference notebook's async_op=True "fix" on the student's partition of 0.7 and 0.3."""
-    data = load(folder).data
+    data = data_module(folder)
     X, Y = dataset()
     shard = data.partition(N, [0.7, 0.3], SHARD_SEED)[dist.get_rank()]
     model = fresh_model()

@@ -6,7 +6,7 @@ mistake and shows that the check for it fails, with a message that points at the
 
 import pytest
 
-from tests.mutants import assert_caught
+from tests.mutants import assert_caught, make_mutant
 from tests.test_ex8_data import (
     check_against_sampler,
     check_agreed_steps,
@@ -50,6 +50,14 @@ MUTANTS = {
         "key=lambda k: (-(exact[k] - sizes[k]), -k)",
         check_shard_sizes,
         "the lower rank first among equal ones",
+    ),
+    # Its own sizes, the left-overs to the last shard, instead of shard_sizes.
+    "partition sizes its shards itself": (
+        "data.py",
+        "    return list(order.split(shard_sizes(n, fractions)))",
+        "    sizes = [int(n * f) for f in fractions[:-1]]\n    return list(order.split([*sizes, n - sum(sizes)]))",
+        check_partition,
+        "cut pieces of shard_sizes(n, fractions)",
     ),
     # Indices drawn with replacement: some twice, some never.
     "indices drawn with replacement": (
@@ -158,3 +166,12 @@ MUTANTS = {
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])
+
+
+def test_partition_is_judged_apart_from_shard_sizes(tmp_path):
+    """A wrong shard_sizes costs the check of shard_sizes, not those of partition, which calls it."""
+    folder = make_mutant(tmp_path / "mutant", "data.py", LEFT_OVERS, "    sizes[-1] += n - sum(sizes)\n")
+    with pytest.raises(AssertionError, match="the largest fractional parts"):
+        check_shard_sizes(folder)
+    check_partition(folder)
+    check_against_sampler(folder)
