@@ -124,7 +124,8 @@ def batchnorm_demo(rows_per_rank: int, features: int) -> dict:
 
 
 def average_parameters(model: nn.Module) -> None:
-    """Replace every parameter of model, in place, by its mean over the ranks (dist.all_reduce)."""
+    """Set every parameter of model to its mean over the ranks (dist.all_reduce), in the model's own
+    Parameter objects: the optimizer holds those, and steps whatever values they have."""
     # TODO(exercise 9): all-reduce each parameter and divide by the world size, without autograd.
     ### BEGIN SOLUTION
     with torch.no_grad():

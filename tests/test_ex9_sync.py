@@ -341,22 +341,23 @@ def _start(rank):
 def average_in_world(folder):
     """Probe, on every rank: average_parameters on a model whose weights differ across ranks."""
     net = _start(dist.get_rank())
-    before = [p.data_ptr() for p in net.parameters()]
+    before = list(net.parameters())
     load(folder).sync.average_parameters(net)
+    after = list(net.parameters())
     return {
         "params": {n: p.detach().clone() for n, p in net.named_parameters()},
-        "same_tensors": [p.data_ptr() for p in net.parameters()] == before,
+        "same_parameters": len(after) == len(before) and all(a is b for a, b in zip(after, before)),
     }
 
 
 def check_average_parameters(folder, world_size):
-    """Every parameter becomes, in place, its mean over the ranks."""
+    """Every parameter becomes its mean over the ranks, in the model's own Parameter objects."""
     results = world(average_in_world, world_size, folder)
     starts = [dict(_start(r).named_parameters()) for r in range(world_size)]
     for rank, got in enumerate(results):
-        assert got["same_tensors"], (
-            f"rank {rank}: average_parameters replaced the parameters' tensors; change them in place, the"
-            " optimizer holds these tensors"
+        assert got["same_parameters"], (
+            f"rank {rank}: average_parameters put new Parameter objects in the model; the optimizer holds the old"
+            " ones and would step those: give the model's own parameters their new values"
         )
         for name, own in starts[rank].items():
             mean = sum(s[name] for s in starts) / world_size

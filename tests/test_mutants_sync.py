@@ -17,7 +17,7 @@ import torch.nn as nn
 from course.layout import SOLUTIONS
 from tests import warm
 from tests.helpers import world
-from tests.mutants import assert_caught
+from tests.mutants import assert_caught, make_mutant
 from tests.test_ex9_sync import (
     check_average_parameters,
     check_backward,
@@ -149,12 +149,16 @@ MUTANTS = {
         lambda folder: check_average_parameters(folder, 2),
         "still this rank's own",
     ),
-    "parameters replaced, not changed in place": (
+    # The optimizer holds the old Parameter objects: local SGD would step parameters the model no longer has.
+    "new Parameter objects put in the model": (
         "sync.py",
-        AVERAGE,
-        "            dist.all_reduce(param)\n            param.data = param.data / dist.get_world_size()",
+        "        for param in model.parameters():\n" + AVERAGE,
+        "        for module in model.modules():\n"
+        "            for name, param in list(module.named_parameters(recurse=False)):\n"
+        "                dist.all_reduce(param)\n"
+        "                setattr(module, name, nn.Parameter(param / dist.get_world_size()))",
         lambda folder: check_average_parameters(folder, 2),
-        "change them in place",
+        "put new Parameter objects in the model",
     ),
     "no averaging after the last step": (
         "sync.py",
@@ -257,3 +261,16 @@ def test_experiment_script_writes_png_and_json(tmp_path):
     assert len(found["curves"]["non-IID, local"]["before"]) == 2 and found["curves"]["IID, sync"]["before"] == []
     assert "final test loss | non-IID, local" in done.stdout
     assert os.path.basename(str(png)) in done.stdout
+
+
+def test_parameters_data_replaced_is_right(tmp_path):
+    """`param.data = ...` keeps the Parameter object, which the optimizer holds: it averages as well as an
+    in-place division, and local SGD trains the same."""
+    folder = make_mutant(
+        tmp_path / "mutant",
+        "sync.py",
+        AVERAGE,
+        "            dist.all_reduce(param)\n            param.data = param.data / dist.get_world_size()",
+    )
+    check_average_parameters(folder, 2)
+    local_sgd(folder)
