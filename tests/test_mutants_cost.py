@@ -5,18 +5,22 @@ Instructors only: these need solutions/.
 
 import pytest
 
-from tests.mutants import assert_caught
-from tests.test_ex12_cost import check_exposed, check_fit, check_ring, check_speedup
+from course.launch import WorldFailed
+from tests.mutants import assert_caught, make_mutant
+from tests.test_ex12_cost import check_exposed, check_fit, check_largest_world, check_ring, check_speedup
+
+RING = "return 2 * (world_size - 1) * (alpha + n / (world_size * beta))"
+SEARCH = "gains = [r for r in range(2, most + 1) if t_sync_of(r) / t_comp < r - 1]"
 
 MUTANTS = {
     "the ring takes W - 1 steps": (
-        "return 2 * (world_size - 1) * (alpha + n / (world_size * beta))",
+        RING,
         "return (world_size - 1) * (alpha + n / (world_size * beta))",
         check_ring,
         "a ring takes 2(W - 1) steps",
     ),
     "every ring step sends the whole tensor": (
-        "return 2 * (world_size - 1) * (alpha + n / (world_size * beta))",
+        RING,
         "return 2 * (world_size - 1) * (alpha + n / beta)",
         check_ring,
         "each step sends one chunk, n / W bytes",
@@ -25,13 +29,21 @@ MUTANTS = {
         "end = max(at, end) + ring_allreduce_seconds(n, world_size, alpha, beta)",
         "end = at + end + ring_allreduce_seconds(n, world_size, alpha, beta)",
         check_exposed,
-        "the maximum, not the sum",
+        "their maximum, not their sum",
+    ),
+    "a bucket starts when it is ready, whether the link is free or not": (
+        "    end = 0.0\n    for at, n in zip(ready, sizes):\n"
+        "        end = max(at, end) + ring_allreduce_seconds(n, world_size, alpha, beta)",
+        "    end = 0.0\n    for at, n in zip(ready, sizes):\n"
+        "        end = at + ring_allreduce_seconds(n, world_size, alpha, beta)",
+        check_exposed,
+        "also waits for the link",
     ),
     "communication that ends before the backward pass counts as exposed": (
         "return max(0.0, end - backward_end)",
         "return end - backward_end",
         check_exposed,
-        "only what ends after the backward pass is exposed",
+        "not a negative time",
     ),
     "the slope taken for beta": (
         "return float(alpha), float(1 / slope)",
@@ -48,8 +60,32 @@ MUTANTS = {
     "the blog's condition against R, not R - 1": (
         "if t_sync_of(r) / t_comp < r - 1]",
         "if t_sync_of(r) / t_comp < r]",
-        check_speedup,
+        check_largest_world,
         "T_sync(R) / T_comp < R - 1",
+    ),
+    "the search stops before most": (
+        "for r in range(2, most + 1)",
+        "for r in range(2, most)",
+        check_largest_world,
+        "the range goes up to most, included",
+    ),
+    "the condition taken with <=": (
+        "if t_sync_of(r) / t_comp < r - 1]",
+        "if t_sync_of(r) / t_comp <= r - 1]",
+        check_largest_world,
+        "the condition is strict",
+    ),
+    "the search starts at 3": (
+        "for r in range(2, most + 1)",
+        "for r in range(3, most + 1)",
+        check_largest_world,
+        "start at R = 2",
+    ),
+    "the search stops at the first R that does not gain": (
+        SEARCH + "\n    return max(gains, default=1)",
+        "r = 2\n    while r <= most and t_sync_of(r) / t_comp < r - 1:\n        r += 1\n    return r - 1",
+        check_largest_world,
+        "do not stop at the first that fails",
     ),
 }
 
@@ -57,3 +93,19 @@ MUTANTS = {
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, "cost.py", *MUTANTS[mistake])
+
+
+def test_exposed_is_judged_apart_from_the_ring(tmp_path):
+    """exposed_seconds calls ring_allreduce_seconds: a wrong ring costs the ring's check, not exposed_seconds's."""
+    folder = make_mutant(tmp_path / "mutant", "cost.py", RING, "return (world_size - 1) * (alpha + n / beta)")
+    with pytest.raises(AssertionError, match="ring_allreduce_seconds"):
+        check_ring(folder)
+    check_exposed(folder)
+
+
+def test_a_function_not_written_costs_its_own_check_only(tmp_path):
+    folder = make_mutant(tmp_path / "mutant", "cost.py", RING, 'raise NotImplementedError("Exercise 12: ring")')
+    with pytest.raises(WorldFailed):
+        check_ring(folder)
+    for check in (check_fit, check_exposed, check_speedup, check_largest_world):
+        check(folder)
