@@ -408,16 +408,19 @@ def local_sgd_in_world(folder, steps, period, watch=True):
     }
 
 
-def simulate(world_size, steps, averages):
+def simulate(world_size, steps, averages, zero_grad=True):
     """Local SGD by hand: each rank's model steps on its batches; the ranks average after the steps
-    in `averages`. Returns every rank's losses and final parameters."""
+    in `averages`. Without zero_grad, each backward pass adds to the gradients of the steps before.
+    Returns every rank's losses and final parameters, and its first layer's weight just before and
+    just after each averaging."""
     models = [_start(0) for _ in range(world_size)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=CONFIG.lr) for m in models]
     batches = [local_batches(steps, r, world_size) for r in range(world_size)]
-    losses, seen = [[] for _ in models], [[] for _ in models]
+    losses, seen, averaged = [[] for _ in models], [[] for _ in models], [[] for _ in models]
     for step in range(1, steps + 1):
         for r, (model, optimizer) in enumerate(zip(models, optimizers)):
-            optimizer.zero_grad()
+            if zero_grad:
+                optimizer.zero_grad()
             _, loss = model(*batches[r][step - 1])
             loss.backward()
             optimizer.step()
@@ -430,11 +433,21 @@ def simulate(world_size, steps, averages):
                     mean = sum(params) / world_size
                     for p in params:
                         p.copy_(mean)
-    return losses, [{n: p.detach() for n, p in m.named_parameters()} for m in models], seen
+            for r, model in enumerate(models):
+                averaged[r].append(model.layers[0].weight.detach().clone())
+    return losses, [{n: p.detach() for n, p in m.named_parameters()} for m in models], seen, averaged
 
 
 def _same(got, expected):
     return all(torch.allclose(got[n], p, rtol=1e-4, atol=1e-5) for n, p in expected.items())
+
+
+def _same_losses(got, expected):
+    return len(got) == len(expected) and all(abs(a - b) < 1e-4 for a, b in zip(got, expected))
+
+
+def _same_weights(got, expected):
+    return len(got) == len(expected) and all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(got, expected))
 
 
 def check_local_sgd(folder, world_size, steps, period):
@@ -442,7 +455,7 @@ def check_local_sgd(folder, world_size, steps, period):
     last, calls before_average just before each, and returns every step's loss."""
     results = world(local_sgd_in_world, world_size, folder, steps, period)
     averages = sorted({*range(period, steps + 1, period), steps})
-    losses, params, seen = simulate(world_size, steps, set(averages))
+    losses, params, seen, averaged = simulate(world_size, steps, set(averages))
     n_params = len(WIDTHS) - 1
     for rank, got in enumerate(results):
         what = f"with {world_size} ranks, {steps} steps and period={period}, rank {rank}"
@@ -450,14 +463,28 @@ def check_local_sgd(folder, world_size, steps, period):
             f"{what}: before_average was called after steps {got['calls']}, expected {averages}: just before each"
             " averaging, after steps period, 2 * period, ... and after the last step"
         )
-        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(got["seen"], seen[rank])), (
-            f"{what}: before_average saw other parameters than the rank's own just before averaging: call it"
-            " before average_parameters, not after"
-        )
         assert got["floats"], f"{what}: local_sgd should return the losses as floats (loss.item())"
-        assert len(got["losses"]) == steps and all(abs(a - b) < 1e-4 for a, b in zip(got["losses"], losses[rank])), (
-            f"{what}: local_sgd returned the losses {got['losses']}, expected each step's loss {losses[rank]}"
-        )
+        if not _same_losses(got["losses"], losses[rank]):
+            accumulated = simulate(world_size, steps, set(averages), zero_grad=False)[0][rank]
+            hint = (
+                ": they are the losses of steps whose gradients were never zeroed, each backward pass adding to the"
+                " gradients of the steps before: zero them in every step"
+                if _same_losses(got["losses"], accumulated)
+                else ""
+            )
+            raise AssertionError(
+                f"{what}: local_sgd returned the losses {[round(x, 4) for x in got['losses']]}, expected each step's"
+                f" loss {[round(x, 4) for x in losses[rank]]}{hint}"
+            )
+        if not _same_weights(got["seen"], seen[rank]):
+            hint = (
+                ": it saw the averaged parameters; call it before average_parameters, not after"
+                if _same_weights(got["seen"], averaged[rank])
+                else ""
+            )
+            raise AssertionError(
+                f"{what}: before_average saw other parameters than the rank's own just before averaging{hint}"
+            )
         if not _same(got["params"], params[rank]):
             hint = ""
             for other, why in (

@@ -188,6 +188,14 @@ MUTANTS = {
         local_sgd,
         "call it before average_parameters",
     ),
+    # Every step after the first adds its gradient to the ones before: the losses part from the third step on.
+    "gradients never zeroed in local SGD": (
+        "sync.py",
+        "        optimizer.zero_grad()\n        _, loss = model(x, y)",
+        "        _, loss = model(x, y)",
+        local_sgd,
+        "gradients were never zeroed",
+    ),
     "losses returned as tensors": (
         "sync.py",
         "losses.append(loss.item())",
