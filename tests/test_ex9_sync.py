@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course.launch import run
+from course.launch import WorldFailed, run
 from tests.comm_log import CommLog
 from tests.helpers import CONFIG, WIDTHS, SmallMLP, forward_from, global_batch, load, world
 
@@ -180,9 +180,42 @@ def _batch_stats_fit(got, rows, rank):
     )
 
 
+def eval_alone_in_world(folder, rows):
+    """Probe, on every rank: a training forward pass, then only rank 0 runs one in eval mode, as a script that
+    evaluates on rank 0 does; the other ranks return."""
+    layer, rank = _layer(folder), dist.get_rank()
+    layer(rank_rows(0, rows, rank))
+    if rank != 0:
+        return None
+    layer.eval()
+    return layer(rank_rows(1, rows, rank)).detach()
+
+
+def check_eval_alone(folder, world_size=2):
+    """In eval mode the layer communicates nothing: rank 0 evaluating alone does not wait for the others."""
+    try:
+        # A short collective timeout: where the ranks' collectives are not compared, rank 0 is named after 3 s.
+        (got, *_) = run(eval_alone_in_world, world_size, folder, ROWS[world_size], timeout=30, collective_timeout=3)
+    except WorldFailed as failed:
+        first = failed.failure.fact(0)
+        if failed.failure.kind not in ("mismatch", "wait", "timeout") or first is None:
+            raise
+        call = first.op or first.collective or "a collective"
+        raise AssertionError(
+            f"rank 0 alone ran the layer in eval mode, as a script that evaluates on rank 0 does, and it called"
+            f" {call} at {first.where()}, which the other ranks, evaluating nothing, never join: in eval mode"
+            " normalise with the running statistics and communicate nothing"
+        ) from None
+    assert got is not None, "rank 0's eval-mode output did not come back"
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_forward(impl_dir, world_size):
     check_forward(impl_dir, world_size)
+
+
+def test_eval_alone(impl_dir):
+    check_eval_alone(impl_dir)
 
 
 def coefficients(rows, rank):

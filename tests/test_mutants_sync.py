@@ -21,6 +21,7 @@ from tests.mutants import assert_caught, make_mutant
 from tests.test_ex9_sync import (
     check_average_parameters,
     check_backward,
+    check_eval_alone,
     check_forward,
     check_local_sgd,
     check_period_one_is_synchronous,
@@ -134,6 +135,14 @@ MUTANTS = {
         "return self.normalise(x, *global_moments(x)[1:])",
         forward(2),
         "normalised with the batch's statistics",
+    ),
+    # Right numbers; on one rank alone, the all-reduce waits for ranks that evaluate nothing.
+    "eval mode communicates": (
+        "sync.py",
+        "return self.normalise(x, self.running_mean, self.running_var)",
+        "global_moments(x)\n            return self.normalise(x, self.running_mean, self.running_var)",
+        check_eval_alone,
+        "in eval mode normalise with the running statistics and communicate nothing",
     ),
     "parameters summed, not averaged": (
         "sync.py",
