@@ -44,7 +44,8 @@ def partition(n: int, fractions: list[float], seed: int) -> list[torch.Tensor]:
     Shuffle with torch.randperm(n, generator=torch.Generator().manual_seed(seed)), the order that
     torch's DistributedSampler(shuffle=True, seed=seed) draws in its first epoch, and cut it into
     consecutive pieces of shard_sizes(n, fractions), in rank order. Every rank calls it with the
-    same arguments and gets the same shards, without communicating: no collective here.
+    same arguments and gets the same shards, without communicating: no collective here. The global
+    random generator (torch.manual_seed's) is the rank's own: leave it as it was.
     """
     # TODO(exercise 8): the shuffled indices, cut into pieces of shard_sizes(n, fractions).
     raise NotImplementedError("Exercise 8: partition is not written yet, see exercises/08_data.md")

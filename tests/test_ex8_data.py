@@ -125,9 +125,16 @@ def partitions_in_world(folder):
     torch.manual_seed(dist.get_rank())  # the global generator differs on every rank, as on separate machines
     out = []
     for n, fractions, seed in PARTITIONS:
+        before = torch.get_rng_state()
         with CommLog() as log:
             shards = data.partition(n, fractions, seed)
-        out.append({"shards": [torch.as_tensor(s) for s in shards], "collectives": log.summary()["collectives"]})
+        out.append(
+            {
+                "shards": [torch.as_tensor(s) for s in shards],
+                "collectives": log.summary()["collectives"],
+                "global_generator_kept": torch.equal(torch.get_rng_state(), before),
+            }
+        )
     return out
 
 
@@ -159,6 +166,12 @@ def check_partition(folder, world_size=3):
                     f"{what}: rank {rank}'s shards differ from rank 0's: draw the order from a generator seeded"
                     " with seed, torch.Generator().manual_seed(seed), not from the global one"
                 )
+        for rank, got in enumerate(per_rank):
+            assert got["global_generator_kept"], (
+                f"{what} changed rank {rank}'s global random generator (torch.manual_seed, or a draw from it): every"
+                " later random draw of the rank (initial weights, dropout masks) then depends on partition. Draw the"
+                " order from a generator of its own, torch.Generator().manual_seed(seed)"
+            )
         drawn = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         assert not torch.equal(every, torch.arange(n)) or n < 2, (
             f"{what} did not shuffle: cut the shuffled order, torch.randperm(n, generator=...), not 0 .. n-1"

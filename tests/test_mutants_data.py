@@ -82,6 +82,14 @@ MUTANTS = {
         check_partition,
         "differ from rank 0's",
     ),
+    # The same shards on every rank, but the global generator reseeded: what the handout forbids.
+    "shuffled after torch.manual_seed": (
+        "data.py",
+        "order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))",
+        "torch.manual_seed(seed)\n    order = torch.randperm(n)",
+        check_partition,
+        "changed rank 0's global random generator",
+    ),
     # Right shards on every rank, but by communication, which the seed makes unnecessary.
     "rank 0's order broadcast": (
         "data.py",
