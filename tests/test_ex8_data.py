@@ -28,6 +28,7 @@ SIZES = [
     (12, [1 / 3, 1 / 3, 1 / 3], [4, 4, 4]),
     (7, [0.5, 0.5], [4, 3]),
     (160, [0.5, 0.5], [80, 80]),
+    (10, [0.25, 0.25, 0.25, 0.25], [3, 3, 2, 2]),
 ]
 PARTITIONS = [(160, [0.7, 0.3], 3), (10, [1 / 3, 1 / 3, 1 / 3], 0), (11, [0.5, 0.3, 0.2], 7), (1, [0.5, 0.5], 1)]
 SAMPLER_CASES = [(12, 3, 0), (10, 3, 5), (7, 2, 1), (160, 2, 3)]
@@ -369,6 +370,7 @@ def check_agreed_steps(folder, world_size):
         ) from None
     expected, counts = expected_training(world_size, joined=False)
     agreed = [r["agreed"] for r in results]
+    assert all(type(a) is int for a in agreed), f"common_steps returned {agreed}: return the number of steps as an int"
     assert agreed == [min(counts)] * world_size, (
         f"common_steps returned {agreed} on ranks with {counts} batches: every rank should take the smallest"
         f" number, {min(counts)}, since a rank with fewer batches has no data for more"

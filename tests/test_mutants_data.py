@@ -5,6 +5,8 @@ mistake and shows that the check for it fails, with a message that points at the
 """
 
 import pytest
+import torch
+from torch.utils.data import DistributedSampler
 
 from tests.mutants import assert_caught, make_mutant
 from tests.test_ex8_data import (
@@ -13,6 +15,7 @@ from tests.test_ex8_data import (
     check_join,
     check_partition,
     check_shard_sizes,
+    check_unbalanced_hang,
     check_weighted_average,
 )
 
@@ -58,6 +61,36 @@ MUTANTS = {
         "    sizes = [int(n * f) for f in fractions[:-1]]\n    return list(order.split([*sizes, n - sum(sizes)]))",
         check_partition,
         "cut pieces of shard_sizes(n, fractions)",
+    ),
+    # The right sizes as floats: torch's split refuses them, and so does a check of whole numbers.
+    "sizes returned as floats": (
+        "data.py",
+        "    return sizes\n    ### END SOLUTION",
+        "    return [float(s) for s in sizes]\n    ### END SOLUTION",
+        check_shard_sizes,
+        "return a list of ints",
+    ),
+    # Right while one sample is left over; with two (10 samples by quarters), one shard gets both.
+    "all left-overs to the largest fractional part": (
+        "data.py",
+        LEFT_OVERS,
+        "    sizes[by_remainder[0]] += n - sum(sizes)\n",
+        check_shard_sizes,
+        "rounded down or up",
+    ),
+    "shuffled with another seed": (
+        "data.py",
+        "order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))",
+        "order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1))",
+        check_partition,
+        "cut into consecutive pieces in rank order",
+    ),
+    "pieces in reverse rank order": (
+        "data.py",
+        "    return list(order.split(shard_sizes(n, fractions)))",
+        "    return list(order.flip(0).split(shard_sizes(n, fractions)[::-1]))[::-1]",
+        check_partition,
+        "cut into consecutive pieces in rank order",
     ),
     # Indices drawn with replacement: some twice, some never.
     "indices drawn with replacement": (
@@ -122,6 +155,23 @@ MUTANTS = {
         lambda folder: check_weighted_average(folder, 3),
         "not the gradient of the union batch",
     ),
+    # Nothing to wait for: the ranks with fewer batches leave, and the run ends.
+    "the weighted average communicates nothing": (
+        "data.py",
+        "    n = torch.tensor([float(rows)])\n    dist.all_reduce(n, op=dist.ReduceOp.SUM)\n"
+        "    for param in model.parameters():\n        if param.grad is not None:\n"
+        "            param.grad.mul_(rows / n.item())\n            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)\n",
+        "    pass\n",
+        check_unbalanced_hang,
+        "the run ended",
+    ),
+    "common_steps returns a tensor": (
+        "data.py",
+        "    return int(agreed.item())",
+        "    return agreed[0]",
+        lambda folder: check_agreed_steps(folder, 2),
+        "as an int",
+    ),
     "ranks agree on the largest number of steps": (
         "data.py",
         "dist.all_reduce(agreed, op=dist.ReduceOp.MIN)",
@@ -183,3 +233,17 @@ def test_partition_is_judged_apart_from_shard_sizes(tmp_path):
         check_shard_sizes(folder)
     check_partition(folder)
     check_against_sampler(folder)
+
+
+def test_distributed_sampler_pads_with_the_first_samples_or_drops_the_last():
+    """The handout's account of DistributedSampler: it deals its shuffled order like cards, repeats the first
+    samples of the order until every rank has ceil(n / W), or with drop_last=True keeps floor(n / W) each."""
+    n, w, seed = 10, 3, 5
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    padded = [list(DistributedSampler(range(n), num_replicas=w, rank=r, shuffle=True, seed=seed)) for r in range(w)]
+    assert [padded[i % w][i // w] for i in range(12)] == order + order[:2]
+    dropped = [
+        list(DistributedSampler(range(n), num_replicas=w, rank=r, shuffle=True, seed=seed, drop_last=True))
+        for r in range(w)
+    ]
+    assert [len(d) for d in dropped] == [3, 3, 3] and sorted(sum(dropped, [])) == sorted(order[:9])
