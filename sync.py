@@ -36,7 +36,7 @@ def global_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     mean and var their biased variance (divided by count). The backward pass must carry the
     gradient back through the communication to every rank whose rows made the statistics.
     """
-    # TODO(exercise 9): all-reduce count, sum and sum of squares (one tensor: one all-reduce), with
+    # TODO(exercise 9): count, sum and sum of squares of every rank's rows, summed over the ranks by
     # an all-reduce that autograd can pass gradients through; then the moments.
     raise NotImplementedError("Exercise 9: global_moments is not written yet, see exercises/09_sync.md")
 

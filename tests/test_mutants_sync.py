@@ -8,6 +8,8 @@ mistake and shows that the check for it fails, with a message that points at the
 
 import json
 import os
+from contextlib import redirect_stdout
+from io import StringIO
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ import torch.nn as nn
 
 from course.layout import SOLUTIONS
 from tests import warm
-from tests.helpers import world
+from tests.helpers import load, world
 from tests.mutants import assert_caught, make_mutant
 from tests.test_ex9_sync import (
     check_average_parameters,
@@ -291,3 +293,31 @@ def test_parameters_data_replaced_is_right(tmp_path):
     )
     check_average_parameters(folder, 2)
     local_sgd(folder)
+
+
+def test_the_documented_differentiable_all_reduce_passes(tmp_path):
+    """The handout: the checks accept torch.distributed.nn.functional.all_reduce as well as the functional
+    collectives' all_reduce."""
+    folder = make_mutant(
+        tmp_path / "mutant",
+        "sync.py",
+        ALL_REDUCE,
+        "import torch.distributed.nn.functional as differentiable\n\n    total = differentiable.all_reduce(local)",
+    )
+    check_forward(folder, 3)
+    check_backward(folder, 2)
+
+
+def demo(rows, features):
+    sync = load(SOLUTIONS).sync
+    with redirect_stdout(StringIO()):
+        return sync.batchnorm_demo(rows, features)
+
+
+def test_batchnorm_demo_shows_what_the_handout_says():
+    """`python sync.py --world-size 2` (8 rows of 256 features per rank): nn.BatchNorm1d's output, running variance and eval-mode output on rank 0
+    alone are more than 1 away from one process's; SyncBatchNorm1d's within rounding."""
+    found = world(demo, 2, 8, 256)[0]
+    plain, synced = found["nn.BatchNorm1d"], found["SyncBatchNorm1d"]
+    assert plain[0] > 1 and plain[2] > 1 and plain[3] > 1, plain
+    assert max(synced) < 1e-5, synced
