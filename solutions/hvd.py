@@ -32,7 +32,8 @@ from mlp import (
 
 
 def broadcast_parameters(model: nn.Module) -> None:
-    """Give every rank rank 0's parameters and buffers, in place (dist.broadcast)."""
+    """Give every rank rank 0's parameters and buffers (dist.broadcast), in the model's own tensors:
+    an optimizer built before holds the Parameter objects."""
     # TODO(exercise 10): every parameter and every buffer, from rank 0.
     ### BEGIN SOLUTION
     with torch.no_grad():

@@ -37,14 +37,24 @@ def resumed(kind, rank):
 def start_state(folder):
     """Probe: ranks build different weights and buffers, then broadcast_parameters."""
     model = model_with_buffers(dist.get_rank())
+    before = list(model.parameters())
     load(folder).hvd.broadcast_parameters(model)
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    after = list(model.parameters())
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "same_parameters": len(after) == len(before) and all(a is b for a, b in zip(after, before)),
+    }
 
 
 def check_broadcast_parameters(folder, world_size):
-    states = world(start_state, world_size, folder)
+    results = world(start_state, world_size, folder)
     expected = model_with_buffers(0).state_dict()
-    for rank, state in enumerate(states):
+    for rank, result in enumerate(results):
+        assert result["same_parameters"], (
+            f"rank {rank}: broadcast_parameters put new Parameter objects in the model; an optimizer built before"
+            " it holds the old ones and would step those: give the model's own parameters rank 0's values"
+        )
+        state = result["state"]
         for name, value in expected.items():
             what = "buffer" if "running" in name or "num_batches" in name else "parameter"
             assert torch.equal(state[name], value), (

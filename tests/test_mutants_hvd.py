@@ -20,6 +20,19 @@ MUTANTS = {
         lambda folder: check_broadcast_parameters(folder, 2),
         "every parameter and every buffer",
     ),
+    # Rank 0's values on every rank, in new Parameter objects: an optimizer built before holds the old ones.
+    "new Parameter objects put in the model": (
+        "hvd.py",
+        "        for tensor in [*model.parameters(), *model.buffers()]:\n            dist.broadcast(tensor, src=0)",
+        "        for module in model.modules():\n"
+        "            for name, param in list(module.named_parameters(recurse=False)):\n"
+        "                fresh = param.detach().clone()\n"
+        "                dist.broadcast(fresh, src=0)\n"
+        "                setattr(module, name, nn.Parameter(fresh))\n"
+        "        for tensor in model.buffers():\n            dist.broadcast(tensor, src=0)",
+        lambda folder: check_broadcast_parameters(folder, 2),
+        "put new Parameter objects in the model",
+    ),
     "optimizer state not broadcast": (
         "hvd.py",
         "    dist.broadcast_object_list(state, src=0)\n    optimizer.load_state_dict(state[0])",
