@@ -11,7 +11,7 @@ same source on every rank, rank 0's, which returns wrong values instead.
 import pytest
 
 from tests.mutants import assert_caught
-from tests.test_ex11_zero import check_hook, check_owners, check_state_bytes, check_steps
+from tests.test_ex11_zero import check_hook, check_matches_zero_redundancy, check_owners, check_state_bytes, check_steps
 
 LEAST_LOADED = "        rank = load.index(min(load))\n"
 SENT = "    started = dist.all_reduce(compressed, group=group, async_op=True).get_future()\n"
@@ -51,6 +51,44 @@ MUTANTS = {
         "        rank = len(load) - 1 - load[::-1].index(min(load))\n",
         check_owners,
         "a tie to the lower rank",
+    ),
+    "owners counted from 1": (
+        "zero.py",
+        "        owners[i] = rank\n",
+        "        owners[i] = rank + 1\n",
+        check_owners,
+        "every owner is a rank in range",
+    ),
+    "equal sizes taken last first": (
+        "zero.py",
+        "key=lambda i: -sizes[i]",
+        "key=lambda i: (-sizes[i], -i)",
+        check_owners,
+        "equal sizes in their order",
+    ),
+    # The assignment differs from ZeroRedundancyOptimizer's, rank by rank, though every rank agrees on it.
+    "a tie to the higher rank, seen against ZeroRedundancyOptimizer": (
+        "zero.py",
+        LEAST_LOADED,
+        "        rank = len(load) - 1 - load[::-1].index(min(load))\n",
+        lambda folder: check_matches_zero_redundancy(folder, 3),
+        "it assigns the parameters by the same rule",
+    ),
+    # Adam with its default learning rate (1e-3), not the lr the checks pass.
+    "the optimizer's arguments dropped": (
+        "zero.py",
+        "        self.optimizer = optimizer_class(mine, **defaults)",
+        "        self.optimizer = optimizer_class(mine)",
+        lambda folder: check_steps(folder, 2, steps=1),
+        "differs from Adam in one process",
+    ),
+    # Only the owner needs the average to step, but after step() every rank's gradients are the averages.
+    "gradients reduced to their owner only": (
+        "zero.py",
+        "        for p in self.params:\n            dist.all_reduce(p.grad)\n",
+        "        for p, owner in zip(self.params, self.owners):\n            dist.reduce(p.grad, dst=owner)\n",
+        lambda folder: check_steps(folder, 2, steps=1),
+        "not the average of the ranks' gradients",
     ),
     "the owner does not broadcast": (
         "zero.py",
