@@ -49,7 +49,27 @@ MUTANTS = {
         "return float(alpha), float(1 / slope)",
         "return float(alpha), float(slope)",
         check_fit,
-        "its slope is 1 / beta",
+        "1 / beta, not beta",
+    ),
+    "a line through the first and last points": (
+        "    slope = ((n - n.mean()) * (t - t.mean())).sum() / ((n - n.mean()) ** 2).sum()\n"
+        "    alpha = t.mean() - slope * n.mean()",
+        "    slope = (t[-1] - t[0]) / (n[-1] - n[0])\n    alpha = t[0] - slope * n[0]",
+        check_fit,
+        "the line through the first and last points",
+    ),
+    # alpha, the smallest time; beta from the largest message alone.
+    "alpha and beta read off the ends": (
+        "    alpha = t.mean() - slope * n.mean()\n    return float(alpha), float(1 / slope)",
+        "    alpha = t.min()\n    return float(alpha), float(n[-1] / (t[-1] - alpha))",
+        check_fit,
+        "least-squares line",
+    ),
+    "one rank costs a step": (
+        RING,
+        "return 2 * max(world_size - 1, 1) * (alpha + n / (world_size * beta))",
+        check_ring,
+        "one rank sends nothing",
     ),
     "the speed-up without the ranks' share of the epoch": (
         "return world_size * t_comp / (t_comp + t_sync)",
