@@ -23,6 +23,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from course.device import current_device
+from course.flags import whole
 from course.launch import launch, launch_options
 from mlp import MLP, ModelConfig, config_from, evaluate, gen_dataset, make_parser, split_dataset
 
@@ -230,14 +231,25 @@ def summary(curves: dict) -> dict:
 
 if __name__ == "__main__":
     parser = make_parser(__doc__)
-    parser.add_argument("--rows", type=int, default=8, help="rows per rank of the BatchNorm demo")
+    parser.add_argument("--rows", type=whole(1), default=8, help="rows per rank of the BatchNorm demo")
     parser.add_argument(
         "--non-iid-plot", metavar="PNG", default=None, help="run the non-IID experiment; write PNG and its .json"
     )
-    parser.add_argument("--period", type=int, default=8, help="local SGD: average the parameters every PERIOD steps")
+    parser.add_argument(
+        "--period", type=whole(1), default=8, help="local SGD: average the parameters every PERIOD steps"
+    )
     # The experiment's own defaults: the default MLP, long enough for the curves to settle.
     parser.set_defaults(world_size=2, niters=600, learning_rate=0.2, time_limit=300)
     args = parser.parse_args()
+    if args.non_iid_plot is None and args.rows * args.world_size < 2:
+        parser.error("BatchNorm's variance needs 2 rows at least: --rows x --world-size is 1")
+    if args.non_iid_plot is not None and args.n_classes < args.world_size:
+        parser.error(
+            f"label-disjoint shards give each rank its own classes: --n-classes {args.n_classes} is fewer"
+            f" than the {args.world_size} ranks"
+        )
+    if args.non_iid_plot is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.non_iid_plot))):
+        parser.error(f"--non-iid-plot {args.non_iid_plot}: no folder {os.path.dirname(args.non_iid_plot)}")
     if args.non_iid_plot is None:
         launch(batchnorm_demo, args.world_size, args.rows, args.dim_hidden, **launch_options(args))
         raise SystemExit(0)

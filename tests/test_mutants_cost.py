@@ -6,7 +6,7 @@ Instructors only: these need solutions/.
 import pytest
 
 from course.launch import WorldFailed
-from tests.mutants import assert_caught, make_mutant
+from tests.mutants import assert_caught, assert_refused, make_mutant
 from tests.test_ex12_cost import check_exposed, check_fit, check_largest_world, check_ring, check_speedup
 
 RING = "return 2 * (world_size - 1) * (alpha + n / (world_size * beta))"
@@ -129,3 +129,15 @@ def test_a_function_not_written_costs_its_own_check_only(tmp_path):
         check_ring(folder)
     for check in (check_fit, check_exposed, check_speedup, check_largest_world):
         check(folder)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--world-size", "1"], "--world-size 2 or more"),
+        (["--world-size", "0"], "'0' is not a whole number of at least 1"),
+        (["--batch-size", "0"], "'0' is not a whole number"),
+    ],
+)
+def test_bad_arguments_are_refused(args, words):
+    assert_refused("cost.py", args, words)

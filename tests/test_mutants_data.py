@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from tests.mutants import assert_caught, make_mutant
+from tests.mutants import assert_caught, assert_refused, make_mutant
 from tests.test_ex8_data import (
     check_against_sampler,
     check_agreed_steps,
@@ -247,3 +247,19 @@ def test_distributed_sampler_pads_with_the_first_samples_or_drops_the_last():
         for r in range(w)
     ]
     assert [len(d) for d in dropped] == [3, 3, 3] and sorted(sum(dropped, [])) == sorted(order[:9])
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--world-size", "0"], "'0' is not a whole number of at least 1"),
+        (["--fractions", "1.0", "0.0"], "2 positive numbers that add up to 1"),
+        (["--fractions", "0.5", "0.6"], "2 positive numbers that add up to 1"),
+        (["--fractions", "0.5", "0.3", "0.2"], "2 positive numbers"),
+        (["--fractions", "0.95", "0.05", "--batch-size", "8"], "would hold no row"),
+        (["--device", "cuda"], "--device cpu"),
+        (["--uneven", "sometimes"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_are_refused(args, words):
+    assert_refused("data.py", args, words)

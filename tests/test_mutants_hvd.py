@@ -6,7 +6,7 @@ mistake and shows that the check for it fails, with a message that points at the
 
 import pytest
 
-from tests.mutants import assert_caught
+from tests.mutants import assert_caught, assert_refused
 from tests.test_ex10_hvd import check_broadcast_parameters, check_mixed_dtypes, check_optimizer_state, check_steps
 
 ONE_BUFFER = """            flat = torch.cat([g.reshape(-1) for g in same])
@@ -84,3 +84,15 @@ MUTANTS = {
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--world-size", "0"], "'0' is not a whole number of at least 1"),
+        (["--niters", "0"], "'0' is not a whole number"),
+        (["--train-size", "100", "--batch-size", "128"], "more than the 90 training rows"),
+    ],
+)
+def test_bad_arguments_are_refused(args, words):
+    assert_refused("hvd.py", args, words)

@@ -19,7 +19,7 @@ import torch.nn as nn
 from course.layout import SOLUTIONS
 from tests import warm
 from tests.helpers import load, world
-from tests.mutants import assert_caught, make_mutant
+from tests.mutants import assert_caught, assert_refused, make_mutant
 from tests.test_ex9_sync import (
     check_average_parameters,
     check_backward,
@@ -321,3 +321,18 @@ def test_batchnorm_demo_shows_what_the_handout_says():
     plain, synced = found["nn.BatchNorm1d"], found["SyncBatchNorm1d"]
     assert plain[0] > 1 and plain[2] > 1 and plain[3] > 1, plain
     assert max(synced) < 1e-5, synced
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--world-size", "0"], "'0' is not a whole number of at least 1"),
+        (["--world-size", "1", "--rows", "1"], "2 rows at least"),
+        (["--rows", "0"], "'0' is not a whole number"),
+        (["--period", "0"], "'0' is not a whole number"),
+        (["--non-iid-plot", "no/such/folder/x.png"], "no folder no/such/folder"),
+        (["--non-iid-plot", "x.png", "--n-classes", "2", "--world-size", "3"], "fewer than the 3 ranks"),
+    ],
+)
+def test_bad_arguments_are_refused(args, words):
+    assert_refused("sync.py", args, words)

@@ -10,7 +10,7 @@ same source on every rank, rank 0's, which returns wrong values instead.
 
 import pytest
 
-from tests.mutants import assert_caught
+from tests.mutants import assert_caught, assert_refused
 from tests.test_ex11_zero import check_hook, check_matches_zero_redundancy, check_owners, check_state_bytes, check_steps
 
 LEAST_LOADED = "        rank = load.index(min(load))\n"
@@ -146,3 +146,15 @@ MUTANTS = {
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--world-size", "0"], "'0' is not a whole number of at least 1"),
+        (["--world-size", "5"], "fewer parameters than the 5 ranks"),
+        (["--train-size", "100", "--batch-size", "128"], "more than the 90 training rows"),
+    ],
+)
+def test_bad_arguments_are_refused(args, words):
+    assert_refused("zero.py", args, words)
