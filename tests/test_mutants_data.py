@@ -263,3 +263,17 @@ def test_distributed_sampler_pads_with_the_first_samples_or_drops_the_last():
 )
 def test_bad_arguments_are_refused(args, words):
     assert_refused("data.py", args, words)
+
+
+def test_counts_gathered_instead_of_reduced_are_right(tmp_path):
+    """n from an all-gather of the counts is as right as from an all-reduce: the hang is still a hang, named
+    in data.py, and the gradients are the union batch's."""
+    folder = make_mutant(
+        tmp_path / "mutant",
+        "data.py",
+        "    n = torch.tensor([float(rows)])\n    dist.all_reduce(n, op=dist.ReduceOp.SUM)\n",
+        "    counts = [torch.zeros(1) for _ in range(dist.get_world_size())]\n"
+        "    dist.all_gather(counts, torch.tensor([float(rows)]))\n    n = sum(counts)\n",
+    )
+    check_unbalanced_hang(folder)
+    check_weighted_average(folder, 3)
