@@ -165,6 +165,14 @@ MUTANTS = {
         check_unbalanced_hang,
         "the run ended",
     ),
+    # An error at a line of common_steps is reported as that error, not as ranks that disagree.
+    "an error in common_steps": (
+        "data.py",
+        "dist.all_reduce(agreed, op=dist.ReduceOp.MIN)",
+        "dist.all_reduce(agreed, op=dist.ReduceOp.MINIMUM)",
+        lambda folder: check_agreed_steps(folder, 2),
+        "AttributeError",
+    ),
     "common_steps returns a tensor": (
         "data.py",
         "    return int(agreed.item())",
