@@ -315,6 +315,14 @@ def check_unbalanced_hang(folder):
     )
 
 
+def mean_gradient(model, rows):
+    """The probes' own average for batches of one size, where the weighted average is the plain mean: so that
+    the check of common_steps judges common_steps, whatever average_gradients_weighted does."""
+    for param in model.parameters():
+        dist.all_reduce(param.grad)
+        param.grad /= dist.get_world_size()
+
+
 def agreed_training(folder):
     """Probe: fix (a), the steps agreed with common_steps before train_shard."""
     data = load(folder).data
@@ -324,7 +332,7 @@ def agreed_training(folder):
     model = fresh_model()
     optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
     agreed = data.common_steps(len(shard) // BATCH)
-    data.train_shard(model, optimizer, X, Y, shard, BATCH, steps=agreed)
+    data.train_shard(model, optimizer, X, Y, shard, BATCH, steps=agreed, average=mean_gradient)
     return {"agreed": agreed, "state": state(model)}
 
 

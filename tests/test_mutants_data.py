@@ -273,6 +273,13 @@ def test_bad_arguments_are_refused(args, words):
     assert_refused("data.py", args, words)
 
 
+def test_common_steps_is_judged_apart_from_the_weighted_average(tmp_path):
+    folder = make_mutant(tmp_path / "mutant", "data.py", "param.grad.mul_(rows / n.item())", "pass")
+    with pytest.raises(AssertionError, match="not the gradient of the union batch"):
+        check_weighted_average(folder, 2)
+    check_agreed_steps(folder, 2)
+
+
 def test_counts_gathered_instead_of_reduced_are_right(tmp_path):
     """n from an all-gather of the counts is as right as from an all-reduce: the hang is still a hang, named
     in data.py, and the gradients are the union batch's."""
