@@ -62,7 +62,7 @@ MUTANTS = {
         )
         + "\n            flat = torch.cat([g.reshape(-1) for g in same])",
         lambda folder: check_steps(folder, 2, "sgd_momentum", steps=1),
-        "all-reduce it once",
+        "not once per parameter",
     ),
     "the mean never copied back into the gradients": (
         "hvd.py",
