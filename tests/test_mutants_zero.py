@@ -10,8 +10,8 @@ same source on every rank, rank 0's, which returns wrong values instead.
 
 import pytest
 
-from tests.mutants import assert_caught, assert_refused
-from tests.test_ex11_zero import check_hook, check_matches_zero_redundancy, check_owners, check_state_bytes, check_steps
+from tests.mutants import assert_caught, assert_refused, make_mutant
+from tests.test_ex11_zero import check_hook, check_owners, check_state_bytes, check_steps
 
 LEAST_LOADED = "        rank = load.index(min(load))\n"
 SENT = "    started = dist.all_reduce(compressed, group=group, async_op=True).get_future()\n"
@@ -31,12 +31,13 @@ MUTANTS = {
         check_owners,
         "balance the ranks by size",
     ),
-    "the largest parameter to the last rank, all others to rank 0, seen in the memory": (
+    # Owners of its own, by position, instead of self.owners: the state no longer lies where the owners say.
+    "the wrapped optimizer's parameters taken by position": (
         "zero.py",
-        LEAST_LOADED,
-        "        rank = 0 if any(load) else world_size - 1\n",
+        "        mine = [p for p, owner in zip(self.params, self.owners) if owner == dist.get_rank()]",
+        "        mine = self.params[dist.get_rank() :: dist.get_world_size()]",
         lambda folder: check_state_bytes(folder, 2),
-        "not balanced by size",
+        "its wrapped optimizer sees exactly those",
     ),
     "parameters in their order, not largest first": (
         "zero.py",
@@ -65,14 +66,6 @@ MUTANTS = {
         "key=lambda i: (-sizes[i], -i)",
         check_owners,
         "equal sizes in their order",
-    ),
-    # The assignment differs from ZeroRedundancyOptimizer's, rank by rank, though every rank agrees on it.
-    "a tie to the higher rank, seen against ZeroRedundancyOptimizer": (
-        "zero.py",
-        LEAST_LOADED,
-        "        rank = len(load) - 1 - load[::-1].index(min(load))\n",
-        lambda folder: check_matches_zero_redundancy(folder, 3),
-        "it assigns the parameters by the same rule",
     ),
     # Adam with its default learning rate (1e-3), not the lr the checks pass.
     "the optimizer's arguments dropped": (
@@ -158,3 +151,12 @@ def test_mistake_is_caught(mistake, tmp_path):
 )
 def test_bad_arguments_are_refused(args, words):
     assert_refused("zero.py", args, words)
+
+
+def test_the_sharded_optimizer_is_judged_apart_from_assign_owners(tmp_path):
+    """ShardedOptimizer calls assign_owners: a wrong rule costs the rule's check, not the optimizer's."""
+    folder = make_mutant(tmp_path / "mutant", "zero.py", LEAST_LOADED, "        rank = 0\n")
+    with pytest.raises(AssertionError, match="balance the ranks by size"):
+        check_owners(folder)
+    check_steps(folder, 2, steps=1)
+    check_state_bytes(folder, 3)
