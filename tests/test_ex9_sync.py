@@ -417,18 +417,38 @@ def local_batches(steps, rank, world_size):
     return [tuple(t[mine] for t in global_batch(CONFIG, step, world_size)) for step in range(steps)]
 
 
+def sync_with_own_averaging(folder, averaged=None):
+    """sync.py under test, its local_sgd calling the probes' own average_parameters (the mean by an all-gather,
+    one call noted in `averaged` each time): the checks of local_sgd judge local_sgd alone, whatever
+    average_parameters does (test_average_parameters judges that)."""
+    sync = load(folder).sync
+
+    def average(model):
+        if averaged is not None:
+            averaged.append(len(list(model.parameters())))
+        with torch.no_grad():
+            for param in model.parameters():
+                every = [torch.empty_like(param) for _ in range(dist.get_world_size())]
+                dist.all_gather(every, param)
+                param.copy_(torch.stack(every).mean(0))
+
+    sync.average_parameters = average
+    return sync
+
+
 def local_sgd_in_world(folder, steps, period, watch=True):
     """Probe, on every rank: local_sgd from one start; with watch, what before_average saw."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = _start(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
-    calls = []
+    calls, averaged = [], []
 
     def note(steps_taken):
         calls.append((int(steps_taken), model.layers[0].weight.detach().clone()))
 
+    sync = sync_with_own_averaging(folder, averaged)
     with CommLog() as log:
-        losses = load(folder).sync.local_sgd(
+        losses = sync.local_sgd(
             model, optimizer, local_batches(steps, rank, world_size), period, note if watch else None
         )
     return {
@@ -436,7 +456,8 @@ def local_sgd_in_world(folder, steps, period, watch=True):
         "floats": all(type(loss) is float for loss in losses),
         "calls": [step for step, _ in calls],
         "seen": [weight for _, weight in calls],
-        "collectives": len(log.collectives()),
+        "averaged": len(averaged),
+        "own_collectives": len(log.collectives()) - sum(averaged),
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
     }
 
@@ -489,7 +510,6 @@ def check_local_sgd(folder, world_size, steps, period):
     results = world(local_sgd_in_world, world_size, folder, steps, period)
     averages = sorted({*range(period, steps + 1, period), steps})
     losses, params, seen, averaged = simulate(world_size, steps, set(averages))
-    n_params = len(WIDTHS) - 1
     for rank, got in enumerate(results):
         what = f"with {world_size} ranks, {steps} steps and period={period}, rank {rank}"
         assert got["calls"] == averages, (
@@ -531,9 +551,13 @@ def check_local_sgd(folder, world_size, steps, period):
             raise AssertionError(
                 f"{what}: the parameters are not those of local SGD averaging after steps {averages}{hint}"
             )
-        assert got["collectives"] == len(averages) * n_params, (
-            f"{what}: local_sgd started {got['collectives']} collectives, expected one all-reduce per parameter"
-            f" ({n_params}) at each of the {len(averages)} averagings"
+        assert got["averaged"] == len(averages), (
+            f"{what}: local_sgd called average_parameters {got['averaged']} times, once at each of the"
+            f" {len(averages)} averagings expected"
+        )
+        assert got["own_collectives"] == 0, (
+            f"{what}: local_sgd started {got['own_collectives']} collectives besides average_parameters's: it"
+            " averages with average_parameters only"
         )
 
 
@@ -582,7 +606,7 @@ def clouds(n, seed_offset):
 def non_iid_in_world(folder):
     """Probe, on every rank: train with local_sgd on IID or label-disjoint shards, period 1 or
     NON_IID['period']; rank 0's weights at the end and just before each averaging."""
-    sync = load(folder).sync
+    sync = sync_with_own_averaging(folder)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     X, Y = clouds(NON_IID["train"], 1)
     out = {}

@@ -18,15 +18,18 @@ import torch.nn as nn
 
 from course.layout import SOLUTIONS
 from tests import warm
-from tests.helpers import load, world
+from tests.helpers import CONFIG, load, world
 from tests.mutants import assert_caught, assert_refused, make_mutant
 from tests.test_ex9_sync import (
+    _start,
     check_average_parameters,
     check_backward,
     check_eval_alone,
     check_forward,
     check_local_sgd,
     check_period_one_is_synchronous,
+    local_batches,
+    simulate,
 )
 
 ALL_REDUCE = 'total = funcol.all_reduce(local, "sum", dist.group.WORLD)'
@@ -207,6 +210,15 @@ MUTANTS = {
         local_sgd,
         "gradients were never zeroed",
     ),
+    # The right parameters, averaged by a loop of its own instead of average_parameters.
+    "local SGD averages without average_parameters": (
+        "sync.py",
+        "            average_parameters(model)\n    return losses",
+        "            with torch.no_grad():\n                for p in model.parameters():\n"
+        "                    dist.all_reduce(p)\n                    p /= dist.get_world_size()\n    return losses",
+        local_sgd,
+        "called average_parameters 0 times",
+    ),
     "losses returned as tensors": (
         "sync.py",
         "losses.append(loss.item())",
@@ -282,9 +294,18 @@ def test_experiment_script_writes_png_and_json(tmp_path):
     assert os.path.basename(str(png)) in done.stdout
 
 
+def own_local_sgd(folder, steps, period):
+    """Probe: local_sgd of the folder with its own average_parameters (the checks give it theirs); the parameters."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = _start(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
+    load(folder).sync.local_sgd(model, optimizer, local_batches(steps, rank, world_size), period)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def test_parameters_data_replaced_is_right(tmp_path):
     """`param.data = ...` keeps the Parameter object, which the optimizer holds: it averages as well as an
-    in-place division, and local SGD trains the same."""
+    in-place division, and local SGD with it trains as local SGD by hand."""
     folder = make_mutant(
         tmp_path / "mutant",
         "sync.py",
@@ -292,7 +313,18 @@ def test_parameters_data_replaced_is_right(tmp_path):
         "            dist.all_reduce(param)\n            param.data = param.data / dist.get_world_size()",
     )
     check_average_parameters(folder, 2)
+    got = world(own_local_sgd, 2, folder, 7, 3)
+    _, expected, _, _ = simulate(2, 7, {3, 6, 7})
+    for rank, params in enumerate(got):
+        assert all(torch.allclose(params[n], p, rtol=1e-4, atol=1e-5) for n, p in expected[rank].items())
+
+
+def test_local_sgd_is_judged_apart_from_average_parameters(tmp_path):
+    folder = make_mutant(tmp_path / "mutant", "sync.py", AVERAGE, "            dist.all_reduce(param)")
+    with pytest.raises(AssertionError, match="divide by the world size"):
+        check_average_parameters(folder, 2)
     local_sgd(folder)
+    check_period_one_is_synchronous(folder)
 
 
 def test_the_documented_differentiable_all_reduce_passes(tmp_path):
