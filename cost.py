@@ -2,6 +2,7 @@
 """Exercise 12: a cost model of data parallelism that predicts, checked against this machine.
 
     python cost.py                  # measure on 2 ranks, fit, predict, and compare with a real run
+    python cost.py --world-size 3   # the messages between ranks 0 and 1, the step on 3 ranks
     python cost.py --json cost.json
 
 The model: one message of n bytes takes T(n) = alpha + n / beta (alpha: the start-up latency,
@@ -76,17 +77,19 @@ def _seconds(fn, repeat: int = 7, pick=statistics.median) -> float:
     return pick(times)
 
 
-def message_seconds(n: int) -> float:
-    """Run on ranks 0 and 1: the time of one message of n bytes, half a ping-pong's round trip."""
+def message_seconds(n: int, pair: dist.ProcessGroup | None = None) -> float:
+    """Run on every rank: the time of one message of n bytes between ranks 0 and 1, half a ping-pong's
+    round trip. With more ranks, on a group of ranks 0 and 1 (`pair`): messages on the default group
+    would put ranks 0 and 1 out of step with the others in the launcher's comparison of collectives."""
     buffer, rank = torch.zeros(n // 4), dist.get_rank()
 
     def ping_pong():
         if rank == 0:
-            dist.send(buffer, 1)
-            dist.recv(buffer, 1)
+            dist.send(buffer, 1, group=pair)
+            dist.recv(buffer, 1, group=pair)
         elif rank == 1:
-            dist.recv(buffer, 0)
-            dist.send(buffer, 0)
+            dist.recv(buffer, 0, group=pair)
+            dist.send(buffer, 0, group=pair)
 
     # The fastest of many: what the link costs, without the times another process held the core.
     return _seconds(ping_pong, repeat=30, pick=min) / 2
@@ -108,10 +111,11 @@ def measure(config, sizes: list[int]) -> dict:
         for p in model.parameters():
             dist.all_reduce(p.grad)
 
+    pair = dist.new_group([0, 1])
     return {
         "t_comp": _seconds(compute),
         "sizes": sizes,
-        "message": [message_seconds(n) for n in sizes],
+        "message": [message_seconds(n, pair) for n in sizes],
         "grad_bytes": [p.numel() * 4 for p in model.parameters()],
         "step": _seconds(step),
     }
@@ -137,11 +141,14 @@ def predict(measured: dict, world_size: int) -> dict:
 if __name__ == "__main__":
     parser = make_parser(__doc__)
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.set_defaults(world_size=2)
     args = parser.parse_args()
+    if args.world_size < 2:
+        parser.error("the messages go between ranks 0 and 1: --world-size 2 or more")
     sizes = [2**k for k in range(10, 21, 2)]  # 1 KiB to 1 MiB
-    # Two ranks measure (messages go between ranks 0 and 1); the model predicts other world sizes.
-    measured = launch(measure, 2, config_from(args), sizes, **launch_options(args))[0]
-    figures = predict(measured, 2)
+    # Messages are measured between ranks 0 and 1; the step on every rank; the model predicts other world sizes.
+    measured = launch(measure, args.world_size, config_from(args), sizes, **launch_options(args))[0]
+    figures = predict(measured, args.world_size)
     print(f"alpha {figures['alpha_s'] * 1e6:.0f} us, beta {figures['beta_bytes_per_s'] / 1e9:.2f} GB/s")
     print(
         f"one step, one all-reduce per parameter: predicted {figures['predicted_step_s'] * 1e3:.2f} ms,"

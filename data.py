@@ -44,7 +44,8 @@ def partition(n: int, fractions: list[float], seed: int) -> list[torch.Tensor]:
     Shuffle with torch.randperm(n, generator=torch.Generator().manual_seed(seed)), the order that
     torch's DistributedSampler(shuffle=True, seed=seed) draws in its first epoch, and cut it into
     consecutive pieces of shard_sizes(n, fractions), in rank order. Every rank calls it with the
-    same arguments and gets the same shards, without communicating: no collective here.
+    same arguments and gets the same shards, without communicating: no collective here. The global
+    random generator (torch.manual_seed's) is the rank's own: leave it as it was.
     """
     # TODO(exercise 8): the shuffled indices, cut into pieces of shard_sizes(n, fractions).
     raise NotImplementedError("Exercise 8: partition is not written yet, see exercises/08_data.md")
@@ -213,9 +214,18 @@ if __name__ == "__main__":
     parser.add_argument("--fractions", type=float, nargs="+", default=None, help="one per rank, adding up to 1")
     parser.add_argument("--uneven", choices=("hang", "agree", "join", "async"), default=None)
     args = parser.parse_args()
+    if args.device != "cpu" or args.backend == "nccl":
+        parser.error(
+            "the counts and steps this script all-reduces are CPU tensors, which nccl does not move: --device cpu"
+        )
     fractions = args.fractions or default_fractions(args.world_size)
-    if len(fractions) != args.world_size or abs(sum(fractions) - 1) > 1e-6:
-        parser.error(f"--fractions needs {args.world_size} numbers that add up to 1, got {fractions}")
+    if len(fractions) != args.world_size or abs(sum(fractions) - 1) > 1e-6 or min(fractions) <= 0:
+        parser.error(f"--fractions needs {args.world_size} positive numbers that add up to 1, got {fractions}")
+    if args.uneven is None and min(fractions) * args.world_size * args.batch_size < 1:
+        parser.error(
+            f"--fractions {fractions}: a rank's batch, its fraction of --world-size x --batch-size"
+            f" = {args.world_size * args.batch_size} rows, would hold no row: raise --batch-size"
+        )
     results = launch(
         train_on_fractions, args.world_size, config_from(args), fractions, args.uneven, **launch_options(args)
     )

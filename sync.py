@@ -23,6 +23,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from course.device import current_device
+from course.flags import whole
 from course.launch import launch, launch_options
 from mlp import MLP, ModelConfig, config_from, evaluate, gen_dataset, make_parser, split_dataset
 
@@ -36,7 +37,7 @@ def global_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     mean and var their biased variance (divided by count). The backward pass must carry the
     gradient back through the communication to every rank whose rows made the statistics.
     """
-    # TODO(exercise 9): all-reduce count, sum and sum of squares (one tensor: one all-reduce), with
+    # TODO(exercise 9): count, sum and sum of squares of every rank's rows, summed over the ranks by
     # an all-reduce that autograd can pass gradients through; then the moments.
     raise NotImplementedError("Exercise 9: global_moments is not written yet, see exercises/09_sync.md")
 
@@ -73,20 +74,24 @@ class SyncBatchNorm1d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Training mode: normalise with global_moments(x) and update the running statistics with
-        them, identically on every rank. Eval mode: normalise with the running statistics."""
+        them, identically on every rank. Eval mode: normalise with the running statistics, and
+        communicate nothing: a model evaluated on one rank alone must not wait for the others."""
         # TODO(exercise 9): the two modes (self.training), with normalise and update_running_stats.
         raise NotImplementedError("Exercise 9: SyncBatchNorm1d.forward is not written yet, see exercises/09_sync.md")
 
 
 def batchnorm_demo(rows_per_rank: int, features: int) -> dict:
     """On every rank: normalise this rank's rows with nn.BatchNorm1d and with SyncBatchNorm1d, and
-    compare both with one process normalising every rank's rows. Rank 0 prints the differences."""
+    compare both with one process normalising every rank's rows; then rank 0 alone evaluates each
+    layer in eval mode, as a script validates on rank 0 (nothing may wait for the other ranks).
+    Rank 0 prints the differences."""
     rank, world_size, device = dist.get_rank(), dist.get_world_size(), current_device()
     g = torch.Generator().manual_seed(0)  # the same global batch on every rank; each takes its rows
     everything = (torch.randn(world_size * rows_per_rank, features, generator=g) * 3 + 1).to(device)
     mine = everything[rank * rows_per_rank : (rank + 1) * rows_per_rank]
     one_process = nn.BatchNorm1d(features).to(device)
     expected = one_process(everything)[rank * rows_per_rank : (rank + 1) * rows_per_rank]
+    one_process.eval()
     found = {}
     for name, kind in (("nn.BatchNorm1d", nn.BatchNorm1d), ("SyncBatchNorm1d", SyncBatchNorm1d)):
         layer = kind(features).to(device)
@@ -100,10 +105,13 @@ def batchnorm_demo(rows_per_rank: int, features: int) -> dict:
         dist.all_reduce(gaps, op=dist.ReduceOp.MAX)  # the largest over ranks
         found[name] = gaps.tolist()
         if rank == 0:
+            layer.eval()
+            evaluated = (layer(mine) - one_process(mine)).abs().max().item()
+            found[name].append(evaluated)
             print(
                 f"{name:>16} on {world_size} ranks of {rows_per_rank} rows, against one process on all"
                 f" {world_size * rows_per_rank}: output differs by {gaps[0]:.2g}, running_mean by"
-                f" {gaps[1]:.2g}, running_var by {gaps[2]:.2g}"
+                f" {gaps[1]:.2g}, running_var by {gaps[2]:.2g}; evaluated on rank 0 alone, by {evaluated:.2g}"
             )
     return found
 
@@ -112,7 +120,8 @@ def batchnorm_demo(rows_per_rank: int, features: int) -> dict:
 
 
 def average_parameters(model: nn.Module) -> None:
-    """Replace every parameter of model, in place, by its mean over the ranks (dist.all_reduce)."""
+    """Set every parameter of model to its mean over the ranks (dist.all_reduce), in the model's own
+    Parameter objects: the optimizer holds those, and steps whatever values they have."""
     # TODO(exercise 9): all-reduce each parameter and divide by the world size, without autograd.
     raise NotImplementedError("Exercise 9: average_parameters is not written yet, see exercises/09_sync.md")
 
@@ -222,14 +231,25 @@ def summary(curves: dict) -> dict:
 
 if __name__ == "__main__":
     parser = make_parser(__doc__)
-    parser.add_argument("--rows", type=int, default=8, help="rows per rank of the BatchNorm demo")
+    parser.add_argument("--rows", type=whole(1), default=8, help="rows per rank of the BatchNorm demo")
     parser.add_argument(
         "--non-iid-plot", metavar="PNG", default=None, help="run the non-IID experiment; write PNG and its .json"
     )
-    parser.add_argument("--period", type=int, default=8, help="local SGD: average the parameters every PERIOD steps")
+    parser.add_argument(
+        "--period", type=whole(1), default=8, help="local SGD: average the parameters every PERIOD steps"
+    )
     # The experiment's own defaults: the default MLP, long enough for the curves to settle.
     parser.set_defaults(world_size=2, niters=600, learning_rate=0.2, time_limit=300)
     args = parser.parse_args()
+    if args.non_iid_plot is None and args.rows * args.world_size < 2:
+        parser.error("BatchNorm's variance needs 2 rows at least: --rows x --world-size is 1")
+    if args.non_iid_plot is not None and args.n_classes < args.world_size:
+        parser.error(
+            f"label-disjoint shards give each rank its own classes: --n-classes {args.n_classes} is fewer"
+            f" than the {args.world_size} ranks"
+        )
+    if args.non_iid_plot is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.non_iid_plot))):
+        parser.error(f"--non-iid-plot {args.non_iid_plot}: no folder {os.path.dirname(args.non_iid_plot)}")
     if args.non_iid_plot is None:
         launch(batchnorm_demo, args.world_size, args.rows, args.dim_hidden, **launch_options(args))
         raise SystemExit(0)

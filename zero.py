@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from course.flags import check_batch_fits
 from course.launch import launch, launch_options
 from mlp import (
     MLP,
@@ -161,6 +162,12 @@ if __name__ == "__main__":
     parser.add_argument("--bf16-hook", action="store_true", help="built-in DDP, gradients all-reduced in bfloat16")
     parser.set_defaults(learning_rate=0.001)
     args = parser.parse_args()
+    check_batch_fits(parser, args.batch_size, len(split_dataset(range(args.train_size), range(args.train_size))[0][0]))
+    if not args.bf16_hook and args.n_layers < args.world_size:
+        parser.error(
+            f"the sharded optimizer gives each rank a parameter to own: --n-layers {args.n_layers} makes fewer"
+            f" parameters than the {args.world_size} ranks"
+        )
     result = launch(train, args.world_size, config_from(args), args.bf16_hook, **launch_options(args))[0]
     report(result)
     print(f"optimizer state per rank: {', '.join(f'rank {r} {b} B' for r, b in enumerate(result['state_bytes']))}")

@@ -2,11 +2,45 @@
 
 from __future__ import annotations
 
+import argparse
+
 from course import env
 
 # A script's world is stopped, and each rank's line shown, after this long: a hang is explained
 # within about a minute. Training runs that need longer pass --time-limit.
 SCRIPT_TIME_LIMIT = 60.0
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose error is one line on stderr with argparse's exit status 2: the usage of
+    twenty flags printed first would bury it (-h still shows the usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def whole(least: int):
+    """An argparse type: a whole number of at least `least` (a count of ranks, rows, steps)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {least}")
+        return value
+
+    return parse
+
+
+def check_batch_fits(parser, batch_size: int, rows: int) -> None:
+    """Refuse batches larger than the training rows they are drawn from (mlp.batches yields whole batches
+    only, and would look for one for ever)."""
+    if batch_size > rows:
+        parser.error(
+            f"--batch-size {batch_size} is more than the {rows} training rows: lower it, or raise --train-size"
+        )
 
 
 def add_launch_arguments(parser) -> None:

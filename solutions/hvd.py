@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course.flags import check_batch_fits
 from course.launch import launch, launch_options
 from mlp import (
     MLP,
@@ -32,7 +33,8 @@ from mlp import (
 
 
 def broadcast_parameters(model: nn.Module) -> None:
-    """Give every rank rank 0's parameters and buffers, in place (dist.broadcast)."""
+    """Give every rank rank 0's parameters and buffers (dist.broadcast), in the model's own tensors:
+    an optimizer built before holds the Parameter objects."""
     # TODO(exercise 10): every parameter and every buffer, from rank 0.
     ### BEGIN SOLUTION
     with torch.no_grad():
@@ -149,4 +151,5 @@ if __name__ == "__main__":
     parser = make_parser(__doc__)
     parser.set_defaults(learning_rate=0.001)
     args = parser.parse_args()
+    check_batch_fits(parser, args.batch_size, len(split_dataset(range(args.train_size), range(args.train_size))[0][0]))
     report(launch(train, args.world_size, config_from(args), **launch_options(args))[0])

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course.device import amp_dtype, current_device, ddp_device_ids, synchronize
+from course.flags import Parser, whole
 from course.launch import add_launch_arguments, launch, launch_options
 
 
@@ -220,17 +221,17 @@ def train(config: ModelConfig, check: bool = False, wrap: Callable[[nn.Module], 
 
 
 def make_parser(description=__doc__):
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n-layers", type=int, default=ModelConfig.n_layers)
-    p.add_argument("--dim-in", type=int, default=ModelConfig.d_in)
-    p.add_argument("--n-classes", type=int, default=ModelConfig.n_classes)
-    p.add_argument("--dim-hidden", type=int, default=ModelConfig.d_hidden)
-    p.add_argument("--train-size", type=int, default=ModelConfig.train_size)
-    p.add_argument("--batch-size", type=int, default=ModelConfig.batch_size)
+    p = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n-layers", type=whole(1), default=ModelConfig.n_layers)
+    p.add_argument("--dim-in", type=whole(1), default=ModelConfig.d_in)
+    p.add_argument("--n-classes", type=whole(1), default=ModelConfig.n_classes)
+    p.add_argument("--dim-hidden", type=whole(1), default=ModelConfig.d_hidden)
+    p.add_argument("--train-size", type=whole(2), default=ModelConfig.train_size)
+    p.add_argument("--batch-size", type=whole(1), default=ModelConfig.batch_size)
     p.add_argument("--learning-rate", type=float, default=ModelConfig.lr)
-    p.add_argument("--niters", type=int, default=ModelConfig.niters)
+    p.add_argument("--niters", type=whole(1), default=ModelConfig.niters)
     p.add_argument("--seed", type=int, default=ModelConfig.seed)
-    p.add_argument("--world-size", type=int, default=1, help="number of worker processes")
+    p.add_argument("--world-size", type=whole(1), default=1, help="number of worker processes")
     p.add_argument(
         "--check", action="store_true", help="check after every step that all ranks hold the same parameters"
     )

@@ -74,11 +74,16 @@ class _Watched:
 
 
 class CommLog:
-    """`with CommLog() as log:` records every operation started in the block, and every wait."""
+    """`with CommLog() as log:` records every operation started in the block, and every wait.
 
-    def __init__(self):
+    With waits=False it records what starts only, and hands the caller torch's own handles: code
+    that passes a handle on to C++ (Join's, under DDP) needs the handle itself.
+    """
+
+    def __init__(self, waits=True):
         self.events = []
         self._saved = {}
+        self._waits = waits
 
     def __enter__(self):
         for name in POINT_TO_POINT + COLLECTIVES:
@@ -98,7 +103,8 @@ class CommLog:
             first = args[0] if args else None
             event = Event("start", name, len(self.started()), _nbytes(first), peer, _dtype(first))
             self.events.append(event)
-            return _Watched(method(group, *args, **kwargs), self, event)
+            work = method(group, *args, **kwargs)
+            return _Watched(work, self, event) if self._waits else work
 
         return recorded
 

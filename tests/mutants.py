@@ -37,3 +37,16 @@ def assert_caught(dest, mistake, file, old, new, check, hint):
         assert hint in said, f"the check caught '{mistake}' but its message does not say so: {said}"
         return
     raise AssertionError(f"the check passed a mutant with '{mistake}'")
+
+
+def assert_refused(script, args, words):
+    """`python solutions/SCRIPT ARGS` ends at once with one line on stderr that names what is wrong (argparse's
+    exit status 2), not a traceback and not a world that runs."""
+    from tests import warm
+
+    done = warm.run([script, *args], cwd=SOLUTIONS, timeout=30)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"{script}: error: "), (
+        f"python {script} {' '.join(args)} ended with status {done.returncode} and said: {done.stderr}"
+    )
+    assert words in lines[0], f"python {script} {' '.join(args)} said: {lines[0]}"

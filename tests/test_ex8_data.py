@@ -25,6 +25,10 @@ SIZES = [
     (7, [0.2, 0.5, 0.3], [1, 4, 2]),
     (0, [0.5, 0.5], [0, 0]),
     (160, [0.7, 0.3], [112, 48]),
+    (12, [1 / 3, 1 / 3, 1 / 3], [4, 4, 4]),
+    (7, [0.5, 0.5], [4, 3]),
+    (160, [0.5, 0.5], [80, 80]),
+    (10, [0.25, 0.25, 0.25, 0.25], [3, 3, 2, 2]),
 ]
 PARTITIONS = [(160, [0.7, 0.3], 3), (10, [1 / 3, 1 / 3, 1 / 3], 0), (11, [0.5, 0.3, 0.2], 7), (1, [0.5, 0.5], 1)]
 SAMPLER_CASES = [(12, 3, 0), (10, 3, 5), (7, 2, 1), (160, 2, 3)]
@@ -35,7 +39,21 @@ UNEVEN = {2: [0.7, 0.3], 3: [0.5, 0.3, 0.2]}
 
 
 def expected_sizes(n, fractions):
-    return next(sizes for m, f, sizes in SIZES if (m, f) == (n, fractions))
+    found = [sizes for m, f, sizes in SIZES if (m, f) == (n, list(fractions))]
+    if not found:
+        raise ValueError(
+            f"partition called shard_sizes({n}, {fractions}), sizes for another partition than the one asked for:"
+            " call shard_sizes(n, fractions) with partition's own arguments"
+        )
+    return list(found[0])
+
+
+def data_module(folder):
+    """data.py under test, its partition calling the rule's sizes from SIZES instead of its own shard_sizes: the
+    checks of partition judge partition alone, whatever shard_sizes does (test_shard_sizes judges that)."""
+    data = load(folder).data
+    data.shard_sizes = expected_sizes
+    return data
 
 
 def shards_of(world_size):
@@ -104,13 +122,20 @@ def check_shard_sizes(folder):
 
 def partitions_in_world(folder):
     """Probe, on every rank: each case's shards, and the collectives partition started."""
-    data = load(folder).data
+    data = data_module(folder)
     torch.manual_seed(dist.get_rank())  # the global generator differs on every rank, as on separate machines
     out = []
     for n, fractions, seed in PARTITIONS:
+        before = torch.get_rng_state()
         with CommLog() as log:
             shards = data.partition(n, fractions, seed)
-        out.append({"shards": [torch.as_tensor(s) for s in shards], "collectives": log.summary()["collectives"]})
+        out.append(
+            {
+                "shards": [torch.as_tensor(s) for s in shards],
+                "collectives": log.summary()["collectives"],
+                "global_generator_kept": torch.equal(torch.get_rng_state(), before),
+            }
+        )
     return out
 
 
@@ -127,7 +152,8 @@ def check_partition(folder, world_size=3):
             assert len(shards) == len(fractions), f"{what} returned {len(shards)} shards for {len(fractions)} fractions"
             sizes = [len(s) for s in shards]
             assert sizes == expected_sizes(n, fractions), (
-                f"{what} made shards of {sizes} samples: their sizes are shard_sizes(n, fractions)"
+                f"{what} made shards of {sizes} samples, expected {expected_sizes(n, fractions)}: cut pieces of"
+                " shard_sizes(n, fractions) (this check gives partition a shard_sizes that follows the rule)"
             )
             every = torch.cat(shards).long() if shards else torch.zeros(0, dtype=torch.long)
             counts = torch.bincount(every, minlength=n) if n else torch.zeros(0)
@@ -141,6 +167,12 @@ def check_partition(folder, world_size=3):
                     f"{what}: rank {rank}'s shards differ from rank 0's: draw the order from a generator seeded"
                     " with seed, torch.Generator().manual_seed(seed), not from the global one"
                 )
+        for rank, got in enumerate(per_rank):
+            assert got["global_generator_kept"], (
+                f"{what} changed rank {rank}'s global random generator (torch.manual_seed, or a draw from it): every"
+                " later random draw of the rank (initial weights, dropout masks) then depends on partition. Draw the"
+                " order from a generator of its own, torch.Generator().manual_seed(seed)"
+            )
         drawn = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         assert not torch.equal(every, torch.arange(n)) or n < 2, (
             f"{what} did not shuffle: cut the shuffled order, torch.randperm(n, generator=...), not 0 .. n-1"
@@ -153,7 +185,7 @@ def check_partition(folder, world_size=3):
 
 def equal_partitions(folder):
     """Probe: partition by equal fractions for each sampler case."""
-    data = load(folder).data
+    data = data_module(folder)
     return [[torch.as_tensor(s) for s in data.partition(n, [1 / w] * w, seed)] for n, w, seed in SAMPLER_CASES]
 
 
@@ -270,8 +302,8 @@ def check_unbalanced_hang(folder):
         assert failure.kind in ("mismatch", "wait") and first is not None, (
             f"the world should fail in a collective that rank 1 never joins, not so: {failure.sentence()}"
         )
-        assert first.collective == "all_reduce" and first.file == "data.py", (
-            f"rank 0 should be stopped in the all-reduce of its 7th step in data.py: {failure.sentence()}"
+        assert (first.collective or first.op) and first.file == "data.py", (
+            f"rank 0 should be stopped in a collective of its 7th step in data.py: {failure.sentence()}"
         )
         assert failure.fact(1) is not None and failure.fact(1).file != "data.py", (
             f"rank 1 had finished its 6 steps: it cannot be in data.py: {failure.sentence()}"
@@ -283,6 +315,14 @@ def check_unbalanced_hang(folder):
     )
 
 
+def mean_gradient(model, rows):
+    """The probes' own average for batches of one size, where the weighted average is the plain mean: so that
+    the check of common_steps judges common_steps, whatever average_gradients_weighted does."""
+    for param in model.parameters():
+        dist.all_reduce(param.grad)
+        param.grad /= dist.get_world_size()
+
+
 def agreed_training(folder):
     """Probe: fix (a), the steps agreed with common_steps before train_shard."""
     data = load(folder).data
@@ -292,7 +332,7 @@ def agreed_training(folder):
     model = fresh_model()
     optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
     agreed = data.common_steps(len(shard) // BATCH)
-    data.train_shard(model, optimizer, X, Y, shard, BATCH, steps=agreed)
+    data.train_shard(model, optimizer, X, Y, shard, BATCH, steps=agreed, average=mean_gradient)
     return {"agreed": agreed, "state": state(model)}
 
 
@@ -321,9 +361,14 @@ def expected_training(world_size, joined, by_active=False):
     return state(model), counts
 
 
+# The kinds of failure where ranks stopped in collectives that did not match (a crash: gloo aborting on one).
+UNMATCHED = ("mismatch", "wait", "timeout", "crash")
+
+
 def stopped(failed, advice):
-    """A world of uneven ranks that failed in a collective: the advice, then where the harness saw the ranks."""
-    if failed.failure.kind == "stub":
+    """A world of uneven ranks that failed: where ranks stopped in collectives that did not match, the advice,
+    then where the harness saw the ranks; otherwise (code not written, an error at a line) the failure itself."""
+    if failed.failure.kind not in UNMATCHED:
         raise failed
     return AssertionError(f"{advice} ({failed.failure.sentence()})")
 
@@ -338,6 +383,7 @@ def check_agreed_steps(folder, world_size):
         ) from None
     expected, counts = expected_training(world_size, joined=False)
     agreed = [r["agreed"] for r in results]
+    assert all(type(a) is int for a in agreed), f"common_steps returned {agreed}: return the number of steps as an int"
     assert agreed == [min(counts)] * world_size, (
         f"common_steps returned {agreed} on ranks with {counts} batches: every rank should take the smallest"
         f" number, {min(counts)}, since a rank with fewer batches has no data for more"
@@ -349,14 +395,48 @@ def check_agreed_steps(folder, world_size):
             )
 
 
-def joined_training(folder):
-    """Probe: fix (b), train_joined on this rank's whole shard."""
+def joined_training(folder, same_shard=False):
+    """Probe: fix (b), train_joined on this rank's whole shard (with same_shard, on the 48 samples of rank 1's,
+    every rank alike); the steps, the parameters, and the collectives started in Python on the way. DDP's
+    all-reduces of the gradients run in C++ and are not among them; Join's and DDP's own are of one number."""
     data = load(folder).data
     X, Y = dataset()
     model = fresh_model()
     optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
-    steps = data.train_joined(model, optimizer, X, Y, shards_of(dist.get_world_size())[dist.get_rank()], BATCH)
-    return {"steps": steps, "state": state(model)}
+    shard = shards_of(dist.get_world_size())[1 if same_shard else dist.get_rank()]
+    with CommLog(waits=False) as log:
+        steps = data.train_joined(model, optimizer, X, Y, shard, BATCH)
+    started = log.summary()
+    joins = [
+        what == "allreduce" and size == getattr(torch, dtype).itemsize
+        for what, size, dtype in zip(started["collectives"], started["collective_bytes"], started["collective_dtypes"])
+    ]
+    own = [what for what, join in zip(started["collectives"], joins) if not join]
+    return {"steps": steps, "state": state(model), "join_all_reduces": sum(joins), "own": own}
+
+
+def _join_failure(folder, failure, world_size):
+    """Why train_joined failed on uneven shards, from a run where every rank has the same shard (no rank runs
+    out of batches early, so it ends) and what that run started; the failure's facts when nothing known fits."""
+    facts = f"({failure.sentence()})"
+    try:
+        ranks = run(joined_training, world_size, folder, True, timeout=30, collective_timeout=3)
+    except WorldFailed:
+        return f"train_joined failed on shards of 112 and 48 samples in batches of {BATCH} {facts}"
+    own = ranks[0]["own"]
+    if own:
+        names = ", ".join(sorted(set(own)))
+        return (
+            f"train_joined started collectives of its own ({len(own)} in {ranks[0]['steps']} steps: {names}): DDP"
+            " averages the gradients already, and under Join a rank that has run out of batches answers DDP's"
+            f" all-reduces only, and yours on a rank with batches left finds no partner: leave the averaging to DDP {facts}"
+        )
+    if not any(r["join_all_reduces"] for r in ranks):
+        return (
+            "a rank ran out of batches while another waited in DDP's all-reduce, and Join did not step in: run the"
+            f" training loop inside `with Join([ddp_model]):`, the DDP model as its joinable {facts}"
+        )
+    return f"train_joined failed on shards of 112 and 48 samples in batches of {BATCH} {facts}"
 
 
 def check_join(folder, world_size=2):
@@ -364,14 +444,19 @@ def check_join(folder, world_size=2):
         # A short collective timeout: a rank left waiting in DDP's all-reduce is named after 3 s.
         results = run(joined_training, world_size, folder, timeout=30, collective_timeout=3)
     except WorldFailed as failed:
-        raise stopped(
-            failed,
-            "a rank ran out of batches while another waited in DDP's all-reduce: run the training loop"
-            " inside Join, with the DDP model as its joinable",
-        ) from None
+        if failed.failure.kind not in UNMATCHED:
+            raise
+        raise AssertionError(_join_failure(folder, failed.failure, world_size)) from None
     expected, counts = expected_training(world_size, joined=True)
     steps = [r["steps"] for r in results]
     assert steps == counts, f"train_joined took {steps} steps on ranks with {counts} whole batches: take all of them"
+    for rank, result in enumerate(results):
+        # Under Join, every forward pass of the DDP model starts one all-reduce of Join's.
+        assert result["join_all_reduces"] >= result["steps"], (
+            f"rank {rank} took {result['steps']} steps under Join, and not every one ran the DDP model's forward"
+            " pass: call the DDP model in the loop, not `model`: its forward pass makes DDP average the gradients"
+            " in the backward pass, and tells Join that this rank still trains"
+        )
     by_active, _ = expected_training(world_size, joined=True, by_active=True)
     for rank, result in enumerate(results):
         for name, param in expected.items():
@@ -388,7 +473,7 @@ def check_join(folder, world_size=2):
 
 def unwaited_training(folder):
     """Probe: the reference notebook's async_op=True "fix" on the student's partition of 0.7 and 0.3."""
-    data = load(folder).data
+    data = data_module(folder)
     X, Y = dataset()
     shard = data.partition(N, [0.7, 0.3], SHARD_SEED)[dist.get_rank()]
     model = fresh_model()

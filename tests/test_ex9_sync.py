@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course.launch import run
+from course.launch import WorldFailed, run
 from tests.comm_log import CommLog
 from tests.helpers import CONFIG, WIDTHS, SmallMLP, forward_from, global_batch, load, world
 
@@ -180,9 +180,42 @@ def _batch_stats_fit(got, rows, rank):
     )
 
 
+def eval_alone_in_world(folder, rows):
+    """Probe, on every rank: a training forward pass, then only rank 0 runs one in eval mode, as a script that
+    evaluates on rank 0 does; the other ranks return."""
+    layer, rank = _layer(folder), dist.get_rank()
+    layer(rank_rows(0, rows, rank))
+    if rank != 0:
+        return None
+    layer.eval()
+    return layer(rank_rows(1, rows, rank)).detach()
+
+
+def check_eval_alone(folder, world_size=2):
+    """In eval mode the layer communicates nothing: rank 0 evaluating alone does not wait for the others."""
+    try:
+        # A short collective timeout: where the ranks' collectives are not compared, rank 0 is named after 3 s.
+        (got, *_) = run(eval_alone_in_world, world_size, folder, ROWS[world_size], timeout=30, collective_timeout=3)
+    except WorldFailed as failed:
+        first = failed.failure.fact(0)
+        if failed.failure.kind not in ("mismatch", "wait", "timeout") or first is None:
+            raise
+        call = first.op or first.collective or "a collective"
+        raise AssertionError(
+            f"rank 0 alone ran the layer in eval mode, as a script that evaluates on rank 0 does, and it called"
+            f" {call} at {first.where()}, which the other ranks, evaluating nothing, never join: in eval mode"
+            " normalise with the running statistics and communicate nothing"
+        ) from None
+    assert got is not None, "rank 0's eval-mode output did not come back"
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_forward(impl_dir, world_size):
     check_forward(impl_dir, world_size)
+
+
+def test_eval_alone(impl_dir):
+    check_eval_alone(impl_dir)
 
 
 def coefficients(rows, rank):
@@ -341,22 +374,23 @@ def _start(rank):
 def average_in_world(folder):
     """Probe, on every rank: average_parameters on a model whose weights differ across ranks."""
     net = _start(dist.get_rank())
-    before = [p.data_ptr() for p in net.parameters()]
+    before = list(net.parameters())
     load(folder).sync.average_parameters(net)
+    after = list(net.parameters())
     return {
         "params": {n: p.detach().clone() for n, p in net.named_parameters()},
-        "same_tensors": [p.data_ptr() for p in net.parameters()] == before,
+        "same_parameters": len(after) == len(before) and all(a is b for a, b in zip(after, before)),
     }
 
 
 def check_average_parameters(folder, world_size):
-    """Every parameter becomes, in place, its mean over the ranks."""
+    """Every parameter becomes its mean over the ranks, in the model's own Parameter objects."""
     results = world(average_in_world, world_size, folder)
     starts = [dict(_start(r).named_parameters()) for r in range(world_size)]
     for rank, got in enumerate(results):
-        assert got["same_tensors"], (
-            f"rank {rank}: average_parameters replaced the parameters' tensors; change them in place, the"
-            " optimizer holds these tensors"
+        assert got["same_parameters"], (
+            f"rank {rank}: average_parameters put new Parameter objects in the model; the optimizer holds the old"
+            " ones and would step those: give the model's own parameters their new values"
         )
         for name, own in starts[rank].items():
             mean = sum(s[name] for s in starts) / world_size
@@ -383,18 +417,38 @@ def local_batches(steps, rank, world_size):
     return [tuple(t[mine] for t in global_batch(CONFIG, step, world_size)) for step in range(steps)]
 
 
+def sync_with_own_averaging(folder, averaged=None):
+    """sync.py under test, its local_sgd calling the probes' own average_parameters (the mean by an all-gather,
+    one call noted in `averaged` each time): the checks of local_sgd judge local_sgd alone, whatever
+    average_parameters does (test_average_parameters judges that)."""
+    sync = load(folder).sync
+
+    def average(model):
+        if averaged is not None:
+            averaged.append(len(list(model.parameters())))
+        with torch.no_grad():
+            for param in model.parameters():
+                every = [torch.empty_like(param) for _ in range(dist.get_world_size())]
+                dist.all_gather(every, param)
+                param.copy_(torch.stack(every).mean(0))
+
+    sync.average_parameters = average
+    return sync
+
+
 def local_sgd_in_world(folder, steps, period, watch=True):
     """Probe, on every rank: local_sgd from one start; with watch, what before_average saw."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = _start(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
-    calls = []
+    calls, averaged = [], []
 
     def note(steps_taken):
         calls.append((int(steps_taken), model.layers[0].weight.detach().clone()))
 
+    sync = sync_with_own_averaging(folder, averaged)
     with CommLog() as log:
-        losses = load(folder).sync.local_sgd(
+        losses = sync.local_sgd(
             model, optimizer, local_batches(steps, rank, world_size), period, note if watch else None
         )
     return {
@@ -402,21 +456,25 @@ def local_sgd_in_world(folder, steps, period, watch=True):
         "floats": all(type(loss) is float for loss in losses),
         "calls": [step for step, _ in calls],
         "seen": [weight for _, weight in calls],
-        "collectives": len(log.collectives()),
+        "averaged": len(averaged),
+        "own_collectives": len(log.collectives()) - sum(averaged),
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
     }
 
 
-def simulate(world_size, steps, averages):
+def simulate(world_size, steps, averages, zero_grad=True):
     """Local SGD by hand: each rank's model steps on its batches; the ranks average after the steps
-    in `averages`. Returns every rank's losses and final parameters."""
+    in `averages`. Without zero_grad, each backward pass adds to the gradients of the steps before.
+    Returns every rank's losses and final parameters, and its first layer's weight just before and
+    just after each averaging."""
     models = [_start(0) for _ in range(world_size)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=CONFIG.lr) for m in models]
     batches = [local_batches(steps, r, world_size) for r in range(world_size)]
-    losses, seen = [[] for _ in models], [[] for _ in models]
+    losses, seen, averaged = [[] for _ in models], [[] for _ in models], [[] for _ in models]
     for step in range(1, steps + 1):
         for r, (model, optimizer) in enumerate(zip(models, optimizers)):
-            optimizer.zero_grad()
+            if zero_grad:
+                optimizer.zero_grad()
             _, loss = model(*batches[r][step - 1])
             loss.backward()
             optimizer.step()
@@ -429,11 +487,21 @@ def simulate(world_size, steps, averages):
                     mean = sum(params) / world_size
                     for p in params:
                         p.copy_(mean)
-    return losses, [{n: p.detach() for n, p in m.named_parameters()} for m in models], seen
+            for r, model in enumerate(models):
+                averaged[r].append(model.layers[0].weight.detach().clone())
+    return losses, [{n: p.detach() for n, p in m.named_parameters()} for m in models], seen, averaged
 
 
 def _same(got, expected):
     return all(torch.allclose(got[n], p, rtol=1e-4, atol=1e-5) for n, p in expected.items())
+
+
+def _same_losses(got, expected):
+    return len(got) == len(expected) and all(abs(a - b) < 1e-4 for a, b in zip(got, expected))
+
+
+def _same_weights(got, expected):
+    return len(got) == len(expected) and all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(got, expected))
 
 
 def check_local_sgd(folder, world_size, steps, period):
@@ -441,22 +509,35 @@ def check_local_sgd(folder, world_size, steps, period):
     last, calls before_average just before each, and returns every step's loss."""
     results = world(local_sgd_in_world, world_size, folder, steps, period)
     averages = sorted({*range(period, steps + 1, period), steps})
-    losses, params, seen = simulate(world_size, steps, set(averages))
-    n_params = len(WIDTHS) - 1
+    losses, params, seen, averaged = simulate(world_size, steps, set(averages))
     for rank, got in enumerate(results):
         what = f"with {world_size} ranks, {steps} steps and period={period}, rank {rank}"
         assert got["calls"] == averages, (
             f"{what}: before_average was called after steps {got['calls']}, expected {averages}: just before each"
             " averaging, after steps period, 2 * period, ... and after the last step"
         )
-        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(got["seen"], seen[rank])), (
-            f"{what}: before_average saw other parameters than the rank's own just before averaging: call it"
-            " before average_parameters, not after"
-        )
         assert got["floats"], f"{what}: local_sgd should return the losses as floats (loss.item())"
-        assert len(got["losses"]) == steps and all(abs(a - b) < 1e-4 for a, b in zip(got["losses"], losses[rank])), (
-            f"{what}: local_sgd returned the losses {got['losses']}, expected each step's loss {losses[rank]}"
-        )
+        if not _same_losses(got["losses"], losses[rank]):
+            accumulated = simulate(world_size, steps, set(averages), zero_grad=False)[0][rank]
+            hint = (
+                ": they are the losses of steps whose gradients were never zeroed, each backward pass adding to the"
+                " gradients of the steps before: zero them in every step"
+                if _same_losses(got["losses"], accumulated)
+                else ""
+            )
+            raise AssertionError(
+                f"{what}: local_sgd returned the losses {[round(x, 4) for x in got['losses']]}, expected each step's"
+                f" loss {[round(x, 4) for x in losses[rank]]}{hint}"
+            )
+        if not _same_weights(got["seen"], seen[rank]):
+            hint = (
+                ": it saw the averaged parameters; call it before average_parameters, not after"
+                if _same_weights(got["seen"], averaged[rank])
+                else ""
+            )
+            raise AssertionError(
+                f"{what}: before_average saw other parameters than the rank's own just before averaging{hint}"
+            )
         if not _same(got["params"], params[rank]):
             hint = ""
             for other, why in (
@@ -470,9 +551,13 @@ def check_local_sgd(folder, world_size, steps, period):
             raise AssertionError(
                 f"{what}: the parameters are not those of local SGD averaging after steps {averages}{hint}"
             )
-        assert got["collectives"] == len(averages) * n_params, (
-            f"{what}: local_sgd started {got['collectives']} collectives, expected one all-reduce per parameter"
-            f" ({n_params}) at each of the {len(averages)} averagings"
+        assert got["averaged"] == len(averages), (
+            f"{what}: local_sgd called average_parameters {got['averaged']} times, once at each of the"
+            f" {len(averages)} averagings expected"
+        )
+        assert got["own_collectives"] == 0, (
+            f"{what}: local_sgd started {got['own_collectives']} collectives besides average_parameters's: it"
+            " averages with average_parameters only"
         )
 
 
@@ -521,7 +606,7 @@ def clouds(n, seed_offset):
 def non_iid_in_world(folder):
     """Probe, on every rank: train with local_sgd on IID or label-disjoint shards, period 1 or
     NON_IID['period']; rank 0's weights at the end and just before each averaging."""
-    sync = load(folder).sync
+    sync = sync_with_own_averaging(folder)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     X, Y = clouds(NON_IID["train"], 1)
     out = {}

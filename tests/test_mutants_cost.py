@@ -5,18 +5,22 @@ Instructors only: these need solutions/.
 
 import pytest
 
-from tests.mutants import assert_caught
-from tests.test_ex12_cost import check_exposed, check_fit, check_ring, check_speedup
+from course.launch import WorldFailed
+from tests.mutants import assert_caught, assert_refused, make_mutant
+from tests.test_ex12_cost import check_exposed, check_fit, check_largest_world, check_ring, check_speedup
+
+RING = "return 2 * (world_size - 1) * (alpha + n / (world_size * beta))"
+SEARCH = "gains = [r for r in range(2, most + 1) if t_sync_of(r) / t_comp < r - 1]"
 
 MUTANTS = {
     "the ring takes W - 1 steps": (
-        "return 2 * (world_size - 1) * (alpha + n / (world_size * beta))",
+        RING,
         "return (world_size - 1) * (alpha + n / (world_size * beta))",
         check_ring,
         "a ring takes 2(W - 1) steps",
     ),
     "every ring step sends the whole tensor": (
-        "return 2 * (world_size - 1) * (alpha + n / (world_size * beta))",
+        RING,
         "return 2 * (world_size - 1) * (alpha + n / beta)",
         check_ring,
         "each step sends one chunk, n / W bytes",
@@ -25,19 +29,47 @@ MUTANTS = {
         "end = max(at, end) + ring_allreduce_seconds(n, world_size, alpha, beta)",
         "end = at + end + ring_allreduce_seconds(n, world_size, alpha, beta)",
         check_exposed,
-        "the maximum, not the sum",
+        "their maximum, not their sum",
+    ),
+    "a bucket starts when it is ready, whether the link is free or not": (
+        "    end = 0.0\n    for at, n in zip(ready, sizes):\n"
+        "        end = max(at, end) + ring_allreduce_seconds(n, world_size, alpha, beta)",
+        "    end = 0.0\n    for at, n in zip(ready, sizes):\n"
+        "        end = at + ring_allreduce_seconds(n, world_size, alpha, beta)",
+        check_exposed,
+        "also waits for the link",
     ),
     "communication that ends before the backward pass counts as exposed": (
         "return max(0.0, end - backward_end)",
         "return end - backward_end",
         check_exposed,
-        "only what ends after the backward pass is exposed",
+        "not a negative time",
     ),
     "the slope taken for beta": (
         "return float(alpha), float(1 / slope)",
         "return float(alpha), float(slope)",
         check_fit,
-        "its slope is 1 / beta",
+        "1 / beta, not beta",
+    ),
+    "a line through the first and last points": (
+        "    slope = ((n - n.mean()) * (t - t.mean())).sum() / ((n - n.mean()) ** 2).sum()\n"
+        "    alpha = t.mean() - slope * n.mean()",
+        "    slope = (t[-1] - t[0]) / (n[-1] - n[0])\n    alpha = t[0] - slope * n[0]",
+        check_fit,
+        "the line through the first and last points",
+    ),
+    # alpha, the smallest time; beta from the largest message alone.
+    "alpha and beta read off the ends": (
+        "    alpha = t.mean() - slope * n.mean()\n    return float(alpha), float(1 / slope)",
+        "    alpha = t.min()\n    return float(alpha), float(n[-1] / (t[-1] - alpha))",
+        check_fit,
+        "least-squares line",
+    ),
+    "one rank costs a step": (
+        RING,
+        "return 2 * max(world_size - 1, 1) * (alpha + n / (world_size * beta))",
+        check_ring,
+        "one rank sends nothing",
     ),
     "the speed-up without the ranks' share of the epoch": (
         "return world_size * t_comp / (t_comp + t_sync)",
@@ -48,8 +80,32 @@ MUTANTS = {
     "the blog's condition against R, not R - 1": (
         "if t_sync_of(r) / t_comp < r - 1]",
         "if t_sync_of(r) / t_comp < r]",
-        check_speedup,
+        check_largest_world,
         "T_sync(R) / T_comp < R - 1",
+    ),
+    "the search stops before most": (
+        "for r in range(2, most + 1)",
+        "for r in range(2, most)",
+        check_largest_world,
+        "the range goes up to most, included",
+    ),
+    "the condition taken with <=": (
+        "if t_sync_of(r) / t_comp < r - 1]",
+        "if t_sync_of(r) / t_comp <= r - 1]",
+        check_largest_world,
+        "the condition is strict",
+    ),
+    "the search starts at 3": (
+        "for r in range(2, most + 1)",
+        "for r in range(3, most + 1)",
+        check_largest_world,
+        "start at R = 2",
+    ),
+    "the search stops at the first R that does not gain": (
+        SEARCH + "\n    return max(gains, default=1)",
+        "r = 2\n    while r <= most and t_sync_of(r) / t_comp < r - 1:\n        r += 1\n    return r - 1",
+        check_largest_world,
+        "do not stop at the first that fails",
     ),
 }
 
@@ -57,3 +113,31 @@ MUTANTS = {
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, "cost.py", *MUTANTS[mistake])
+
+
+def test_exposed_is_judged_apart_from_the_ring(tmp_path):
+    """exposed_seconds calls ring_allreduce_seconds: a wrong ring costs the ring's check, not exposed_seconds's."""
+    folder = make_mutant(tmp_path / "mutant", "cost.py", RING, "return (world_size - 1) * (alpha + n / beta)")
+    with pytest.raises(AssertionError, match="ring_allreduce_seconds"):
+        check_ring(folder)
+    check_exposed(folder)
+
+
+def test_a_function_not_written_costs_its_own_check_only(tmp_path):
+    folder = make_mutant(tmp_path / "mutant", "cost.py", RING, 'raise NotImplementedError("Exercise 12: ring")')
+    with pytest.raises(WorldFailed):
+        check_ring(folder)
+    for check in (check_fit, check_exposed, check_speedup, check_largest_world):
+        check(folder)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--world-size", "1"], "--world-size 2 or more"),
+        (["--world-size", "0"], "'0' is not a whole number of at least 1"),
+        (["--batch-size", "0"], "'0' is not a whole number"),
+    ],
+)
+def test_bad_arguments_are_refused(args, words):
+    assert_refused("cost.py", args, words)

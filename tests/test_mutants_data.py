@@ -5,14 +5,17 @@ mistake and shows that the check for it fails, with a message that points at the
 """
 
 import pytest
+import torch
+from torch.utils.data import DistributedSampler
 
-from tests.mutants import assert_caught
+from tests.mutants import assert_caught, assert_refused, make_mutant
 from tests.test_ex8_data import (
     check_against_sampler,
     check_agreed_steps,
     check_join,
     check_partition,
     check_shard_sizes,
+    check_unbalanced_hang,
     check_weighted_average,
 )
 
@@ -51,6 +54,44 @@ MUTANTS = {
         check_shard_sizes,
         "the lower rank first among equal ones",
     ),
+    # Its own sizes, the left-overs to the last shard, instead of shard_sizes.
+    "partition sizes its shards itself": (
+        "data.py",
+        "    return list(order.split(shard_sizes(n, fractions)))",
+        "    sizes = [int(n * f) for f in fractions[:-1]]\n    return list(order.split([*sizes, n - sum(sizes)]))",
+        check_partition,
+        "cut pieces of shard_sizes(n, fractions)",
+    ),
+    # The right sizes as floats: torch's split refuses them, and so does a check of whole numbers.
+    "sizes returned as floats": (
+        "data.py",
+        "    return sizes\n    ### END SOLUTION",
+        "    return [float(s) for s in sizes]\n    ### END SOLUTION",
+        check_shard_sizes,
+        "return a list of ints",
+    ),
+    # Right while one sample is left over; with two (10 samples by quarters), one shard gets both.
+    "all left-overs to the largest fractional part": (
+        "data.py",
+        LEFT_OVERS,
+        "    sizes[by_remainder[0]] += n - sum(sizes)\n",
+        check_shard_sizes,
+        "rounded down or up",
+    ),
+    "shuffled with another seed": (
+        "data.py",
+        "order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))",
+        "order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1))",
+        check_partition,
+        "cut into consecutive pieces in rank order",
+    ),
+    "pieces in reverse rank order": (
+        "data.py",
+        "    return list(order.split(shard_sizes(n, fractions)))",
+        "    return list(order.flip(0).split(shard_sizes(n, fractions)[::-1]))[::-1]",
+        check_partition,
+        "cut into consecutive pieces in rank order",
+    ),
     # Indices drawn with replacement: some twice, some never.
     "indices drawn with replacement": (
         "data.py",
@@ -73,6 +114,14 @@ MUTANTS = {
         "order = torch.randperm(n)",
         check_partition,
         "differ from rank 0's",
+    ),
+    # The same shards on every rank, but the global generator reseeded: what the handout forbids.
+    "shuffled after torch.manual_seed": (
+        "data.py",
+        "order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))",
+        "torch.manual_seed(seed)\n    order = torch.randperm(n)",
+        check_partition,
+        "changed rank 0's global random generator",
     ),
     # Right shards on every rank, but by communication, which the seed makes unnecessary.
     "rank 0's order broadcast": (
@@ -106,6 +155,31 @@ MUTANTS = {
         lambda folder: check_weighted_average(folder, 3),
         "not the gradient of the union batch",
     ),
+    # Nothing to wait for: the ranks with fewer batches leave, and the run ends.
+    "the weighted average communicates nothing": (
+        "data.py",
+        "    n = torch.tensor([float(rows)])\n    dist.all_reduce(n, op=dist.ReduceOp.SUM)\n"
+        "    for param in model.parameters():\n        if param.grad is not None:\n"
+        "            param.grad.mul_(rows / n.item())\n            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)\n",
+        "    pass\n",
+        check_unbalanced_hang,
+        "the run ended",
+    ),
+    # An error at a line of common_steps is reported as that error, not as ranks that disagree.
+    "an error in common_steps": (
+        "data.py",
+        "dist.all_reduce(agreed, op=dist.ReduceOp.MIN)",
+        "dist.all_reduce(agreed, op=dist.ReduceOp.MINIMUM)",
+        lambda folder: check_agreed_steps(folder, 2),
+        "AttributeError",
+    ),
+    "common_steps returns a tensor": (
+        "data.py",
+        "    return int(agreed.item())",
+        "    return agreed[0]",
+        lambda folder: check_agreed_steps(folder, 2),
+        "as an int",
+    ),
     "ranks agree on the largest number of steps": (
         "data.py",
         "dist.all_reduce(agreed, op=dist.ReduceOp.MIN)",
@@ -125,7 +199,7 @@ MUTANTS = {
         DDP_LOOP,
         DDP_LOOP.replace("with Join([wrapped]):", "if True:"),
         check_join,
-        "inside Join",
+        "inside `with Join([ddp_model]):`",
     ),
     # Join passes its keyword arguments to DDP's join hook: the late steps are then divided by fewer ranks.
     "late steps divided by the ranks still training": (
@@ -141,7 +215,16 @@ MUTANTS = {
         "_, loss = wrapped(X[rows], Y[rows])",
         "_, loss = model(X[rows], Y[rows])",
         check_join,
-        "differs from DDP's averages",
+        "call the DDP model in the loop, not `model`",
+    ),
+    # The loop is inside Join; the extra average has no partner once a rank has run out of batches.
+    "a hand-written average inside Join": (
+        "data.py",
+        "            loss.backward()\n            optimizer.step()\n    ### END SOLUTION",
+        "            loss.backward()\n            for p in model.parameters():\n                dist.all_reduce(p.grad)\n"
+        "                p.grad /= dist.get_world_size()\n            optimizer.step()\n    ### END SOLUTION",
+        check_join,
+        "started collectives of its own",
     ),
 }
 
@@ -149,3 +232,63 @@ MUTANTS = {
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])
+
+
+def test_partition_is_judged_apart_from_shard_sizes(tmp_path):
+    """A wrong shard_sizes costs the check of shard_sizes, not those of partition, which calls it."""
+    folder = make_mutant(tmp_path / "mutant", "data.py", LEFT_OVERS, "    sizes[-1] += n - sum(sizes)\n")
+    with pytest.raises(AssertionError, match="the largest fractional parts"):
+        check_shard_sizes(folder)
+    check_partition(folder)
+    check_against_sampler(folder)
+
+
+def test_distributed_sampler_pads_with_the_first_samples_or_drops_the_last():
+    """The handout's account of DistributedSampler: it deals its shuffled order like cards, repeats the first
+    samples of the order until every rank has ceil(n / W), or with drop_last=True keeps floor(n / W) each."""
+    n, w, seed = 10, 3, 5
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    padded = [list(DistributedSampler(range(n), num_replicas=w, rank=r, shuffle=True, seed=seed)) for r in range(w)]
+    assert [padded[i % w][i // w] for i in range(12)] == order + order[:2]
+    dropped = [
+        list(DistributedSampler(range(n), num_replicas=w, rank=r, shuffle=True, seed=seed, drop_last=True))
+        for r in range(w)
+    ]
+    assert [len(d) for d in dropped] == [3, 3, 3] and sorted(sum(dropped, [])) == sorted(order[:9])
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--world-size", "0"], "'0' is not a whole number of at least 1"),
+        (["--fractions", "1.0", "0.0"], "2 positive numbers that add up to 1"),
+        (["--fractions", "0.5", "0.6"], "2 positive numbers that add up to 1"),
+        (["--fractions", "0.5", "0.3", "0.2"], "2 positive numbers"),
+        (["--fractions", "0.95", "0.05", "--batch-size", "8"], "would hold no row"),
+        (["--device", "cuda"], "--device cpu"),
+        (["--uneven", "sometimes"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_are_refused(args, words):
+    assert_refused("data.py", args, words)
+
+
+def test_common_steps_is_judged_apart_from_the_weighted_average(tmp_path):
+    folder = make_mutant(tmp_path / "mutant", "data.py", "param.grad.mul_(rows / n.item())", "pass")
+    with pytest.raises(AssertionError, match="not the gradient of the union batch"):
+        check_weighted_average(folder, 2)
+    check_agreed_steps(folder, 2)
+
+
+def test_counts_gathered_instead_of_reduced_are_right(tmp_path):
+    """n from an all-gather of the counts is as right as from an all-reduce: the hang is still a hang, named
+    in data.py, and the gradients are the union batch's."""
+    folder = make_mutant(
+        tmp_path / "mutant",
+        "data.py",
+        "    n = torch.tensor([float(rows)])\n    dist.all_reduce(n, op=dist.ReduceOp.SUM)\n",
+        "    counts = [torch.zeros(1) for _ in range(dist.get_world_size())]\n"
+        "    dist.all_gather(counts, torch.tensor([float(rows)]))\n    n = sum(counts)\n",
+    )
+    check_unbalanced_hang(folder)
+    check_weighted_average(folder, 3)

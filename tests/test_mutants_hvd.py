@@ -6,7 +6,7 @@ mistake and shows that the check for it fails, with a message that points at the
 
 import pytest
 
-from tests.mutants import assert_caught
+from tests.mutants import assert_caught, assert_refused
 from tests.test_ex10_hvd import check_broadcast_parameters, check_mixed_dtypes, check_optimizer_state, check_steps
 
 ONE_BUFFER = """            flat = torch.cat([g.reshape(-1) for g in same])
@@ -19,6 +19,19 @@ MUTANTS = {
         "for tensor in model.parameters():",
         lambda folder: check_broadcast_parameters(folder, 2),
         "every parameter and every buffer",
+    ),
+    # Rank 0's values on every rank, in new Parameter objects: an optimizer built before holds the old ones.
+    "new Parameter objects put in the model": (
+        "hvd.py",
+        "        for tensor in [*model.parameters(), *model.buffers()]:\n            dist.broadcast(tensor, src=0)",
+        "        for module in model.modules():\n"
+        "            for name, param in list(module.named_parameters(recurse=False)):\n"
+        "                fresh = param.detach().clone()\n"
+        "                dist.broadcast(fresh, src=0)\n"
+        "                setattr(module, name, nn.Parameter(fresh))\n"
+        "        for tensor in model.buffers():\n            dist.broadcast(tensor, src=0)",
+        lambda folder: check_broadcast_parameters(folder, 2),
+        "put new Parameter objects in the model",
     ),
     "optimizer state not broadcast": (
         "hvd.py",
@@ -49,7 +62,7 @@ MUTANTS = {
         )
         + "\n            flat = torch.cat([g.reshape(-1) for g in same])",
         lambda folder: check_steps(folder, 2, "sgd_momentum", steps=1),
-        "all-reduce it once",
+        "not once per parameter",
     ),
     "the mean never copied back into the gradients": (
         "hvd.py",
@@ -71,3 +84,15 @@ MUTANTS = {
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--world-size", "0"], "'0' is not a whole number of at least 1"),
+        (["--niters", "0"], "'0' is not a whole number"),
+        (["--train-size", "100", "--batch-size", "128"], "more than the 90 training rows"),
+    ],
+)
+def test_bad_arguments_are_refused(args, words):
+    assert_refused("hvd.py", args, words)

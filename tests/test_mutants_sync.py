@@ -8,6 +8,8 @@ mistake and shows that the check for it fails, with a message that points at the
 
 import json
 import os
+from contextlib import redirect_stdout
+from io import StringIO
 
 import pytest
 import torch
@@ -16,14 +18,18 @@ import torch.nn as nn
 
 from course.layout import SOLUTIONS
 from tests import warm
-from tests.helpers import world
-from tests.mutants import assert_caught
+from tests.helpers import CONFIG, load, world
+from tests.mutants import assert_caught, assert_refused, make_mutant
 from tests.test_ex9_sync import (
+    _start,
     check_average_parameters,
     check_backward,
+    check_eval_alone,
     check_forward,
     check_local_sgd,
     check_period_one_is_synchronous,
+    local_batches,
+    simulate,
 )
 
 ALL_REDUCE = 'total = funcol.all_reduce(local, "sum", dist.group.WORLD)'
@@ -135,6 +141,14 @@ MUTANTS = {
         forward(2),
         "normalised with the batch's statistics",
     ),
+    # Right numbers; on one rank alone, the all-reduce waits for ranks that evaluate nothing.
+    "eval mode communicates": (
+        "sync.py",
+        "return self.normalise(x, self.running_mean, self.running_var)",
+        "global_moments(x)\n            return self.normalise(x, self.running_mean, self.running_var)",
+        check_eval_alone,
+        "in eval mode normalise with the running statistics and communicate nothing",
+    ),
     "parameters summed, not averaged": (
         "sync.py",
         AVERAGE,
@@ -149,12 +163,16 @@ MUTANTS = {
         lambda folder: check_average_parameters(folder, 2),
         "still this rank's own",
     ),
-    "parameters replaced, not changed in place": (
+    # The optimizer holds the old Parameter objects: local SGD would step parameters the model no longer has.
+    "new Parameter objects put in the model": (
         "sync.py",
-        AVERAGE,
-        "            dist.all_reduce(param)\n            param.data = param.data / dist.get_world_size()",
+        "        for param in model.parameters():\n" + AVERAGE,
+        "        for module in model.modules():\n"
+        "            for name, param in list(module.named_parameters(recurse=False)):\n"
+        "                dist.all_reduce(param)\n"
+        "                setattr(module, name, nn.Parameter(param / dist.get_world_size()))",
         lambda folder: check_average_parameters(folder, 2),
-        "change them in place",
+        "put new Parameter objects in the model",
     ),
     "no averaging after the last step": (
         "sync.py",
@@ -183,6 +201,23 @@ MUTANTS = {
         AVERAGE_THEN_CALL,
         local_sgd,
         "call it before average_parameters",
+    ),
+    # Every step after the first adds its gradient to the ones before: the losses part from the third step on.
+    "gradients never zeroed in local SGD": (
+        "sync.py",
+        "        optimizer.zero_grad()\n        _, loss = model(x, y)",
+        "        _, loss = model(x, y)",
+        local_sgd,
+        "gradients were never zeroed",
+    ),
+    # The right parameters, averaged by a loop of its own instead of average_parameters.
+    "local SGD averages without average_parameters": (
+        "sync.py",
+        "            average_parameters(model)\n    return losses",
+        "            with torch.no_grad():\n                for p in model.parameters():\n"
+        "                    dist.all_reduce(p)\n                    p /= dist.get_world_size()\n    return losses",
+        local_sgd,
+        "called average_parameters 0 times",
     ),
     "losses returned as tensors": (
         "sync.py",
@@ -257,3 +292,79 @@ def test_experiment_script_writes_png_and_json(tmp_path):
     assert len(found["curves"]["non-IID, local"]["before"]) == 2 and found["curves"]["IID, sync"]["before"] == []
     assert "final test loss | non-IID, local" in done.stdout
     assert os.path.basename(str(png)) in done.stdout
+
+
+def own_local_sgd(folder, steps, period):
+    """Probe: local_sgd of the folder with its own average_parameters (the checks give it theirs); the parameters."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = _start(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
+    load(folder).sync.local_sgd(model, optimizer, local_batches(steps, rank, world_size), period)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_parameters_data_replaced_is_right(tmp_path):
+    """`param.data = ...` keeps the Parameter object, which the optimizer holds: it averages as well as an
+    in-place division, and local SGD with it trains as local SGD by hand."""
+    folder = make_mutant(
+        tmp_path / "mutant",
+        "sync.py",
+        AVERAGE,
+        "            dist.all_reduce(param)\n            param.data = param.data / dist.get_world_size()",
+    )
+    check_average_parameters(folder, 2)
+    got = world(own_local_sgd, 2, folder, 7, 3)
+    _, expected, _, _ = simulate(2, 7, {3, 6, 7})
+    for rank, params in enumerate(got):
+        assert all(torch.allclose(params[n], p, rtol=1e-4, atol=1e-5) for n, p in expected[rank].items())
+
+
+def test_local_sgd_is_judged_apart_from_average_parameters(tmp_path):
+    folder = make_mutant(tmp_path / "mutant", "sync.py", AVERAGE, "            dist.all_reduce(param)")
+    with pytest.raises(AssertionError, match="divide by the world size"):
+        check_average_parameters(folder, 2)
+    local_sgd(folder)
+    check_period_one_is_synchronous(folder)
+
+
+def test_the_documented_differentiable_all_reduce_passes(tmp_path):
+    """The handout: the checks accept torch.distributed.nn.functional.all_reduce as well as the functional
+    collectives' all_reduce."""
+    folder = make_mutant(
+        tmp_path / "mutant",
+        "sync.py",
+        ALL_REDUCE,
+        "import torch.distributed.nn.functional as differentiable\n\n    total = differentiable.all_reduce(local)",
+    )
+    check_forward(folder, 3)
+    check_backward(folder, 2)
+
+
+def demo(rows, features):
+    sync = load(SOLUTIONS).sync
+    with redirect_stdout(StringIO()):
+        return sync.batchnorm_demo(rows, features)
+
+
+def test_batchnorm_demo_shows_what_the_handout_says():
+    """`python sync.py --world-size 2` (8 rows of 256 features per rank): nn.BatchNorm1d's output, running variance and eval-mode output on rank 0
+    alone are more than 1 away from one process's; SyncBatchNorm1d's within rounding."""
+    found = world(demo, 2, 8, 256)[0]
+    plain, synced = found["nn.BatchNorm1d"], found["SyncBatchNorm1d"]
+    assert plain[0] > 1 and plain[2] > 1 and plain[3] > 1, plain
+    assert max(synced) < 1e-5, synced
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--world-size", "0"], "'0' is not a whole number of at least 1"),
+        (["--world-size", "1", "--rows", "1"], "2 rows at least"),
+        (["--rows", "0"], "'0' is not a whole number"),
+        (["--period", "0"], "'0' is not a whole number"),
+        (["--non-iid-plot", "no/such/folder/x.png"], "no folder no/such/folder"),
+        (["--non-iid-plot", "x.png", "--n-classes", "2", "--world-size", "3"], "fewer than the 3 ranks"),
+    ],
+)
+def test_bad_arguments_are_refused(args, words):
+    assert_refused("sync.py", args, words)

@@ -10,7 +10,7 @@ same source on every rank, rank 0's, which returns wrong values instead.
 
 import pytest
 
-from tests.mutants import assert_caught
+from tests.mutants import assert_caught, assert_refused, make_mutant
 from tests.test_ex11_zero import check_hook, check_owners, check_state_bytes, check_steps
 
 LEAST_LOADED = "        rank = load.index(min(load))\n"
@@ -31,12 +31,13 @@ MUTANTS = {
         check_owners,
         "balance the ranks by size",
     ),
-    "the largest parameter to the last rank, all others to rank 0, seen in the memory": (
+    # Owners of its own, by position, instead of self.owners: the state no longer lies where the owners say.
+    "the wrapped optimizer's parameters taken by position": (
         "zero.py",
-        LEAST_LOADED,
-        "        rank = 0 if any(load) else world_size - 1\n",
+        "        mine = [p for p, owner in zip(self.params, self.owners) if owner == dist.get_rank()]",
+        "        mine = self.params[dist.get_rank() :: dist.get_world_size()]",
         lambda folder: check_state_bytes(folder, 2),
-        "not balanced by size",
+        "its wrapped optimizer sees exactly those",
     ),
     "parameters in their order, not largest first": (
         "zero.py",
@@ -51,6 +52,36 @@ MUTANTS = {
         "        rank = len(load) - 1 - load[::-1].index(min(load))\n",
         check_owners,
         "a tie to the lower rank",
+    ),
+    "owners counted from 1": (
+        "zero.py",
+        "        owners[i] = rank\n",
+        "        owners[i] = rank + 1\n",
+        check_owners,
+        "every owner is a rank in range",
+    ),
+    "equal sizes taken last first": (
+        "zero.py",
+        "key=lambda i: -sizes[i]",
+        "key=lambda i: (-sizes[i], -i)",
+        check_owners,
+        "equal sizes in their order",
+    ),
+    # Adam with its default learning rate (1e-3), not the lr the checks pass.
+    "the optimizer's arguments dropped": (
+        "zero.py",
+        "        self.optimizer = optimizer_class(mine, **defaults)",
+        "        self.optimizer = optimizer_class(mine)",
+        lambda folder: check_steps(folder, 2, steps=1),
+        "differs from Adam in one process",
+    ),
+    # Only the owner needs the average to step, but after step() every rank's gradients are the averages.
+    "gradients reduced to their owner only": (
+        "zero.py",
+        "        for p in self.params:\n            dist.all_reduce(p.grad)\n",
+        "        for p, owner in zip(self.params, self.owners):\n            dist.reduce(p.grad, dst=owner)\n",
+        lambda folder: check_steps(folder, 2, steps=1),
+        "not the average of the ranks' gradients",
     ),
     "the owner does not broadcast": (
         "zero.py",
@@ -108,3 +139,24 @@ MUTANTS = {
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--world-size", "0"], "'0' is not a whole number of at least 1"),
+        (["--world-size", "5"], "fewer parameters than the 5 ranks"),
+        (["--train-size", "100", "--batch-size", "128"], "more than the 90 training rows"),
+    ],
+)
+def test_bad_arguments_are_refused(args, words):
+    assert_refused("zero.py", args, words)
+
+
+def test_the_sharded_optimizer_is_judged_apart_from_assign_owners(tmp_path):
+    """ShardedOptimizer calls assign_owners: a wrong rule costs the rule's check, not the optimizer's."""
+    folder = make_mutant(tmp_path / "mutant", "zero.py", LEAST_LOADED, "        rank = 0\n")
+    with pytest.raises(AssertionError, match="balance the ranks by size"):
+        check_owners(folder)
+    check_steps(folder, 2, steps=1)
+    check_state_bytes(folder, 3)
