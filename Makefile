@@ -15,7 +15,7 @@ help:
 	@echo "make demo     run every reference solution on CPU (not in the students' copy)"
 	@echo "make test     the test suite: the reference solutions and the repository's own checks"
 	@echo "make lint     ruff: the checks and the formatting of pyproject.toml (instructors)"
-	@echo "make grade    grade your exercise files: mlp.py, dist.py, ... (EX=2 for one exercise)"
+	@echo "make grade    grade your exercise files: mlp.py, dist.py, ... (EX=2 for one exercise, EX=\"6 7\" for two)"
 	@echo "make non-iid  exercise 9's experiment: IID or label-disjoint shards, synchronous or local SGD (non_iid.png, .json)"
 	@echo "make student  regenerate the student files (mlp.py, dist.py, ...) and exercises/*.ipynb from solutions/"
 	@echo "make release DEST=dir          instructors: write the students' copy (no solutions)"
@@ -44,7 +44,7 @@ non-iid: $(VENV)/.installed
 
 # A score below full marks is not an error; a broken grader is (see course/grade.py).
 grade: $(VENV)/.installed
-	@$(PY) -m course grade $(if $(EX),--ex $(EX))
+	@$(PY) -m course grade $(foreach e,$(EX),--ex $(e))
 
 # Targets that need solutions/. The students' copy (make release) has none: there `make test` is
 # `make grade`, and the others are not defined.

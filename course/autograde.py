@@ -29,7 +29,7 @@ grades.csv (nbgrader's CSV export) and, per student, in feedback/STUDENT/: feedb
 `make grade` prints), feedback.html (each check with its points and what it found, and the
 written answers) and results.json (Gradescope's format); and the class report, report.html and
 report.json (course/report.py), from every failed check's facts: each check that fails in a
-notebook shows them as an output of type course.grade.MISTAKE_MIME, which collect() reads.
+notebook shows them as an output of type course.grade.CASES_MIME, which collect() reads.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ sys.modules.setdefault("rfc3987_syntax", None)
 
 from course import env, report, sandbox  # noqa: E402
 from course.failure import parse_stub  # noqa: E402
-from course.grade import MISTAKE_MIME, Check, table, write_results  # noqa: E402
+from course.grade import CASES_MIME, Check, table, write_results  # noqa: E402
 from course.layout import STUDENT_FILES, graded_exercises  # noqa: E402
 from course.make_notebooks import dumps, exercise_of, notebook, sources  # noqa: E402
 
@@ -306,14 +306,17 @@ def _reason(cell: dict) -> str:
     return ""
 
 
-def _mistake(cell: dict) -> dict:
-    """What a graded cell found wrong, as facts (course.grade.mistake): the report groups by them.
-
-    The check's own facts when it showed them; otherwise what became of the cell, as _reason reads it.
-    """
+def _cases(cell: dict) -> dict | None:
+    """What each case of a graded cell found, by case name, as grade() showed it (None: it did not)."""
     for output in cell.get("outputs", []):
-        if output["output_type"] == "display_data" and MISTAKE_MIME in output.get("data", {}):
-            return output["data"][MISTAKE_MIME]["mistake"]
+        if output["output_type"] == "display_data" and CASES_MIME in output.get("data", {}):
+            return {case["name"]: case for case in output["data"][CASES_MIME]["cases"]}
+    return None
+
+
+def _mistake(cell: dict) -> dict:
+    """What became of a graded cell that showed no cases (it crashed, ran out of time, was not
+    graded), as facts like course.grade.mistake's: the report groups by them."""
     for output in cell.get("outputs", []):
         if output["output_type"] == "error":
             if output["ename"] == "NotGraded":
@@ -350,7 +353,8 @@ def _notebook(out: str, step: str, student: str, assignment: str, stem: str) -> 
 
 
 def collect(out: str, student: str, assignments: dict, failures: dict) -> list:
-    """The student's checks: scores from nbgrader's gradebook, reasons from the graded notebooks."""
+    """The student's checks, one per case as `make grade` has them (course/checks.py), from what
+    each graded cell showed; nbgrader's gradebook records the same points for the cell."""
     from nbgrader.api import Gradebook, MissingEntry
 
     checks = []
@@ -369,25 +373,31 @@ def collect(out: str, student: str, assignments: dict, failures: dict) -> list:
                 grading = cell["metadata"].get("nbgrader", {})
                 if not grading.get("grade") or grading.get("solution"):  # written answers are graded by hand
                     continue
-                grade = grades.get(grading["grade_id"])
-                if grade is not None and assignment in failures:  # nbgrader recorded nothing for it
-                    grade.auto_score, grade.needs_manual_grade = 0.0, False
-                passed = grade is not None and (grade.auto_score or 0.0) >= grading["points"]
-                cell = graded.get(grading["grade_id"], {})
-                reason = failures.get(assignment) or _reason(cell) or "no points"
-                facts = {"kind": "not_graded"} if assignment in failures else _mistake(cell)
-                checks.append(
-                    Check(
-                        int(assignment[2:]),
-                        grading["grade_id"],
-                        passed,
-                        "" if passed else reason,
-                        grading["points"],
-                        stub=None if passed else parse_stub(reason),  # the cell's output is text: read in failure.py
-                        mistake=None if passed else facts,
-                        seconds=_seconds(cell),
+                ran = graded.get(grading["grade_id"], {})
+                found = None if assignment in failures else _cases(ran)
+                reason = failures.get(assignment) or _reason(ran) or "no points"
+                facts = {"kind": "not_graded"} if assignment in failures else _mistake(ran)
+                mine = []
+                for case in cell["metadata"]["course"]["cases"]:
+                    unseen = {"passed": False, "message": reason, "mistake": facts, "seconds": _seconds(ran)}
+                    got = (found or {}).get(case["name"]) or unseen
+                    passed = got["passed"] is True
+                    mine.append(
+                        Check(
+                            int(assignment[2:]),
+                            case["name"],
+                            passed,
+                            "" if passed else got["message"],
+                            case["points"],
+                            stub=None if passed else parse_stub(got["message"]),  # the text of course/failure.py
+                            mistake=None if passed else got["mistake"],
+                            seconds=got["seconds"],
+                        )
                     )
-                )
+                checks += mine
+                grade = grades.get(grading["grade_id"])
+                if grade is not None:  # one grade: the gradebook holds what the cases earned
+                    grade.auto_score, grade.needs_manual_grade = sum(c.score for c in mine), False
         gradebook.db.commit()
     return checks
 

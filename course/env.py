@@ -167,6 +167,12 @@ CHECK_SETTINGS = {
 }
 
 
+# Once a world of an exercise has run out of time (an endless loop, most likely, that every check of
+# the exercise would meet again), the exercise's later checks get worlds of this many seconds: a
+# check's world takes under 5 s on a 2-core laptop.
+HANG_WORLD_LIMIT = 10
+
+
 def check_settings(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The check settings that environ does not set already (a variable set by the user wins).
 

@@ -1,14 +1,16 @@
 """Scores for the exercise checks: the table `make grade` prints, and results.json for Gradescope.
 
-A pytest plugin: ``pytest -p course.grade tests/test_ex*_*.py``. Every test in a module named
-``test_exN_*.py`` is one check of exercise N, and the checks of an exercise share its POINTS
-equally. After the run the plugin prints one table (checks passed, points, and one sentence for
-each thing that failed, not a traceback) and writes results.json in the format of Gradescope's
-autograders, so the same command is a Gradescope autograder as it stands.
+A pytest plugin: ``pytest -p course.grade tests/test_ex*_*.py``. Every test of a module named
+``test_exN_*.py`` is a check of exercise N, each of its cases worth the whole points of its
+``points`` mark (course/checks.py: the table the notebooks use too). After the run the plugin
+prints one table (checks passed, points, and one sentence for each thing that failed, not a
+traceback) and writes results.json in the format of Gradescope's autograders, so the same
+command is a Gradescope autograder as it stands.
 
 A low grade is not an error: the run exits 0 when only checks failed. It exits non-zero when
-the grader itself is broken: a test module that does not import, a fixture that fails, an
-exercise missing from POINTS, or a results.json that is not what it wrote.
+the grader itself is broken: a test module that does not import, a fixture that fails, a check
+without points, or a results.json that is not what it wrote; its results.json then says that
+the submission could not be graded, never a score.
 
 What a submission cannot change (the README's "What a grade can be trusted for" says why, and
 against whom): the checks run its code only in sandboxed worker processes (course/sandbox.py)
@@ -35,17 +37,16 @@ from dataclasses import dataclass
 
 import pytest
 
+from course.checks import points_of
 from course.layout import STUDENT_FILES
 from course.student import ROOT
 
-# Points of each exercise. A new exercise is one line here and a tests/test_exN_*.py module.
-POINTS = {1: 20, 2: 25, 3: 25, 4: 30, 5: 20, 6: 25, 7: 15, 8: 25, 9: 25, 10: 25, 11: 25, 12: 20}
-
 _MODULE = re.compile(r"test_ex(\d+)_\w*\.py")
 
-# The output type that carries a failed check's facts (mistake()) out of a notebook cell that
-# autograding runs: course/in_notebook.py shows them, course/autograde.py reads them.
-MISTAKE_MIME = "application/vnd.ddp-course.mistake+json"
+# The output type that carries what each case of a graded notebook cell found (its points, its
+# sentence, mistake()'s facts) out of a cell that autograding runs: course/in_notebook.py shows
+# them, course/autograde.py reads them.
+CASES_MIME = "application/vnd.ddp-course.cases+json"
 
 
 @dataclass
@@ -74,22 +75,6 @@ def exercise_of(nodeid: str) -> int | None:
     """The exercise a test belongs to, from its module name test_exN_*.py; None for other tests."""
     match = _MODULE.search(nodeid.split("::")[0])
     return int(match.group(1)) if match else None
-
-
-def share_points(checks: list) -> list:
-    """Give each check its share of its exercise's points, in hundredths that add up to them exactly.
-
-    Gradescope shows the sum of the max_score values: the remainder goes to the last check.
-    """
-    for exercise in {c.exercise for c in checks}:
-        if exercise not in POINTS:
-            raise KeyError(f"exercise {exercise} has tests but no points: add it to POINTS in course/grade.py")
-        mine = [c for c in checks if c.exercise == exercise]
-        hundredths = POINTS[exercise] * 100
-        for i, check in enumerate(mine):
-            share = hundredths // len(mine) + (hundredths % len(mine) if i == len(mine) - 1 else 0)
-            check.max_score = share / 100
-    return checks
 
 
 def _first_line(text: str) -> str:
@@ -133,8 +118,12 @@ def _place(frames: list, keep) -> dict:
 
 
 def _judge(path: str) -> bool:
-    """A file of the grader's own checks (tests/) or of the course (course/)."""
-    return os.path.abspath(path).startswith(tuple(os.path.join(ROOT, d) + os.sep for d in _OWN_FOLDERS))
+    """A file of the grader's own checks (tests/) or of the course (course/), but this one: its hooks
+    are in every check's traceback."""
+    path = os.path.abspath(path)
+    return path != os.path.abspath(__file__) and path.startswith(
+        tuple(os.path.join(ROOT, d) + os.sep for d in _OWN_FOLDERS)
+    )
 
 
 def mistake(error: BaseException) -> dict:
@@ -262,6 +251,16 @@ UNFINISHED = {
     "output": "The grader did not finish: it was stopped before it could write the grade.",
     "tests": [],
 }
+
+
+def not_graded(problems: list) -> dict:
+    """results.json of a run that could not grade: it says so, and gives no score as if earned."""
+    said = "\n".join(f"GRADER ERROR (not your code): {p}" for p in problems)
+    return {
+        "score": 0,
+        "output": f"This submission could not be graded, so 0 is not its score: ask your instructor.\n{said}",
+        "tests": [{"name": "The grader", "status": "failed", "score": 0, "max_score": 0, "output": said}],
+    }
 
 
 def write_json(path: str, data: dict) -> None:
@@ -395,15 +394,48 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=scaffold)
 
 
+def _points(item) -> int | None:
+    """A graded item's points: its case's own mark (pytest.param), else its check's; None for none."""
+    case = list(getattr(getattr(item, "callspec", None), "marks", []))  # pytest lists them after the function's
+    try:
+        return points_of([*case, *item.iter_markers()])
+    except ValueError:
+        return None
+
+
+_out_of_time: set = set()  # the exercises of which a world ran out of time, in this grading process
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """Once a world of an exercise has run out of time (an endless loop, most likely), the
+    exercise's later checks get worlds of env.HANG_WORLD_LIMIT seconds: one endless loop costs
+    about a minute, not a minute per check."""
+    from course import env
+
+    usual = os.environ.get("COURSE_TIMEOUT")
+    if exercise_of(item.nodeid) in _out_of_time:
+        os.environ["COURSE_TIMEOUT"] = str(env.HANG_WORLD_LIMIT)
+    try:
+        return (yield)
+    finally:
+        os.environ.pop("COURSE_TIMEOUT", None)
+        os.environ.update({} if usual is None else {"COURSE_TIMEOUT": usual})
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
-    # Only the process that ran the test has the exception; the sentence travels with the report.
+    # Only the process that ran the test has the item and the exception: the points and the
+    # sentence travel with the report (to the grader from its copy, or from pytest-xdist's workers).
+    report.grade_points = _points(item)
     if report.failed and call.excinfo is not None:
         report.grade_message = explain(call.excinfo.value)
         failure = getattr(call.excinfo.value, "failure", None)
         report.grade_stub = failure.stub if failure is not None and failure.kind == "stub" else None
         report.grade_mistake = mistake(call.excinfo.value)
+        if report.grade_mistake.get("kind") == "timeout":
+            _out_of_time.add(exercise_of(item.nodeid))
     return report
 
 
@@ -453,12 +485,19 @@ class _Grader:
                 child.stop()
         return True
 
+    def pytest_collectreport(self, report):
+        if report.failed:  # a check module that does not import: nothing of it can be graded
+            self.broken.append(f"{report.nodeid} could not be collected: {_first_line(report.longreprtext)}")
+
     def pytest_runtest_logreport(self, report):
         exercise = exercise_of(report.nodeid)
         if exercise is None:
             return
         name = report.nodeid.split("::", 1)[-1]
-        check = self.checks.setdefault(report.nodeid, Check(exercise, name, passed=False))
+        points = getattr(report, "grade_points", None)
+        if points is None and report.nodeid not in self.checks:  # course/checks.py
+            self.broken.append(f"{report.nodeid} has no points: mark it @pytest.mark.points(N), N a whole number")
+        check = self.checks.setdefault(report.nodeid, Check(exercise, name, passed=False, max_score=points or 0))
         if report.when == "call" and report.passed and not check.message:
             check.passed = True
         elif report.failed or report.skipped:
@@ -476,7 +515,7 @@ class _Grader:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session, exitstatus):
-        self.final = share_points(sorted(self.checks.values(), key=lambda c: (c.exercise, c.name)))
+        self.final = sorted(self.checks.values(), key=lambda c: (c.exercise, c.name))
         changed = (self.fingerprint.changes() if self.fingerprint is not None else []) + self.changed_elsewhere
         changed = list(dict.fromkeys(changed))  # each process finds what changed on disk
         if changed:
@@ -484,9 +523,12 @@ class _Grader:
             for check in self.final:
                 check.passed = False
                 check.message = f"the grader's own files changed while it ran ({changed[0]}{more}): no check counts"
+        path = self.config.getoption("grade_results")
         try:
-            seconds = time.monotonic() - self.started
-            write_results(self.config.getoption("grade_results"), self.final, seconds, self.sandbox)
+            if self.broken:
+                write_json(path, not_graded(self.broken))
+            else:
+                write_results(path, self.final, time.monotonic() - self.started, self.sandbox)
         except (OSError, RuntimeError, ValueError) as error:  # ValueError: what was read back is not JSON
             self.broken.append(f"results.json: {error}")
         if self.broken:

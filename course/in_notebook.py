@@ -30,7 +30,7 @@ import torch  # noqa: E402
 # kernel, it is already there in every check process and worker forked from it.
 import torch._dynamo  # noqa: E402, F401
 
-from course.grade import MISTAKE_MIME, explain, mistake  # noqa: E402
+from course.grade import CASES_MIME, explain, mistake  # noqa: E402
 from course.launch import run  # noqa: E402
 
 
@@ -114,18 +114,20 @@ def _serve(conn) -> None:
     workers.drop_streams()
     torch.set_num_threads(1)  # the judges compare small tensors; their workers have threads of their own
     faulthandler.enable()  # a crash shows its Python stack in the cell's output
+    usual_limit = os.environ["COURSE_TIMEOUT"]  # a world's, under the checks (env.check_settings)
     while True:
         try:
             asked = _receive(conn)
             workers.take_streams(conn)
         except EOFError:  # the kernel is gone
             break
-        where, args = asked["folder"], asked["args"]
+        where, kwargs = asked["folder"], asked["kwargs"]
         fn = getattr(importlib.import_module(asked["module"]), asked["name"])
+        os.environ["COURSE_TIMEOUT"] = str(asked["world_limit"] or usual_limit)
         impl.forget(where)  # what this process read before an edit is stale
         try:
             with _stderr_to_stdout():
-                fn(where, *args)
+                fn(where, **kwargs)
             verdict, facts = "", None
         except Exception as error:  # noqa: BLE001 - any failure of the check is the student's to read
             verdict, facts = explain(error) or type(error).__name__, mistake(error)
@@ -163,8 +165,8 @@ def _stop_checks_process() -> None:
         _checker.clear()
 
 
-def _show_facts(facts: dict, seconds: float) -> None:
-    """Give autograding the failed check's facts as data: an output of their own type in the cell.
+def _show_cases(cases: list) -> None:
+    """Give autograding what each case of a graded cell found, as data: an output of its own type.
 
     Only a kernel that autograding started (course/autograde.py sets COURSE_MISTAKE_FACTS) shows
     them: a student's notebook would show an output its frontend cannot render.
@@ -175,47 +177,83 @@ def _show_facts(facts: dict, seconds: float) -> None:
     from IPython.display import display
 
     if get_ipython() is not None:
-        display({MISTAKE_MIME: {"mistake": facts, "seconds": round(seconds, 3)}}, raw=True)
+        display({CASES_MIME: {"cases": cases}}, raw=True)
 
 
 _INTERRUPT_LATENCY = 0.1  # seconds: how long after Jupyter's interrupt a check stops, at most
 
 
-def check(fn, *args) -> None:
-    """Run one of the checks of `make grade` on your files; raise CheckFailed saying what is wrong.
-
-    The check runs in a process of its own, started by the first check and kept for the next:
-    your code, which the check loads, never runs in the notebook's kernel. A kernel that grades
-    holds nothing of the code it grades, and a crash of your code ends a process of the check's,
-    not the kernel. Interrupting the kernel stops the check and every process it started.
-    """
+def _ask(fn, kwargs: dict, world_limit: float | None = None) -> tuple:
+    """Run fn(folder, **kwargs) in the checks' process: (its sentence, '' for passed; its mistake's facts)."""
     sys.stdout.flush()
-    started = time.monotonic()
     process, conn = _checks_process()
     try:
-        _send(conn, {"module": fn.__module__, "name": fn.__qualname__, "folder": folder(), "args": list(args)})
+        asked = {"module": fn.__module__, "name": fn.__qualname__, "folder": folder(), "kwargs": kwargs}
+        _send(conn, asked | {"world_limit": world_limit})
         workers.send_streams(conn, process.pid)
         # In short waits: Python acts on a signal between two of them, whichever of the kernel's
         # threads received it, whereas a read blocked in the main thread ends only with the check.
         while not conn.poll(_INTERRUPT_LATENCY):
             pass
         answer = _receive(conn)
-        verdict, facts = answer["verdict"], answer["facts"]
+        return answer["verdict"], answer["facts"]
     except (EOFError, OSError, ValueError, KeyError, TypeError):  # it died (or broke) before it could say
         process.join()
         _checker.clear()
-        _show_facts({"kind": "check_died", "exit_code": process.exitcode}, time.monotonic() - started)
-        raise CheckFailed(
-            f"the check's process died with exit code {process.exitcode}: a crash in the code it ran"
-        ) from None
+        verdict = f"the check's process died with exit code {process.exitcode}: a crash in the code it ran"
+        return verdict, {"kind": "check_died", "exit_code": process.exitcode}
     except BaseException:  # Ctrl-C (the kernel interrupted): the check and its workers stop
         _checker.clear()
         workers.stop_tree(process.pid, process.join)
         raise
+
+
+def check(fn, **kwargs) -> None:
+    """Run fn(folder, **kwargs), a check function of tests/, on your files in the checks' process;
+    raise CheckFailed saying what is wrong.
+
+    The check runs in a process of its own, started by the first check and kept for the next:
+    your code, which the check loads, never runs in the notebook's kernel. A kernel that grades
+    holds nothing of the code it grades, and a crash of your code ends a process of the check's,
+    not the kernel. Interrupting the kernel stops the check and every process it started.
+    """
+    verdict, _ = _ask(fn, kwargs)
     if verdict:
-        _show_facts(facts, time.monotonic() - started)
         raise CheckFailed(verdict)
     print(f"{fn.__name__}: passed")
+
+
+_out_of_time: set = set()  # the exercises of which a world ran out of time in this kernel
+
+
+def grade(test) -> int:
+    """Run every case of one check of `make grade` (test, a function of tests/test_exN_*.py) on
+    your files, as `make grade` does; print what each found; return the points they earn, the
+    cell's value, which nbgrader records (the points of each case: course/checks.py).
+
+    Once a world of an exercise has run out of time, the exercise's later checks get worlds of
+    env.HANG_WORLD_LIMIT seconds: one endless loop costs about a minute, not a minute per check.
+    """
+    from course import checks
+
+    earned, found = 0, []
+    for case in checks.cases(test):
+        started = time.monotonic()
+        limit = env.HANG_WORLD_LIMIT if case.exercise in _out_of_time else None
+        verdict, facts = _ask(test, case.params, limit)
+        if facts and facts.get("kind") == "timeout":
+            _out_of_time.add(case.exercise)
+        passed = not verdict
+        earned += case.points if passed else 0
+        print(f"{case.name}: {'passed' if passed else 'FAILED'}, {case.points if passed else 0}/{case.points}")
+        if not passed:
+            print(f"    {verdict}")
+        found.append(
+            {"name": case.name, "points": case.points, "passed": passed, "message": verdict, "mistake": facts}
+            | {"seconds": round(time.monotonic() - started, 3)}
+        )
+    _show_cases(found)
+    return earned
 
 
 mp.util.Finalize(None, _stop_checks_process, exitpriority=10)

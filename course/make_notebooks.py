@@ -5,7 +5,9 @@ A source reads as a document. Its text becomes markdown cells and its fenced blo
     ```python                        a code cell (the imports)
     ```python demo                   a code cell that runs the student's code to show it working,
                                      tagged "demo": autograding leaves it out
-    ```python test=ID points=N       a test cell that nbgrader grades automatically
+    ```python test                  a graded cell: `grade(test_x)` runs every case of the check
+                                     test_x of `make grade` (tests/test_exN_*.py); its points are the
+                                     check's (course/checks.py), and nbgrader grades it
     ```answer id=ID points=N         a written answer graded by hand; its model answer sits
                                      between ### BEGIN SOLUTION and ### END SOLUTION
 
@@ -19,11 +21,12 @@ Markdown handouts for the task itself.
 from __future__ import annotations
 
 import glob
+import importlib
 import json
 import os
 import re
 
-from course.layout import BEGIN, END, ROOT, SOLUTIONS
+from course.layout import BEGIN, END, ROOT, SOLUTIONS, TESTS
 
 SOURCES = os.path.join(SOLUTIONS, "notebooks")
 ANSWER_STUB = "YOUR ANSWER HERE"
@@ -75,11 +78,8 @@ def cells(text: str, stem: str, solutions: bool) -> list:
                 grade=True, solution=True, locked=False, grade_id=options["id"], points=int(options["points"])
             )
             out.append(_cell("markdown", body if solutions else _without_solution(body), len(out), stem, grading))
-        elif "test" in options:
-            grading = dict(
-                grade=True, solution=False, locked=True, grade_id=options["test"], points=int(options["points"])
-            )
-            out.append(_cell("code", body, len(out), stem, grading))
+        elif "test" in fence.group(2).split():
+            out.append(_graded_cell(body, len(out), stem))
         else:
             out.append(_cell("code", body, len(out), stem))
             if "demo" in fence.group(2).split():
@@ -87,6 +87,39 @@ def cells(text: str, stem: str, solutions: bool) -> list:
     if "\n".join(prose).strip():
         out.append(_cell("markdown", "\n".join(prose), len(out), stem))
     return out
+
+
+_GRADE = re.compile(r"grade\((test_\w+)\)")
+
+
+def check_module(exercise: int) -> str:
+    """tests.test_exN_name, the checks of an exercise."""
+    found = glob.glob(os.path.join(TESTS, f"test_ex{exercise}_*.py"))
+    if len(found) != 1:
+        raise FileNotFoundError(f"exercise {exercise} should have one module of checks in tests/, found {found}")
+    return "tests." + os.path.basename(found[0])[: -len(".py")]
+
+
+def _graded_cell(body: str, index: int, stem: str) -> dict:
+    """A cell `grade(test_x)`: worth the points of test_x's cases, which its metadata lists."""
+    from course.checks import cases
+
+    match = _GRADE.fullmatch(body.strip())
+    if match is None:
+        raise ValueError(f"{stem}: a graded cell holds one call, grade(test_...), not {body!r}")
+    exercise = int(stem.split("_")[0])
+    test = getattr(importlib.import_module(check_module(exercise)), match.group(1))
+    found = cases(test)
+    grading = dict(
+        grade=True,
+        solution=False,
+        locked=True,
+        grade_id=f"ex{exercise}_{test.__name__.removeprefix('test_')}",
+        points=sum(case.points for case in found),
+    )
+    cell = _cell("code", body, index, stem, grading)
+    cell["metadata"]["course"] = {"cases": [{"name": case.name, "points": case.points} for case in found]}
+    return cell
 
 
 def notebook(path: str, solutions: bool = True) -> dict:

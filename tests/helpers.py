@@ -118,10 +118,13 @@ def wrapper(ex, name):
 
 
 def parallel_steps(folder, wrap_name, steps):
-    """Probe, on every rank: ranks start from different weights, wrap, and train on their share of each step."""
+    """Probe, on every rank: wrap the same model, and train on this rank's share of each step.
+
+    Every rank starts from rank 0's weights: the wrapper's broadcast has a check of its own
+    (check_start_sync), so that a wrapper that forgets it loses that check, not this one too."""
     ex = load(folder)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(100 + rank)  # different on every rank: the wrapper must start them equal
+    torch.manual_seed(100)
     model = SmallMLP()
     wrapped = wrapper(ex, wrap_name)(model)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=CONFIG.lr)
@@ -137,6 +140,25 @@ def parallel_steps(folder, wrap_name, steps):
         optimizer.step()
         history.append({n: p.detach().clone() for n, p in model.named_parameters()})
     return {"grads": grads, "history": history}
+
+
+def start_state(folder, wrap_name):
+    """Probe: ranks build different weights and buffers; the wrapper must hand every rank rank 0's."""
+    model = model_with_buffers(dist.get_rank())
+    wrapped = wrapper(load(folder), wrap_name)(model)
+    return {"kept": wrapped.module is model, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def check_start_sync(folder, world_size, wrap_name="mydp"):
+    """After wrapping, every rank holds rank 0's parameters and buffers, in the model it was given."""
+    states = world(start_state, world_size, folder, wrap_name)
+    expected = model_with_buffers(0).state_dict()
+    for rank, got in enumerate(states):
+        assert got["kept"] is True, "the wrapper should keep the wrapped model as .module"
+        for name, value in expected.items():
+            assert torch.equal(got["state"][name], value), (
+                f"after wrapping the model, rank {rank}'s {name} is not rank 0's: broadcast parameters and buffers from rank 0"
+            )
 
 
 def model_with_buffers(seed):
@@ -200,5 +222,4 @@ def check_equivalence(folder, wrap_name, world_size, steps=3):
                 )
                 assert torch.allclose(got, p.detach(), rtol=1e-4, atol=1e-5), (
                     f"after step {step}, rank {rank}'s {name} differs from one process trained on the whole batch"
-                    + (": do all ranks start from rank 0's weights?" if step == 0 else "")
                 )

@@ -12,9 +12,9 @@ with a mistake already made, for the class report, on the exercises where they l
   course/ that would pass everything, and a notebook whose test cell is emptied and whose extra
   cell replaces `check`;
 - syntax: mlp.py does not parse (the other files but dist.py import it: only exercises 2 and 5 pass);
-- crash: building an MLP segfaults, in workers (whose world reports it, with the line); the
-  kernel that runs the checks builds none. The checks that build no MLP of the submission still
-  pass: those of the wrappers train the tests' own model (tests/helpers.py);
+- crash: MyDP's gradient hook segfaults, in workers (whose world reports it, with the line); the
+  kernel that runs the checks runs none of it. The check that runs no backward pass (the start
+  broadcast) still passes;
 - sums_again, sums_too: the summed gradients of `mistakes`, written in other ways: the class report
   (grading/report.html and report.json, course/report.py) counts three students in its row.
 """
@@ -30,7 +30,7 @@ import time
 
 import pytest
 
-from course.grade import POINTS
+from course import checks
 from course.layout import ROOT
 from course.make_notebooks import exercise_of, sources
 from tests.helpers import world
@@ -41,10 +41,11 @@ from tests.test_report import References
 CLASS_EXERCISES = [2, 4]
 # Points lost in CLASS_EXERCISES, by exercise; every other one of them scores full marks.
 LOST = {
-    # exercise 2 hangs; in 4, start_sync, frozen and the hook's argument pass, the steps and the match with DDP fail
-    "mistakes": {2: 25, 4: 30 - (8 + 4 + 2)},
+    # exercise 2 hangs on 2 ranks or more (one rank receives nothing); in 4, start_sync, frozen and
+    # the hook's argument pass, the steps and the match with DDP fail
+    "mistakes": {2: 25 - 4, 4: 30 - (8 + 4 + 2)},
     "syntax": {4: 30},  # mydp.py imports mlp.py; dist.py does not
-    "crash": {4: 6},  # only train() builds its MLP: the steps checks train the tests' own model
+    "crash": {4: 30 - 8},  # every check that runs a backward pass through MyDP's hook
     "sums_again": {4: 16},
     "sums_too": {4: 16},
 }
@@ -61,7 +62,7 @@ def _cheating_notebook(path):
         nb = json.load(f)
     for cell in nb["cells"]:
         grade_id = cell["metadata"].get("nbgrader", {}).get("grade_id")
-        if grade_id == "ex4_steps":
+        if grade_id == "ex4_mydp_steps":
             cell["source"] = "pass"
         if grade_id == "ex4_how_many_calls":
             cell["source"] = "One all-reduce per parameter."
@@ -110,9 +111,9 @@ def make_submissions(root):
     )
     make_mutant(
         root / "crash",
-        "mlp.py",
-        "sizes = [config.d_in]",
-        "import ctypes; ctypes.string_at(0)  # reads address 0\n        sizes = [config.d_in]",
+        "mydp.py",
+        "        mean = grad / dist.get_world_size()\n",
+        "        import ctypes; ctypes.string_at(0)  # reads address 0\n        mean = grad / dist.get_world_size()\n",
     )
 
 
@@ -154,7 +155,8 @@ def check_scores(out, done, student, exercises, lost):
     with open(out / "grades.csv") as f:
         rows = {(row["student_id"], row["assignment"]): row for row in csv.DictReader(f)}
     assert {assignment for (_, assignment) in rows} == {f"ex{n}" for n in exercises}, sorted(rows)
-    scores = tuple(POINTS[n] - lost.get(n, 0) for n in exercises)
+    points = checks.points()
+    scores = tuple(points[n] - lost.get(n, 0) for n in exercises)
     got = tuple(float(rows[student, f"ex{n}"]["score"]) for n in exercises)
     assert got == scores, f"{student}: nbgrader's CSV has {got}, expected {scores}\n{done.stdout}"
     with open(out / "feedback" / student / "results.json") as f:
@@ -198,7 +200,7 @@ def test_autograde_end_to_end(tmp_path):
     assert "2.0x the expected average" in feedback("mistakes")
     assert "Timed out" in feedback("mistakes") or "waited in a collective" in feedback("mistakes"), feedback("mistakes")
     assert "mlp.py does not import: SyntaxError" in feedback("syntax")
-    assert "exit code -11" in feedback("crash") and "mlp.py:" in feedback("crash"), feedback("crash")
+    assert "exit code -11" in feedback("crash") and "mydp.py:" in feedback("crash"), feedback("crash")
     with open(out / "autograded" / "mistakes" / "ex4" / "04_mydp.ipynb") as f:
         graded = json.load(f)["cells"]
     assert "cheat" not in {c["id"] for c in graded}, "a code cell the student added to a notebook was run"
@@ -207,7 +209,9 @@ def test_autograde_end_to_end(tmp_path):
     )
 
     page = feedback("mistakes", "html")  # nbconvert's page: the failed checks' messages and the written answers
-    assert "2.0x the expected average" in page and "ex4_matches_ddp" in page and "One all-reduce per parameter." in page
+    assert (
+        "2.0x the expected average" in page and "test_matches_ddp" in page and "One all-reduce per parameter." in page
+    )
 
     check_class_report(out, done.stdout)
 
@@ -222,7 +226,9 @@ def check_class_report(out, said):
     assert "class report:" in said, said
     with open(out / "report.json") as f:
         summary = json.load(f)
-    sums = [m for m in summary["mistakes"] if "ex4_steps" in m["checks"] and m["mistake"]["kind"] == "assert"]
+    sums = [
+        m for m in summary["mistakes"] if "ex4 test_mydp_steps[2]" in m["checks"] and m["mistake"]["kind"] == "assert"
+    ]
     assert len(sums) == 1, f"one mistake, one row: {[(m['title'], m['students']) for m in sums]}"
     assert sums[0]["students"] == ["mistakes", "sums_again", "sums_too"] and sums[0]["count"] == 3, sums[0]
     assert sums[0]["mistake"]["kind"] == "assert" and sums[0]["mistake"]["exercise"] == 4, sums[0]
@@ -298,8 +304,8 @@ def test_a_kernels_checks_share_one_process_and_its_worlds(tmp_path, checks_proc
     from course.in_notebook import check
 
     path = tmp_path / "pids"
-    check(records_pids, str(path))
-    check(records_pids, str(path))
+    check(records_pids, path=str(path))
+    check(records_pids, path=str(path))
     first, second = [json.loads(line) for line in path.read_text().splitlines()]
     assert first == second, "the second check started a process or a world again"
     assert os.getpid() not in first
@@ -332,7 +338,7 @@ def test_interrupting_a_check_stops_it_and_its_workers(tmp_path, checks_process,
     from tests.test_launch import alive, wait_for
 
     path = tmp_path / "pids"
-    check(records_pids, str(path))
+    check(records_pids, path=str(path))
 
     sent = []
 
@@ -345,11 +351,11 @@ def test_interrupting_a_check_stops_it_and_its_workers(tmp_path, checks_process,
     threading.Thread(target=interrupt_once_it_sleeps, daemon=True).start()
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        check(sleeps_in_a_world, str(path))
+        check(sleeps_in_a_world, path=str(path))
     assert time.monotonic() - started < 10, f"SIGINT's handler and the blocked signals when it was sent: {sent}"
     stopped = json.loads(path.read_text().splitlines()[-1])
     assert not any(alive(p) for p in stopped)
-    check(records_pids, str(path))
+    check(records_pids, path=str(path))
     assert set(json.loads(path.read_text().splitlines()[-1])).isdisjoint(stopped)
 
 

@@ -555,7 +555,7 @@ import json
 from course.in_notebook import CheckFailed, check
 from tests.test_ex2_dist import check_matmul
 try:
-    check(check_matmul, 2)
+    check(check_matmul, world_size=2)
     print(json.dumps("passed"))
 except CheckFailed as failed:
     print(json.dumps(str(failed)))

@@ -194,20 +194,24 @@ def check_mixed_dtypes(folder, world_size=2):
             assert torch.allclose(grad, mean), "with gradients of two dtypes, " + describe_ratio(name, grad, mean, rank)
 
 
+@pytest.mark.points(3)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_broadcast_parameters(impl_dir, world_size):
     check_broadcast_parameters(impl_dir, world_size)
 
 
+@pytest.mark.points(3)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_broadcast_optimizer_state(impl_dir, world_size):
     check_optimizer_state(impl_dir, world_size)
 
 
+@pytest.mark.points(5)
 @pytest.mark.parametrize("world_size,kind", [(2, "sgd_momentum"), (3, "adamw")])
 def test_steps(impl_dir, world_size, kind):
     check_steps(impl_dir, world_size, kind)
 
 
+@pytest.mark.points(3)
 def test_mixed_dtypes(impl_dir):
     check_mixed_dtypes(impl_dir)

@@ -345,23 +345,28 @@ def check_hook(folder, world_size=2):
                 )
 
 
+@pytest.mark.points(4)
 def test_owners(impl_dir):
     check_owners(impl_dir)
 
 
+@pytest.mark.points(4)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_steps(impl_dir, world_size):
     check_steps(impl_dir, world_size)
 
 
+@pytest.mark.points(2)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_state_bytes(impl_dir, world_size):
     check_state_bytes(impl_dir, world_size)
 
 
+@pytest.mark.points(4)
 def test_matches_zero_redundancy(impl_dir):
     check_matches_zero_redundancy(impl_dir, 3)
 
 
+@pytest.mark.points(5)
 def test_hook(impl_dir):
     check_hook(impl_dir)

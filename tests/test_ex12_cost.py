@@ -3,6 +3,7 @@ so that no grade depends on this machine's noise."""
 
 import math
 
+import pytest
 import torch
 
 from tests.helpers import alone, load
@@ -199,21 +200,26 @@ def check_largest_world(folder):
         )
 
 
+@pytest.mark.points(4)
 def test_fit(impl_dir):
     check_fit(impl_dir)
 
 
+@pytest.mark.points(4)
 def test_ring(impl_dir):
     check_ring(impl_dir)
 
 
+@pytest.mark.points(4)
 def test_exposed(impl_dir):
     check_exposed(impl_dir)
 
 
+@pytest.mark.points(4)
 def test_speedup(impl_dir):
     check_speedup(impl_dir)
 
 
+@pytest.mark.points(4)
 def test_largest_world(impl_dir):
     check_largest_world(impl_dir)

@@ -183,14 +183,17 @@ def check_cli_types(folder):
     assert isinstance(got["batch_size"], int) and isinstance(got["d_in"], int) and got["lr"] == 0.5
 
 
+@pytest.mark.points(4)
 def test_layers(impl_dir):
     check_layers(impl_dir)
 
 
+@pytest.mark.points(5)
 def test_forward(impl_dir):
     check_forward(impl_dir)
 
 
+@pytest.mark.points(4)
 def test_evaluate(impl_dir):
     check_evaluate(impl_dir)
 
@@ -200,10 +203,12 @@ def test_dataset(impl_dir):
     check_dataset(impl_dir)
 
 
+@pytest.mark.points(5)
 def test_training(impl_dir):
     check_training(impl_dir)
 
 
+@pytest.mark.points(2)
 def test_step_lines(impl_dir):
     check_step_lines(impl_dir)
 

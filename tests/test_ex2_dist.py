@@ -154,6 +154,7 @@ def check_matmul(folder, world_size):
                 )
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.points(4)), 2, 3, 4])
+@pytest.mark.points(7)
 def test_matmul(impl_dir, world_size):
     check_matmul(impl_dir, world_size)

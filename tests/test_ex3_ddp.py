@@ -66,20 +66,24 @@ def check_rank0_prints(folder):
     assert [out.count("step 0 |") for out in printed_by] == [1, 0], "only rank 0 should print the step lines"
 
 
+@pytest.mark.points(5)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ddp_steps(impl_dir, world_size):
     check_ddp_steps(impl_dir, world_size)
 
 
+@pytest.mark.points(4)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_train_shares_batches(impl_dir, world_size):
     check_train_shares_batches(impl_dir, world_size)
 
 
+@pytest.mark.points(3)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_closeness(impl_dir, world_size):
     check_closeness(impl_dir, world_size)
 
 
+@pytest.mark.points(1)
 def test_rank0_prints(impl_dir):
     check_rank0_prints(impl_dir)

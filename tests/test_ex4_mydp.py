@@ -5,26 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.helpers import check_equivalence, load, model_with_buffers, small_config, world
-
-
-def start_state(folder):
-    """Probe: ranks build different weights and buffers; MyDP must hand every rank rank 0's."""
-    model = model_with_buffers(dist.get_rank())
-    wrapped = load(folder).mydp.MyDP(model)
-    return {"kept": wrapped.module is model, "state": {k: v.clone() for k, v in model.state_dict().items()}}
-
-
-def check_start_sync(folder, world_size):
-    states = world(start_state, world_size, folder)
-    expected = model_with_buffers(0).state_dict()
-    for rank, got in enumerate(states):
-        assert got["kept"] is True, "MyDP should keep the wrapped model as .module"
-        state = got["state"]
-        for name, value in expected.items():
-            assert torch.equal(state[name], value), (
-                f"after MyDP(model), rank {rank}'s {name} is not rank 0's: broadcast parameters and buffers from rank 0"
-            )
+from tests.helpers import check_equivalence, check_start_sync, load, parallel_steps, world
 
 
 def frozen_step(folder):
@@ -64,39 +45,42 @@ def check_hook_leaves_its_argument(folder):
         )
 
 
-def compare_with_ddp(folder):
-    """Probe: train with MyDP, then with built-in DDP from the same start; both final states."""
-    ex = load(folder)
-    mine, builtin = ex.mydp.train_both(small_config(ex.mlp), False)
-    return mine["state"], builtin["state"]
+def compare_with_ddp(folder, steps):
+    """Probe: the tests' own model trained with MyDP, then with built-in DDP, from the same start."""
+    return [parallel_steps(folder, name, steps)["history"][-1] for name in ("mydp", "ddp")]
 
 
-def check_matches_ddp(folder):
-    mine, builtin = world(compare_with_ddp, 2, folder)[0]
-    assert mine.keys() == builtin.keys(), (
-        f"MyDP's model has parameters {sorted(mine)}, built-in DDP's {sorted(builtin)}"
-    )
-    gap = max((mine[k] - builtin[k]).abs().max().item() for k in mine)
-    assert gap < 1e-5, f"MyDP and built-in DDP trained from the same start end {gap:.3g} apart"
+def check_matches_ddp(folder, steps=5):
+    """MyDP trains as built-in DDP does (the tests' own loop: exercise 3's train is judged in its own checks)."""
+    for rank, (mine, builtin) in enumerate(world(compare_with_ddp, 2, folder, steps)):
+        gap = max((mine[k] - builtin[k]).abs().max().item() for k in mine)
+        assert gap < 1e-5, (
+            f"after {steps} steps from the same start, rank {rank}'s MyDP and built-in DDP are {gap:.3g} apart"
+        )
 
 
+@pytest.mark.points(4)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_start_sync(impl_dir, world_size):
     check_start_sync(impl_dir, world_size)
 
 
+@pytest.mark.points(5)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_mydp_steps(impl_dir, world_size):
     check_equivalence(impl_dir, "mydp", world_size)
 
 
+@pytest.mark.points(4)
 def test_frozen_parameters(impl_dir):
     check_frozen(impl_dir)
 
 
+@pytest.mark.points(2)
 def test_hook_leaves_its_argument(impl_dir):
     check_hook_leaves_its_argument(impl_dir)
 
 
+@pytest.mark.points(6)
 def test_matches_ddp(impl_dir):
     check_matches_ddp(impl_dir)

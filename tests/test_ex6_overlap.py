@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.comm_log import CommLog
-from tests.helpers import alone, check_equivalence, describe_ratio, load, world
+from tests.helpers import alone, check_equivalence, check_start_sync, describe_ratio, load, world
 
 KIB = 1024
 
@@ -247,22 +247,32 @@ def check_bucket_order(folder):
     check_same_training(folder, "Branches", world(train_logged, 2, folder, "Branches", 1), hint)
 
 
+@pytest.mark.points(4)
 def test_bucket_parameters(impl_dir):
     check_bucket_parameters(impl_dir)
 
 
+@pytest.mark.points(5)
 def test_overlap(impl_dir):
     check_overlap(impl_dir)
 
 
+@pytest.mark.points(4)
 def test_shared_parameters(impl_dir):
     check_shared_parameters(impl_dir)
 
 
+@pytest.mark.points(3)
 def test_bucket_order(impl_dir):
     check_bucket_order(impl_dir)
 
 
+@pytest.mark.points(3)
+def test_start_sync(impl_dir):
+    check_start_sync(impl_dir, 2, "overlapped")
+
+
+@pytest.mark.points(3)
 @pytest.mark.parametrize("wrap_name, world_size", [("overlapped", 3), ("bucketed", 2)])
 def test_overlapped_steps(impl_dir, wrap_name, world_size):
     check_equivalence(impl_dir, wrap_name, world_size)

@@ -1,5 +1,6 @@
 """Exercise 7: gradient accumulation, no_sync() and accumulation_step."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -140,10 +141,12 @@ def check_accumulation_step(folder, world_size=2, micro_batches=3, steps=2):
             _same_parameters(what, got["params"], expected["params"])
 
 
+@pytest.mark.points(5)
 def test_no_sync_accumulates(impl_dir):
     check_no_sync_accumulates(impl_dir)
 
 
+@pytest.mark.points(5)
 def test_accumulation_step(impl_dir):
     check_accumulation_step(impl_dir)
 
@@ -204,5 +207,6 @@ def check_nested_no_sync(folder, world_size=2, micro_batches=3):
         )
 
 
+@pytest.mark.points(5)
 def test_nested_no_sync(impl_dir):
     check_nested_no_sync(impl_dir)

@@ -500,35 +500,43 @@ def check_unwaited_apart(folder):
     assert apart > 1e-3, f"the ranks' parameters should be apart after unwaited all-reduces, at most {apart:.2g}"
 
 
+@pytest.mark.points(3)
 def test_shard_sizes(impl_dir):
     check_shard_sizes(impl_dir)
 
 
+@pytest.mark.points(3)
 def test_partition(impl_dir):
     check_partition(impl_dir)
 
 
+@pytest.mark.points(2)
 def test_against_sampler(impl_dir):
     check_against_sampler(impl_dir)
 
 
+@pytest.mark.points(3)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_weighted_average(impl_dir, world_size):
     check_weighted_average(impl_dir, world_size)
 
 
+@pytest.mark.points(2)
 def test_unbalanced_hang(impl_dir):
     check_unbalanced_hang(impl_dir)
 
 
+@pytest.mark.points(2)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_agreed_steps(impl_dir, world_size):
     check_agreed_steps(impl_dir, world_size)
 
 
+@pytest.mark.points(3)
 def test_join(impl_dir):
     check_join(impl_dir)
 
 
+@pytest.mark.points(2)
 def test_unwaited_apart(impl_dir):
     check_unwaited_apart(impl_dir)

@@ -209,11 +209,13 @@ def check_eval_alone(folder, world_size=2):
     assert got is not None, "rank 0's eval-mode output did not come back"
 
 
+@pytest.mark.points(2)
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_forward(impl_dir, world_size):
     check_forward(impl_dir, world_size)
 
 
+@pytest.mark.points(2)
 def test_eval_alone(impl_dir):
     check_eval_alone(impl_dir)
 
@@ -275,6 +277,7 @@ def check_backward(folder, world_size):
             )
 
 
+@pytest.mark.points(2)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_backward(impl_dir, world_size):
     check_backward(impl_dir, world_size)
@@ -358,6 +361,7 @@ def check_train_steps(folder, world_size, steps=3):
         )
 
 
+@pytest.mark.points(1)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_train_steps(impl_dir, world_size):
     check_train_steps(impl_dir, world_size)
@@ -406,6 +410,7 @@ def check_average_parameters(folder, world_size):
             )
 
 
+@pytest.mark.points(1)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_average_parameters(impl_dir, world_size):
     check_average_parameters(impl_dir, world_size)
@@ -561,6 +566,7 @@ def check_local_sgd(folder, world_size, steps, period):
         )
 
 
+@pytest.mark.points(2)
 @pytest.mark.parametrize("world_size, steps, period", [(2, 7, 3), (3, 4, 1)])
 def test_local_sgd(impl_dir, world_size, steps, period):
     check_local_sgd(impl_dir, world_size, steps, period)
@@ -582,6 +588,7 @@ def check_period_one_is_synchronous(folder, world_size=2, steps=3):
         )
 
 
+@pytest.mark.points(1)
 def test_period_one_is_synchronous(impl_dir):
     check_period_one_is_synchronous(impl_dir)
 
@@ -663,5 +670,6 @@ def check_non_iid_claims(folder):
     )
 
 
+@pytest.mark.points(4)
 def test_non_iid_claims(impl_dir):
     check_non_iid_claims(impl_dir)

@@ -1,6 +1,5 @@
 """The grading product: `make grade`'s plugin, the notebooks, the students' release."""
 
-import ast
 import json
 import os
 import re
@@ -11,10 +10,11 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from course import impl
+from course import checks, impl
 from course import make_notebooks as notebooks
-from course.grade import POINTS, explain
+from course.grade import explain
 from course.launch import WorldFailed, run
+from course.layout import graded_exercises
 from course.release import leaks, release, secret_lines
 from course.student import ROOT, SOLUTIONS, STUDENT_FILES
 from tests import warm
@@ -27,28 +27,40 @@ def exercise_modules():
     return sorted(name for name in os.listdir(TESTS) if re.fullmatch(r"test_ex\d+_\w+\.py", name))
 
 
-def test_every_exercise_has_points_and_its_notebook_gives_them():
-    for name in exercise_modules():
-        assert int(re.match(r"test_ex(\d+)_", name).group(1)) in POINTS, (
-            f"{name}: add its exercise to POINTS in course/grade.py"
-        )
+def test_the_table_of_points_is_what_pytest_collects():
+    """course/checks.py names every case as pytest does, with the points the grader gives it."""
+
+    class Collector:
+        items = []
+
+        def pytest_collection_finish(self, session):
+            self.items = list(session.items)
+
+    from course.grade import _points
+
+    for module in checks.modules():
+        collector = Collector()
+        path = os.path.join(TESTS, module.split(".")[1] + ".py")
+        assert pytest.main(["--collect-only", "-qq", "-p", "no:cacheprovider", path], plugins=[collector]) == 0
+        graded = [i for i in collector.items if not i.get_closest_marker("scaffold")]
+        assert [(i.name, _points(i)) for i in graded] == [(c.name, c.points) for c in checks.of_module(module)]
+
+
+def test_every_check_has_whole_points_and_its_notebook_runs_it():
+    """One table, both paths: each check of `make grade` is one grade() cell of its exercise's notebook,
+    worth what its cases are worth."""
     for source in notebooks.sources():
+        exercise = notebooks.exercise_of(source)
         cells = notebooks.notebook(source)["cells"]
-        tests = [c for c in cells if c["metadata"].get("nbgrader", {}).get("grade") and c["cell_type"] == "code"]
-        points = sum(c["metadata"]["nbgrader"]["points"] for c in tests)
-        assert points == POINTS[notebooks.exercise_of(source)], f"{source}: its test cells give {points} points"
-        setup = next(c["source"] for c in cells if c["cell_type"] == "code")
-        imported = {
-            alias.name
-            for node in ast.walk(ast.parse(setup))
-            if isinstance(node, ast.ImportFrom) and node.module.startswith("tests.")
-            for alias in node.names
-        }
-        for cell in tests:
-            call = ast.parse(cell["source"]).body[0].value
-            assert call.func.id == "check" and call.args[0].id in imported, (
-                f"{cell['id']} must call check(check_..., ...) with a check from tests/"
-            )
+        graded = [c for c in cells if c["metadata"].get("nbgrader", {}).get("grade") and c["cell_type"] == "code"]
+        found = checks.of_module(notebooks.check_module(exercise))
+        tests = list(dict.fromkeys(case.test for case in found))
+        assert [c["source"] for c in graded] == [f"grade({t})" for t in tests], f"{source}: one grade() cell per check"
+        for cell in graded:
+            cases = [c for c in found if f"grade({c.test})" == cell["source"]]
+            assert cell["metadata"]["nbgrader"]["points"] == sum(c.points for c in cases)
+            assert cell["metadata"]["course"]["cases"] == [{"name": c.name, "points": c.points} for c in cases]
+        assert sum(c["metadata"]["nbgrader"]["points"] for c in graded) == checks.points()[exercise]
 
 
 @pytest.mark.parametrize("source", notebooks.sources(), ids=os.path.basename)
@@ -111,9 +123,11 @@ def test_a_broken_file_fails_only_the_exercises_that_use_it(tmp_path):
 FAKE_CHECKS = """
 import pytest
 
+@pytest.mark.points(10)
 def test_passes():
     pass
 
+@pytest.mark.points(7)
 def test_fails():
     assert 1 == 2, "one is not two: fix the arithmetic"
 
@@ -139,8 +153,8 @@ def test_grade_scores_checks_and_exits_0_for_a_low_grade(tmp_path):
         t["name"]: (t["score"], t["max_score"], t["status"]) for t in results["tests"]
     } == {
         "Exercise 1: test_passes": (10, 10, "passed"),
-        "Exercise 1: test_fails": (0, 10, "failed"),
-    }, "the scaffold check earns nothing and the two others share exercise 1's 20 points"
+        "Exercise 1: test_fails": (0, 7, "failed"),
+    }, "each check earns its own points, the scaffold check nothing"
     assert (
         all(t["visibility"] == "visible" and t["output"] is not None for t in results["tests"])
         and "execution_time" in results
@@ -156,6 +170,9 @@ def test_grade_scores_checks_and_exits_0_for_a_low_grade(tmp_path):
 
 PID_CHECKS = """
 import os
+import pytest
+
+pytestmark = pytest.mark.points(1)
 
 def test_a():
     assert False, f"pid {os.getpid()}"
@@ -166,6 +183,14 @@ def test_b():
 def test_c():
     assert False, f"pid {os.getpid()}"
 """
+
+
+def test_a_check_without_points_stops_the_grader_and_says_so(tmp_path):
+    (tmp_path / "test_ex1_bare.py").write_text("def test_x():\n    pass\n")
+    done = grade(tmp_path, "test_ex1_bare.py")
+    assert done.returncode != 0 and "test_x has no points: mark it @pytest.mark.points(N)" in done.stdout
+    with open(tmp_path / "results.json") as f:
+        assert "could not be graded" in json.load(f)["output"]
 
 
 def test_grading_processes_share_the_checks(tmp_path):
@@ -211,17 +236,15 @@ def test_two_grading_processes_grade_as_one(tmp_path):
             results.append(json.load(f))
         results[-1].pop("execution_time")
     assert results[0] == results[1]
-    assert 0 < results[0]["score"] < POINTS[4], "some checks of exercise 4 fail on summed gradients, not all"
+    assert 0 < results[0]["score"] < checks.points()[4], "some checks of exercise 4 fail on summed gradients, not all"
 
 
 def test_a_broken_grader_exits_non_zero(tmp_path):
     (tmp_path / "test_ex1_fixture.py").write_text(
-        "import pytest\n\n@pytest.fixture\ndef data():\n    raise OSError('no data')\n\ndef test_x(data):\n    pass\n"
+        "import pytest\n\n@pytest.fixture\ndef data():\n    raise OSError('no data')\n\n@pytest.mark.points(1)\ndef test_x(data):\n    pass\n"
     )
     done = grade(tmp_path, "test_ex1_fixture.py")
     assert done.returncode != 0 and "GRADER ERROR" in done.stdout, done.stdout
-    (tmp_path / "test_ex99_new.py").write_text("def test_x():\n    pass\n")
-    assert grade(tmp_path, "test_ex99_new.py").returncode != 0, "an exercise without points must stop the grader"
 
 
 def test_release_has_no_solution_and_grades_an_untouched_clone(tmp_path):
@@ -270,20 +293,9 @@ def test_release_has_no_solution_and_grades_an_untouched_clone(tmp_path):
             exercise = int(line.split()[0])
         elif line.strip().startswith("x "):
             messages.setdefault(exercise, []).append(line)
-    assert sorted(messages) == sorted(POINTS) and all(
+    assert sorted(messages) == graded_exercises() and all(
         len(m) == 1 and "not written yet" in m[0] for m in messages.values()
     ), messages
-
-
-def test_max_scores_add_up_to_each_exercise_points_exactly():
-    from course.grade import Check, gradescope, share_points
-
-    for exercise, points in POINTS.items():
-        for n in range(1, 10):
-            checks = share_points([Check(exercise, f"test_{i}", passed=True) for i in range(n)])
-            tests = gradescope(checks, 0)["tests"]
-            assert round(sum(t["max_score"] for t in tests) * 100) == points * 100, (exercise, n)
-            assert sum(round(t["max_score"] * 100) for t in tests) == points * 100, (exercise, n)
 
 
 def course_grade(*args, impl, cwd, env=None):
@@ -292,11 +304,26 @@ def course_grade(*args, impl, cwd, env=None):
 
 
 def test_grade_names_the_exercises_when_there_is_no_such_one(tmp_path):
-    missing = max(POINTS) + 1
-    done = course_grade("--ex", str(missing), impl=ROOT, cwd=tmp_path)
+    """...and its results.json says that the submission could not be graded: no plausible 0."""
+    exercises = graded_exercises()
+    missing = max(exercises) + 1
+    done = course_grade("--ex", "2", "--ex", str(missing), impl=ROOT, cwd=tmp_path)
     assert done.returncode != 0 and done.stdout == ""
-    assert done.stderr.strip() == f"no exercise {missing}; exercises are {min(POINTS)}–{max(POINTS)}"
-    assert not (tmp_path / "results.json").exists()
+    assert done.stderr.strip() == f"no exercise {missing}; exercises are {min(exercises)}–{max(exercises)}"
+    with open(tmp_path / "results.json") as f:
+        found = json.load(f)
+    assert "could not be graded" in found["output"] and found["tests"][0]["name"] == "The grader", found
+
+
+def test_several_exercises_in_one_run(tmp_path):
+    """A weekly assignment: `--ex 6 --ex 7` (make grade EX="6 7") grades both, and only them."""
+    done = course_grade("--ex", "7", "--ex", "5", impl=SOLUTIONS, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(tmp_path / "results.json") as f:
+        found = json.load(f)
+    points = checks.points()
+    assert {t["name"].split(":")[0] for t in found["tests"]} == {"Exercise 5", "Exercise 7"}
+    assert found["score"] == points[5] + points[7], found["output"]
 
 
 def test_a_syntax_error_is_said_once_and_no_pytest_summary_follows_the_table(tmp_path):

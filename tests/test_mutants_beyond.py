@@ -7,6 +7,7 @@ mistake and shows that the check for it fails, with a message that points at the
 
 import pytest
 
+from tests.helpers import check_start_sync
 from tests.mutants import assert_caught
 from tests.test_ex5_ring import check_ring
 from tests.test_ex6_overlap import check_bucket_order, check_overlap, check_shared_parameters
@@ -25,6 +26,14 @@ LAUNCH_WHEN_FULL = """        if bucket.ready == len(bucket.params):
 """
 
 MUTANTS = {
+    "OverlappedDP starts from each rank's own weights": (
+        "mydp.py",
+        "        with torch.no_grad():\n            for state in [*model.parameters(), *model.buffers()]:\n"
+        "                dist.broadcast(state, src=0)\n",
+        "",
+        lambda folder: check_start_sync(folder, 2, "overlapped"),
+        "broadcast parameters and buffers from rank 0",
+    ),
     # With 2 ranks the sums are right, but each step moves the whole tensor, not half of it.
     "ring sends the whole tensor at every step": (
         "dist.py",

@@ -253,9 +253,10 @@ def test_the_page_renders_in_a_headless_browser(tmp_path):
 
 
 def test_what_autograding_saw_of_a_cell_is_a_mistake_too():
-    """A cell whose check could not show its facts still has a kind: a time limit, a dead kernel."""
-    from course.autograde import _mistake, _seconds
-    from course.grade import MISTAKE_MIME
+    """A cell that showed its cases gives each case's facts; one that could not still has a kind: a
+    time limit, a dead kernel."""
+    from course.autograde import _cases, _mistake, _seconds
+    from course.grade import CASES_MIME
 
     def cell(*outputs, **execution):
         return {"outputs": list(outputs), "metadata": {"execution": execution}}
@@ -263,8 +264,9 @@ def test_what_autograding_saw_of_a_cell_is_a_mistake_too():
     def error(name):
         return {"output_type": "error", "ename": name, "evalue": "", "traceback": []}
 
-    shown = {"output_type": "display_data", "data": {MISTAKE_MIME: {"mistake": SUMS, "seconds": 1.0}}, "metadata": {}}
-    assert _mistake(cell(shown, error("CheckFailed"))) == SUMS
+    case = {"name": "test_mydp_steps[2]", "points": 5, "passed": False, "message": "x", "mistake": SUMS, "seconds": 1.0}
+    shown = {"output_type": "display_data", "data": {CASES_MIME: {"cases": [case]}}, "metadata": {}}
+    assert _cases(cell(shown)) == {"test_mydp_steps[2]": case} and _cases(cell(error("CheckFailed"))) is None
     assert _mistake(cell(error("KeyboardInterrupt"))) == {"kind": "cell_timeout"}
     assert _mistake(cell(error("NotGraded"))) == {"kind": "kernel_died"}
     assert _mistake(cell({"output_type": "stream", "name": "stderr", "text": "x"})) == {"kind": "stderr"}

@@ -5,8 +5,7 @@ import re
 
 import pytest
 
-from course import impl
-from course.grade import POINTS
+from course import checks, impl
 from course.launch import WorldFailed
 from course.student import BEGIN, ROOT, SOLUTIONS, STUDENT_FILES, stub_source
 from tests import warm
@@ -106,8 +105,8 @@ def test_cli_stops_at_first_stub_with_one_line(command, message):
 def test_readme_path_lists_every_exercise_with_its_points():
     with open(os.path.join(ROOT, "README.md")) as f:
         rows = re.findall(r"^\| (\d+) \|.*\]\((exercises/\S+)\).*\| (\d+) \|$", f.read(), re.M)
-    assert {int(n): int(points) for n, _, points in rows} == POINTS, (
-        "the README's path table should list every exercise with course/grade.py's points"
+    assert {int(n): int(points) for n, _, points in rows} == checks.points(), (
+        "the README's path table should list every exercise with its checks' points (course/checks.py)"
     )
     for _, handout, _ in rows:
         assert os.path.exists(os.path.join(ROOT, handout)), f"the README links {handout}, which does not exist"
