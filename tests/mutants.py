@@ -5,6 +5,7 @@ cannot silently stop applying when the reference changes.
 """
 
 import os
+import re
 import shutil
 
 from course.layout import SOLUTIONS, STUDENT_FILES
@@ -50,3 +51,22 @@ def assert_refused(script, args, words):
         f"python {script} {' '.join(args)} ended with status {done.returncode} and said: {done.stderr}"
     )
     assert words in lines[0], f"python {script} {' '.join(args)} said: {lines[0]}"
+
+
+# A stub as course/student.py writes it, on one line or on three.
+_STUB = re.compile(r'^(\s*)raise NotImplementedError\((?:\n\s*)?"Exercise \d+: [^"]*"(?:\n\s*)?\)\n', re.M)
+
+
+def does_nothing(dest):
+    """The student files with every TODO answered by `pass` (a function that returns None, a loop
+    that does nothing): code that does not do the exercise. Into dest; returns dest."""
+    from course.layout import ROOT
+
+    os.makedirs(dest, exist_ok=True)
+    for name in STUDENT_FILES:
+        with open(os.path.join(ROOT, name)) as f:
+            text, stubs = _STUB.subn(r"\1pass\n", f.read())
+        assert stubs and "NotImplementedError" not in text, f"{name}: a stub that course/student.py did not write"
+        with open(os.path.join(dest, name), "w") as f:
+            f.write(text)
+    return str(dest)

@@ -22,9 +22,12 @@ def frozen_step(folder):
     wrapped = mydp.MyDP(model)
     x = torch.full((2, 3), float(rank + 1))
     wrapped(x).sum().backward()
+    grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
     return {
-        "grads": {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()},
+        "grads": grads,
         "argument_changed": sorted(n for n, (grad, copy) in received.items() if not torch.equal(grad, copy)),
+        # What the hooks returned became .grad: equal to what they were given if they returned nothing.
+        "returned_new": sorted(n for n, (_, copy) in received.items() if not torch.equal(grads[n], copy)),
     }
 
 
@@ -37,12 +40,18 @@ def check_frozen(folder):
 
 
 def check_hook_leaves_its_argument(folder):
-    """A tensor hook returns a new gradient; the one it was given may be read by others afterwards."""
-    for rank, got in enumerate(world(frozen_step, 2, folder)):
+    """A tensor hook returns a new gradient; the one it was given may be read by others afterwards.
+    (Each rank's gradients differ here, so an average differs from what every rank was given.)"""
+    results = world(frozen_step, 2, folder)
+    for rank, got in enumerate(results):
         assert not got["argument_changed"], (
             f"rank {rank}: the hook changed the gradient it was given, in place ({', '.join(got['argument_changed'])}):"
             " a hook must leave its argument alone and return a new tensor"
         )
+    assert any(got["returned_new"] for got in results), (
+        "every rank's gradients are what the hook was given: the hook returned nothing new (a hook that returns"
+        " None leaves the gradient as it was); it must return the average as a new tensor"
+    )
 
 
 def compare_with_ddp(folder, steps):

@@ -18,7 +18,7 @@ from course.layout import graded_exercises
 from course.release import leaks, release, secret_lines
 from course.student import ROOT, SOLUTIONS, STUDENT_FILES
 from tests import warm
-from tests.mutants import make_mutant
+from tests.mutants import does_nothing, make_mutant
 
 TESTS = os.path.join(ROOT, "tests")
 
@@ -245,6 +245,21 @@ def test_a_broken_grader_exits_non_zero(tmp_path):
     )
     done = grade(tmp_path, "test_ex1_fixture.py")
     assert done.returncode != 0 and "GRADER ERROR" in done.stdout, done.stdout
+
+
+def test_no_check_gives_points_to_code_that_does_nothing(tmp_path):
+    """Every TODO answered by `pass`: no check of any exercise passes (points for nothing)."""
+    folder = does_nothing(tmp_path / "nothing")
+    done = course_grade(impl=folder, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(tmp_path / "results.json") as f:
+        found = json.load(f)
+    passed = [t["name"] for t in found["tests"] if t["status"] == "passed"]
+    assert (
+        found["score"] == 0
+        and not passed
+        and len(found["tests"]) == sum(map(len, map(checks.of_module, checks.modules())))
+    ), passed
 
 
 def test_release_has_no_solution_and_grades_an_untouched_clone(tmp_path):

@@ -35,6 +35,13 @@ MUTANTS = {
         check_hook_leaves_its_argument,
         "the hook changed the gradient it was given, in place",
     ),
+    "hook returns nothing": (
+        "mydp.py",
+        "        mean = grad / dist.get_world_size()\n        dist.all_reduce(mean, op=dist.ReduceOp.SUM)\n        return mean\n",
+        "        pass\n",
+        check_hook_leaves_its_argument,
+        "the hook returned nothing new",
+    ),
     "no initial broadcast": (
         "mydp.py",
         "dist.broadcast(tensor, src=0)",
