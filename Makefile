@@ -7,7 +7,7 @@ SETUP := $(PYTHON) -m course setup
 # Workers share the cores: see course/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help setup notebooks demo test lint grade student release autograde bench bench-launch bench-grade bench-cost bench-zero gpu-check non-iid
+.PHONY: help setup notebooks demo test lint grade student release autograde gradescope bench bench-launch bench-grade bench-cost bench-zero gpu-check non-iid
 
 help:
 	@echo "make setup    make .venv with what the .py exercises and grading need"
@@ -19,6 +19,7 @@ help:
 	@echo "make non-iid  exercise 9's experiment: IID or label-disjoint shards, synchronous or local SGD (non_iid.png, .json)"
 	@echo "make student  regenerate the student files (mlp.py, dist.py, ...) and exercises/*.ipynb from solutions/"
 	@echo "make release DEST=dir          instructors: write the students' copy (no solutions)"
+	@echo "make gradescope                instructors: autograder.zip, a Gradescope autograder (EX=\"6 7\": this week's)"
 	@echo "make autograde SUBMISSIONS=dir instructors: grade one folder per student through nbgrader"
 	@echo "               and write the class report (grading/report.html; python -m course.report grading/)"
 	@echo "make bench    step time of DDP and MyDP variants, ring all-reduce against gloo (bench/)"
@@ -87,6 +88,10 @@ bench-grade: $(VENV)/.installed
 
 release: $(VENV)/.instructors
 	$(PY) -m course.release $(DEST)
+
+# The Gradescope autograder (course/gradescope.py): autograder.zip; EX="6 7" grades only those exercises.
+gradescope: $(VENV)/.instructors
+	$(PY) -m course.gradescope build autograder.zip $(foreach e,$(EX),--ex $(e))
 
 # Grades, gradebook and feedback go to OUT (default grading/); EX="2 4" grades only those exercises.
 OUT ?= grading

@@ -3,11 +3,11 @@
 A check of exercise N is a function ``test_*`` of ``tests/test_exN_*.py`` that carries its points,
 an integer, as a pytest mark: ``@pytest.mark.points(5)``. A check parametrized over world sizes
 (``@pytest.mark.parametrize``) has one case per parameter, each worth its points, named as pytest
-names it (``test_matmul[2]``). An exercise's points are the sum over its cases. A check marked
+names it (``test_by_row[2]``). An exercise's points are the sum over its cases. A check marked
 ``scaffold`` tests code the course gives, and earns nothing.
 
 `make grade` runs each case as a pytest item (course/grade.py reads the mark from the item); a
-notebook's graded cell ``grade(test_matmul)`` runs every case of the check in turn and earns the
+notebook's graded cell ``grade(test_by_row)`` runs every case of the check in turn and earns the
 same points (course/in_notebook.py), so that both paths give one grade.
 """
 
@@ -27,8 +27,8 @@ class Case:
     """One graded run of a check: what `make grade` runs as one pytest item."""
 
     exercise: int
-    test: str  # the check's function, "test_matmul"
-    name: str  # as pytest names the item, "test_matmul[2]"
+    test: str  # the check's function, "test_by_row"
+    name: str  # as pytest names the item, "test_by_row[2]"
     params: dict = field(default_factory=dict)  # its keyword arguments besides impl_dir
     points: int = 0
 

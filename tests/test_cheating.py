@@ -39,8 +39,8 @@ from tests import warm
 
 # One of exercise 2's checks, or two: two make two grading processes (course/grade.py), so that the
 # pipe from the copy to the grader is there to attack. -s: what a payload prints reaches stderr.
-ONE_CHECK = ["-m", "course", "grade", "--ex", "2", "--", "-s", "-k", "test_matmul[2]"]
-TWO_CHECKS = ["-m", "course", "grade", "--ex", "2", "--", "-s", "-k", "test_matmul[1] or test_matmul[2]"]
+ONE_CHECK = ["-m", "course", "grade", "--ex", "2", "--", "-s", "-k", "test_by_row[2]"]
+TWO_CHECKS = ["-m", "course", "grade", "--ex", "2", "--", "-s", "-k", "test_by_row[1] or test_by_row[2]"]
 GRADER_NAME = "grader"  # the process name (comm) of the graders these tests start: what a cheat looks for
 
 
@@ -75,7 +75,7 @@ def results(path):
     return found
 
 
-def assert_no_points(done, path, said="", checks=4):
+def assert_no_points(done, path, said="", checks=8):
     """0 points, a valid results.json, every check failed, and `said` in their feedback."""
     assert done.returncode == 0, done.stdout + done.stderr
     found = results(path)
@@ -300,7 +300,7 @@ for _pid in _targets():
 # /proc/PID/fd/N): reports of its own first, every check passed.
 WRITE_ITS_PIPE = """
 import pickle as _pickle
-_nodeids = [f"tests/test_ex2_dist.py::test_matmul[{w}]" for w in (1, 2, 3, 4)]
+_nodeids = [f"tests/test_ex2_dist.py::test_{m}[{w}]" for m in ("by_row", "by_reduction") for w in (1, 2, 3, 4)]
 _passed = [
     {"$report_type": "TestReport", "nodeid": n, "location": ["tests/test_ex2_dist.py", 1, n.split("::")[1]],
      "keywords": {}, "outcome": "passed", "longrepr": None, "when": when, "user_properties": [], "sections": [],
@@ -553,9 +553,9 @@ for _pid in _targets():
 KERNEL = """
 import json
 from course.in_notebook import CheckFailed, check
-from tests.test_ex2_dist import check_matmul
+from tests.test_ex2_dist import check_by_row
 try:
-    check(check_matmul, world_size=2)
+    check(check_by_row, world_size=2)
     print(json.dumps("passed"))
 except CheckFailed as failed:
     print(json.dumps(str(failed)))

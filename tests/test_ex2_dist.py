@@ -23,21 +23,17 @@ def operands(i):
     return torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
 
 
-def multiply_everything(folder):
-    """Probe, on every rank: both methods on every shape; A and B exist on rank 0 only. With each
-    result, the floating-point operations of the products this rank computed (torch's own count,
-    whatever function or operator the code used)."""
-    d = load(folder).dist
+def multiply_everything(folder, method):
+    """Probe, on every rank: dist.py's `method` on every shape; A and B exist on rank 0 only. With
+    each result, the floating-point operations of the products this rank computed (torch's own
+    count, whatever function or operator the code used)."""
+    multiply = getattr(load(folder).dist, method)
     rank = dist.get_rank()
     out = []
     for i in range(len(SHAPES)):
-        args = operands(i) if rank == 0 else (None, None)
-        done = []
-        for method in (d.par_matmul_by_row, d.par_matmul_by_reduction):
-            with FlopCounterMode(display=False) as counted:
-                result = method(*args)
-            done += [result, counted.get_total_flops()]
-        out.append(tuple(done))
+        with FlopCounterMode(display=False) as counted:
+            result = multiply(*(operands(i) if rank == 0 else (None, None)))
+        out.append((result, counted.get_total_flops()))
     return out
 
 
@@ -107,54 +103,76 @@ def wrong_product(method, got, expected, A, B, world_size, rank, right_on_rank0)
     return f"wrong numbers, off by up to {error.max():.3g} (at C[{i}, {j}])"
 
 
-def check_matmul(folder, world_size):
-    results = world(multiply_everything, world_size, folder)
+def _work_split(what, method, flops, m, k, n, world_size, rank):
+    """Right numbers may still come from one rank's work: each rank multiplies its block only."""
+    if method == "par_matmul_by_row":
+        most, share = 2 * n * math.ceil(m / world_size) * k, f"{math.ceil(m / world_size)} of A's rows"
+    else:
+        most, share = 2 * n * m * math.ceil(k / world_size), f"{math.ceil(k / world_size)} of the k = {k} columns of A"
+    assert flops <= most, (
+        f"{what}: in {method}, rank {rank} computed {flops} floating-point operations of products, more"
+        f" than its block needs ({most}: {share}, padded): each rank multiplies only its own block"
+        + (", and rank 0 does not compute the whole product" if flops >= 2 * m * k * n else "")
+    )
+
+
+def check_by_row(folder, world_size):
+    """par_matmul_by_row: A @ B on rank 0, None elsewhere, each rank multiplying its rows only."""
+    results = world(multiply_everything, world_size, folder, "par_matmul_by_row")
     for i, (m, k, n) in enumerate(SHAPES):
         A, B = operands(i)
         expected = A @ B
         what = f"with {world_size} ranks, A {m}x{k} @ B {k}x{n}"
-        on_rank0 = results[0][i][2]  # (by_row, its flops, by_reduction, its flops)
+        for rank, per_shape in enumerate(results):
+            got, flops = per_shape[i]
+            if rank == 0:
+                assert isinstance(got, torch.Tensor), (
+                    f"{what}: par_matmul_by_row should return the {m}x{n} product on rank 0, got {got!r}"
+                )
+                assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5), (
+                    f"{what}: par_matmul_by_row on rank 0 returned "
+                    + wrong_product("par_matmul_by_row", got, expected, A, B, world_size, 0, True)
+                )
+            else:
+                assert got is None, f"{what}: par_matmul_by_row should return None on rank {rank}"
+            _work_split(what, "par_matmul_by_row", flops, m, k, n, world_size, rank)
+
+
+def check_by_reduction(folder, world_size):
+    """par_matmul_by_reduction: A @ B on every rank, each rank multiplying its slice of k only."""
+    results = world(multiply_everything, world_size, folder, "par_matmul_by_reduction")
+    for i, (m, k, n) in enumerate(SHAPES):
+        A, B = operands(i)
+        expected = A @ B
+        what = f"with {world_size} ranks, A {m}x{k} @ B {k}x{n}"
+        on_rank0 = results[0][i][0]
         right_on_rank0 = isinstance(on_rank0, torch.Tensor) and on_rank0.shape == expected.shape
         right_on_rank0 = right_on_rank0 and torch.allclose(on_rank0, expected, atol=1e-5)
         for rank, per_shape in enumerate(results):
-            by_row, row_flops, by_reduction, reduction_flops = per_shape[i]
-            if rank == 0:
-                assert isinstance(by_row, torch.Tensor), (
-                    f"{what}: par_matmul_by_row should return the {m}x{n} product on rank 0, got {by_row!r}"
-                )
-                assert by_row.shape == expected.shape and torch.allclose(by_row, expected, atol=1e-5), (
-                    f"{what}: par_matmul_by_row on rank 0 returned "
-                    + wrong_product("par_matmul_by_row", by_row, expected, A, B, world_size, 0, True)
-                )
-            else:
-                assert by_row is None, f"{what}: par_matmul_by_row should return None on rank {rank}"
-            assert isinstance(by_reduction, torch.Tensor), (
-                f"{what}: par_matmul_by_reduction should return the {m}x{n} product on rank {rank}, got {by_reduction!r}"
+            got, flops = per_shape[i]
+            assert isinstance(got, torch.Tensor), (
+                f"{what}: par_matmul_by_reduction should return the {m}x{n} product on rank {rank}, got {got!r}"
             )
-            assert by_reduction.shape == expected.shape and torch.allclose(by_reduction, expected, atol=1e-5), (
+            assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5), (
                 f"{what}: par_matmul_by_reduction on rank {rank} returned "
-                + wrong_product(
-                    "par_matmul_by_reduction", by_reduction, expected, A, B, world_size, rank, right_on_rank0
-                )
+                + wrong_product("par_matmul_by_reduction", got, expected, A, B, world_size, rank, right_on_rank0)
             )
-            # Right numbers may still come from one rank's work: each rank multiplies its block only.
-            for method, flops, share in (
-                ("par_matmul_by_row", row_flops, f"{math.ceil(m / world_size)} of A's rows"),
-                (
-                    "par_matmul_by_reduction",
-                    reduction_flops,
-                    f"{math.ceil(k / world_size)} of the k = {k} columns of A",
-                ),
-            ):
-                most = 2 * n * (math.ceil(m / world_size) * k if "row" in method else m * math.ceil(k / world_size))
-                assert flops <= most, (
-                    f"{what}: in {method}, rank {rank} computed {flops} floating-point operations of products, more"
-                    f" than its block needs ({most}: {share}, padded): each rank multiplies only its own block"
-                    + (", and rank 0 does not compute the whole product" if flops >= 2 * m * k * n else "")
-                )
+            _work_split(what, "par_matmul_by_reduction", flops, m, k, n, world_size, rank)
 
 
-@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.points(4)), 2, 3, 4])
-@pytest.mark.points(7)
-def test_matmul(impl_dir, world_size):
-    check_matmul(impl_dir, world_size)
+def check_matmul(folder, world_size):
+    """Both methods (for the scripts' tests and the mutants)."""
+    check_by_row(folder, world_size)
+    check_by_reduction(folder, world_size)
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.points(2)), 2, 3, 4])
+@pytest.mark.points(3)
+def test_by_row(impl_dir, world_size):
+    check_by_row(impl_dir, world_size)
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.points(2)), 2, 3, 4])
+@pytest.mark.points(4)
+def test_by_reduction(impl_dir, world_size):
+    check_by_reduction(impl_dir, world_size)

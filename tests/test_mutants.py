@@ -9,7 +9,7 @@ import pytest
 from tests.helpers import check_equivalence
 from tests.mutants import assert_caught
 from tests.test_ex1_mlp import check_forward, check_training
-from tests.test_ex2_dist import check_matmul
+from tests.test_ex2_dist import check_by_reduction, check_by_row
 from tests.test_ex3_ddp import check_train_shares_batches
 from tests.test_ex4_mydp import check_hook_leaves_its_argument, check_start_sync
 
@@ -53,49 +53,49 @@ MUTANTS = {
         "dist.py",
         "blocks.append(torch.cat([block, block.new_zeros(pad)], dim=dim).contiguous())",
         "blocks.append(block if pad[dim] == 0 else torch.cat([block, block.new_zeros(pad)], dim=dim))",
-        lambda folder: check_matmul(folder, 2),
+        lambda folder: check_by_reduction(folder, 2),
         "column blocks of A sent as views",
     ),
     "row blocks joined in the wrong order": (
         "dist.py",
         "zip(pieces, rows)",
         "zip(pieces[::-1], rows[::-1])",
-        lambda folder: check_matmul(folder, 2),
+        lambda folder: check_by_row(folder, 2),
         "the right rows in the wrong order",
     ),
     "padding rows kept after the gather": (
         "dist.py",
         "torch.cat([piece[:size] for piece, size in zip(pieces, rows)])",
         "torch.cat(pieces)",
-        lambda folder: check_matmul(folder, 3),
+        lambda folder: check_by_row(folder, 3),
         "a 9x8 tensor, expected 8x8: the zero rows that pad the last blocks are still there",
     ),
     "B never broadcast": (
         "dist.py",
         "    dist.broadcast(B, src=0)\n",
         "    B = torch.zeros(k, n, dtype=dtype) if rank != 0 else B\n",
-        lambda folder: check_matmul(folder, 2),
+        lambda folder: check_by_row(folder, 2),
         "wrong numbers in rows 4-7 (rank 1's block); the other rows right",
     ),
     "reduce where all_reduce is needed": (
         "dist.py",
         "dist.all_reduce(C, op=dist.ReduceOp.SUM)",
         "dist.reduce(C, dst=0, op=dist.ReduceOp.SUM)",
-        lambda folder: check_matmul(folder, 2),
+        lambda folder: check_by_reduction(folder, 2),
         "right on rank 0 only",
     ),
     "partial products never summed": (
         "dist.py",
         "    dist.all_reduce(C, op=dist.ReduceOp.SUM)\n",
         "",
-        lambda folder: check_matmul(folder, 2),
+        lambda folder: check_by_reduction(folder, 2),
         "partial product alone",
     ),
     "torch.split given a chunk size where a number of chunks was meant": (
         "dist.py",
         "torch.split(matrix, sizes, dim=dim)",
         "torch.split(matrix, len(sizes), dim=dim)",
-        lambda folder: check_matmul(folder, 3),
+        lambda folder: check_by_row(folder, 3),
         "gave scatter 4 tensors for 3 ranks: its list takes one tensor per rank",
     ),
     "rank 0 multiplies everything, the others receive their rows of the product": (
@@ -103,7 +103,7 @@ MUTANTS = {
         "    my_C = (my_rows @ B).contiguous()\n",
         "    my_C = torch.empty(max(rows), n, dtype=dtype)\n"
         "    dist.scatter(my_C, padded_blocks(A @ B, rows, dim=0) if rank == 0 else None, src=0)\n",
-        lambda folder: check_matmul(folder, 2),
+        lambda folder: check_by_row(folder, 2),
         "rank 0 computed 1024 floating-point operations of products, more than its block needs (512: 4 of A's rows,"
         " padded): each rank multiplies only its own block, and rank 0 does not compute the whole product",
     ),
@@ -111,7 +111,7 @@ MUTANTS = {
         "dist.py",
         "    C = my_A @ my_B\n",
         "    C = A @ B if rank == 0 else torch.zeros(m, n, dtype=dtype)\n",
-        lambda folder: check_matmul(folder, 3),
+        lambda folder: check_by_reduction(folder, 3),
         "in par_matmul_by_reduction, rank 0 computed 1024 floating-point operations of products",
     ),
     "every rank trains on the same batches": (
