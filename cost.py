@@ -148,7 +148,8 @@ if __name__ == "__main__":
     sizes = [2**k for k in range(10, 21, 2)]  # 1 KiB to 1 MiB
     # Messages are measured between ranks 0 and 1; the step on every rank; the model predicts other world sizes.
     measured = launch(measure, args.world_size, config_from(args), sizes, **launch_options(args))[0]
-    figures = predict(measured, args.world_size)
+    # In a worker too, so that the script's time limit holds there: the prediction runs your functions.
+    figures = launch(predict, 1, measured, args.world_size, **launch_options(args))[0]
     print(f"alpha {figures['alpha_s'] * 1e6:.0f} us, beta {figures['beta_bytes_per_s'] / 1e9:.2f} GB/s")
     print(
         f"one step, one all-reduce per parameter: predicted {figures['predicted_step_s'] * 1e3:.2f} ms,"

@@ -22,7 +22,17 @@ def grade(args) -> int:
     instead where it can (course.grade.processes_here; README, Benchmarks).
     """
     import gc
+    import importlib.util
 
+    missing = [name for name in ("torch", "pytest") if importlib.util.find_spec(name) is None]
+    if missing:  # the system's Python, not the course's: say so, as `python mlp.py` does
+        print(
+            "{} is not installed for {}: activate the course's environment first ({}), or run make grade".format(
+                missing[0], sys.executable, setup.activate_command()
+            ),
+            file=sys.stderr,
+        )
+        return 2
     # Importing torch, torch._dynamo and the checks takes a fifth longer with the cyclic garbage
     # collector running, and they make no garbage to collect: course/workers.py turns it back on
     # before the first world starts.

@@ -39,6 +39,17 @@ _SECONDARY = ("Connection closed by peer", "Connection reset by peer")
 # A collective that not every rank joined: gloo's own timeout, or the checking group's barrier.
 _WAITED = ("Timed out", "failed to pass monitoredBarrier")
 _STACK_FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')
+# A root's name, by the collective's OpType: the argument of torch.distributed's function.
+_ROOT_NAME = {"BROADCAST": "src", "SCATTER": "src", "REDUCE": "dst", "GATHER": "dst"}
+
+
+class ArgumentsDiffer(RuntimeError):
+    """Raised on every rank when the ranks' collective, compared before it starts
+    (course/instrument.py's Agreement), differs: each field is a list by rank."""
+
+    def __init__(self, calls: list, roots: list, ops: list, shapes: list):
+        super().__init__(f"ranks called collectives that differ: {calls} {roots} {ops} {shapes}")
+        self.facts = {"calls": calls, "roots": roots, "ops": ops, "shapes": shapes}
 
 
 @dataclass
@@ -58,6 +69,17 @@ class RankFact:
     when: float = float("inf")  # when it went wrong (time.time()): the first failure is the cause
     op: str = ""  # with collectives checked: the OpType torch's fingerprint gave ("ALLREDUCE")
     pieces: int | None = None  # a scatter/gather given a list of this many tensors for world_size ranks
+    root: int | None = None  # with collectives checked: the root of its collective (src, dst), if it has one
+    reduce_op: str = ""  # and its reduce op ("SUM")
+    differs: str = ""  # what of the collective differs between the ranks: "root", "reduce op", "shape"
+
+    def argument(self) -> str:
+        """What differs of its collective, as its function names it: 'with src=1', 'with op=MAX'."""
+        if self.differs == "root":
+            return f"with {_ROOT_NAME.get(self.op, 'root')}={self.root}"
+        if self.differs == "reduce op":
+            return f"with op={self.reduce_op}"
+        return f"of shape {self.shape}"
 
     def where(self) -> str:
         if self.file:
@@ -80,15 +102,14 @@ class RankFact:
 
 @dataclass
 class Failure:
-    kind: (
-        str  # "stub" | "error" | "crash" | "mismatch" | "p2p_deadlock" | "wait" | "timeout" | "unwaited" | "no_result"
-    )
+    kind: str  # "stub" | "error" | "crash" | "mismatch" | "arguments" | "p2p_deadlock" | "wait" | "timeout" | "unwaited" | "no_result"
     world_size: int
     ranks: list = field(default_factory=list)  # RankFact, by rank
     first: int | None = None  # the rank that went wrong first
     stub: dict | None = None  # for kind "stub": {"exercise": N, "func": name, "handout": path}
     limit: float = 0.0  # for kind "timeout": the world's limit in seconds
     interrupted: bool = False  # the user pressed Ctrl-C: a "timeout" they chose
+    longer: str = ""  # for kind "timeout": how the user can give the world more time, where they can
 
     def fact(self, rank: int) -> RankFact | None:
         return next((f for f in self.ranks if f.rank == rank), None)
@@ -110,6 +131,11 @@ class Failure:
                 f"{f' in {f.collective}' if f.collective else ''} at {f.where()}"
                 for f in facts
             ]
+        if self.kind == "arguments":
+            return [
+                f"rank {f.rank} {f.argument()}{f' in {f.collective}' if f.collective else ''} at {f.where()}"
+                for f in facts
+            ]
         return [f"rank {f.rank} {verb.get(f.state, f.state)} {f.doing()}" for f in facts]
 
     def _head(self) -> str:
@@ -121,6 +147,13 @@ class Failure:
             )
         if self.kind == "mismatch":
             return f"Ranks called different collectives (world of {w}):"
+        if self.kind == "arguments":
+            first = self.ranks[0]
+            name = {"root": _ROOT_NAME.get(first.op, "root"), "reduce op": "op"}.get(first.differs, first.differs)
+            return (
+                f"Ranks called {first.collective or first.op} with a different {name} (world of {w}):"
+                f" every rank must pass the same {name}:"
+            )
         if self.kind == "p2p_deadlock":
             return (
                 f"Deadlock (world of {w}): every rank waits in a send or receive that no peer answers."
@@ -134,7 +167,13 @@ class Failure:
         if self.kind == "timeout":
             if self.interrupted:
                 return f"Interrupted: stopped all {w} workers. Where each rank was:"
-            return f"Timed out after {self.limit:g} s: ranks {[f.rank for f in self.ranks]} were still running (--time-limit SECONDS for longer runs):"
+            ranks = [f.rank for f in self.ranks]
+            if self.longer:
+                return f"Timed out after {self.limit:g} s: ranks {ranks} were still running ({self.longer} for longer runs):"
+            return (
+                f"Timed out after {self.limit:g} s: ranks {ranks} never finished (a loop that does not end,"
+                " or a wait for what never comes?). Where each rank was:"
+            )
         if self.kind == "unwaited":
             return (
                 f"Rank {first.rank} returned while its {first.collective} {'to' if first.collective == 'isend' else 'from'}"
@@ -156,14 +195,14 @@ class Failure:
     def sentence(self) -> str:
         """One line for the grade table."""
         head = self._head()
-        if self.kind in ("mismatch", "p2p_deadlock", "wait", "timeout"):
+        if self.kind in ("mismatch", "arguments", "p2p_deadlock", "wait", "timeout"):
             return f"{head} {'; '.join(self._rank_lines())}"
         return head
 
     def report(self) -> str:
         """The text a script prints."""
         head = self._head()
-        if self.kind in ("mismatch", "p2p_deadlock", "wait", "timeout"):
+        if self.kind in ("mismatch", "arguments", "p2p_deadlock", "wait", "timeout"):
             return "\n".join([head] + ["  " + line for line in self._rank_lines()])
         if self.kind == "error":
             first = self.fact(self.first)
@@ -254,6 +293,8 @@ def rank_report(rank: int, exc: BaseException, when: float, p2p: dict | None = N
     )
     if p2p:  # stuck in a message's wait(): what it was and with whom
         report.update(collective=p2p["collective"], peer=p2p["peer"])
+    if isinstance(exc, ArgumentsDiffer):
+        report["agreement"] = exc.facts
     return report
 
 
@@ -302,6 +343,20 @@ def _fact(report: dict) -> RankFact:
     match = re.search(_FINGERPRINT.format(rank=fact.rank), full)
     if match:
         fact.op, fact.shape = match.group(1), match.group(2) or ""
+    agreed = report.get("agreement")
+    if agreed:  # every rank's collective, as the ranks compared them: this rank's own
+        fact.op, fact.root, fact.reduce_op = (agreed[k][fact.rank] for k in ("calls", "roots", "ops"))
+        shape = agreed["shapes"][fact.rank]
+        fact.shape = str(shape) if shape is not None else ""
+        fact.differs = next(
+            (
+                name
+                for name, key in (("root", "roots"), ("reduce op", "ops"), ("shape", "shapes"))
+                if len(set(map(str, agreed[key]))) > 1
+            ),
+            "",
+        )
+        fact.state = "raised"
     fact = _fill_place(fact, [tuple(f) for f in report.get("frames", [])])
     pieces = _LIST_SIZE.search(full)  # torch's own words, read in one place
     if pieces and fact.collective:
@@ -357,7 +412,8 @@ def diagnose(reports: list, ended: list, world_size: int) -> Failure:
     elif first.state == "no_result":
         failure.kind = "no_result"
     elif any(f.op for f in facts):
-        failure.kind = "mismatch"
+        calls = {f.op for f in facts if f.op}
+        failure.kind = "arguments" if len(calls) == 1 and any(f.differs for f in facts) else "mismatch"
     elif all(f.state in ("waited", "echo", "running") for f in facts):
         for f in facts:  # a peer's echo while it waited too: it lost the connection where it waited
             if f.state == "echo" and f.collective:

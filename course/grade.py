@@ -145,7 +145,7 @@ def mistake(error: BaseException) -> dict:
         if failure.kind == "stub":
             return {"kind": "stub", "exercise": failure.stub["exercise"], "func": failure.stub["func"]}
         # A hang or a mismatch is the story of every rank; anything else, of the one that went wrong first.
-        story = failure.kind in ("mismatch", "p2p_deadlock", "wait", "timeout") or first is None
+        story = failure.kind in ("mismatch", "arguments", "p2p_deadlock", "wait", "timeout") or first is None
         ranks = failure.ranks if story else [first]
         return {
             "kind": failure.kind,
@@ -449,6 +449,7 @@ class _Grader:
         self.fingerprint: Fingerprint | None = None
         self.changed_elsewhere: list = []  # what the other grading processes found changed
         self.sandbox = ""  # the line that says how submission code ran (course/sandbox.py)
+        self.interrupted = False
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session):
@@ -524,8 +525,11 @@ class _Grader:
                 check.passed = False
                 check.message = f"the grader's own files changed while it ran ({changed[0]}{more}): no check counts"
         path = self.config.getoption("grade_results")
+        self.interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
         try:
-            if self.broken:
+            if self.interrupted:  # Ctrl-C: the checks that ran are no grade
+                write_json(path, not_graded(["grading was interrupted (Ctrl-C) before its checks had all run"]))
+            elif self.broken:
                 write_json(path, not_graded(self.broken))
             else:
                 write_results(path, self.final, time.monotonic() - self.started, self.sandbox)
@@ -538,6 +542,9 @@ class _Grader:
 
     def pytest_terminal_summary(self, terminalreporter):
         terminalreporter.write_line("")
+        if self.interrupted:
+            terminalreporter.write_line("Interrupted: no grade (results.json says so).")
+            return
         for line in table(self.final).splitlines():
             terminalreporter.write_line(line)
         if self.sandbox:

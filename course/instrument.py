@@ -7,6 +7,10 @@
   sequence number that torch's check compares before each collective, so ranks that sent
   different numbers of messages (the middle stages of a pipeline send twice as many as the ends)
   were reported as calling different collectives at their next one.
+- ``Agreement``: with collectives checked, the ranks compare each collective of the default group
+  before they start it, on the unchecked twin: which one (torch's check compares that too), its root
+  (src, dst) and its reduce op, which torch's check does not compare. A broadcast whose src differs
+  between ranks then fails at once, saying so, instead of waiting for the collective timeout.
 - ``check_ddp_on_an_unchecked_group``: built-in DistributedDataParallel segfaults in its
   constructor on the process group that TORCH_DISTRIBUTED_DEBUG=DETAIL wraps around the default
   one (torch 2.13, CPU, seen here). A group made with the check off works, so DDP gets one, and
@@ -21,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from course.failure import C10D_FILE, is_plumbing
+from course.failure import C10D_FILE, ArgumentsDiffer, is_plumbing
 
 _DIRECTION = {"send": ("send", "isend"), "recv": ("recv", "irecv"), "recv_anysource": ("recv", "irecv")}
 
@@ -87,18 +91,99 @@ class PointToPoint:
         return next(iter(self.pending.values()), None)
 
 
+# The process group's collective methods, each with torch's name for it (its OpType) and the
+# argument holding tensors of the same shape on every rank.
+_CALLS = {
+    "allreduce": ("ALLREDUCE", 0),
+    "allreduce_coalesced": ("ALLREDUCE_COALESCED", 0),
+    "allgather": ("ALLGATHER", 1),
+    "_allgather_base": ("_ALLGATHER_BASE", 0),
+    "allgather_coalesced": ("ALLGATHER_COALESCED", 1),
+    "allgather_into_tensor_coalesced": ("ALLGATHER_INTO_TENSOR_COALESCED", 0),
+    "reduce_scatter": ("REDUCE_SCATTER", 0),
+    "_reduce_scatter_base": ("_REDUCE_SCATTER_BASE", 0),
+    "reduce_scatter_tensor_coalesced": ("REDUCE_SCATTER_TENSOR_COALESCED", 0),
+    "broadcast": ("BROADCAST", 0),
+    "reduce": ("REDUCE", 0),
+    "gather": ("GATHER", 1),
+    "scatter": ("SCATTER", 0),
+    "alltoall": ("ALLTOALL", 0),
+    "alltoall_base": ("ALLTOALL_BASE", 0),
+    "barrier": ("BARRIER", None),
+}
+_REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
+_DIMENSIONS = 4  # of a shape compared (a tensor of more compares its first four and its size)
+
+
+def _first_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        return next((t for t in map(_first_tensor, value) if t is not None), None)
+    return None
+
+
+def _record(method: str, args: tuple) -> list:
+    """[which call, its root or -1, its reduce op or -1, dimensions, shape...]: what the ranks compare."""
+    _, tensors = _CALLS[method]
+    options = next((a for a in args if type(a).__name__.endswith("Options")), None)
+    root = getattr(options, "rootRank", -1)
+    op = getattr(options, "reduceOp", None)
+    op = next((i for i, name in enumerate(_REDUCE_OPS) if op == getattr(dist.ReduceOp, name)), -1)
+    tensor = _first_tensor(args[tensors]) if tensors is not None and len(args) > tensors else None
+    shape = list(tensor.shape) if tensor is not None else []
+    dims = shape[:_DIMENSIONS] + [-1] * (_DIMENSIONS - len(shape[:_DIMENSIONS]))
+    return [list(_CALLS).index(method), root, op, len(shape) if tensor is not None else -1, *dims]
+
+
+class Agreement:
+    """Patches the process group's collectives, for the life of a worker, so that the ranks compare
+    each collective of ``group`` before they start it, on ``carrier`` (a group of the same ranks)."""
+
+    def install(self, group: ProcessGroup, carrier: ProcessGroup) -> None:
+        self.group, self.carrier = group, carrier
+        self.allgather = vars(ProcessGroup)["allgather"]  # the original: the exchange is not a collective of the code
+        for method in _CALLS:
+            if method in vars(ProcessGroup):
+                setattr(ProcessGroup, method, self._compared(method, vars(ProcessGroup)[method]))
+
+    def _compared(self, method: str, original):
+        def compared(group, *args, **kwargs):
+            if group is self.group:
+                self._compare(method, args)
+            return original(group, *args, **kwargs)
+
+        return compared
+
+    def _compare(self, method: str, args: tuple) -> None:
+        mine = torch.tensor(_record(method, args), dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(self.carrier.size())]
+        self.allgather(self.carrier, [every], [mine]).wait()
+        records = [r.tolist() for r in every]
+        if any(r != records[0] for r in records):
+            names = list(_CALLS)
+            raise ArgumentsDiffer(
+                calls=[_CALLS[names[r[0]]][0] for r in records],
+                roots=[r[1] if r[1] >= 0 else None for r in records],
+                ops=[_REDUCE_OPS[r[2]] if r[2] >= 0 else "" for r in records],
+                shapes=[r[4 : 4 + min(r[3], _DIMENSIONS)] if r[3] >= 0 else None for r in records],
+            )
+
+
 _unchecked: dict = {}
 
 
-def unchecked_group(timeout=None) -> ProcessGroup:
-    """A group of every rank whose collectives torch's check does not wrap: made once per world, by
-    every rank at the same point (its first call), with the collective timeout ``timeout``."""
-    if "group" not in _unchecked:
+def unchecked_group(timeout=None, use: str = "messages") -> ProcessGroup:
+    """A group of every rank whose collectives torch's check does not wrap, for one use: made once
+    per world, by every rank at the same point (its first call), with the collective timeout
+    ``timeout``. "messages": the default group's sends and receives, and DDP's collectives;
+    "agreement": Agreement's exchanges, which must not interleave with DDP's (Join's included)."""
+    if use not in _unchecked:
         level = dist.get_debug_level()
         dist.set_debug_level(dist.DebugLevel.OFF)
-        _unchecked["group"] = dist.new_group(timeout=timeout)
+        _unchecked[use] = dist.new_group(timeout=timeout)
         dist.set_debug_level(level)
-    return _unchecked["group"]
+    return _unchecked[use]
 
 
 def check_ddp_on_an_unchecked_group() -> None:

@@ -74,6 +74,7 @@ def launch(
         print(stub, file=sys.stderr)
         raise SystemExit(1) from None
     except WorldFailed as failed:
+        failed.failure.longer = "--time-limit SECONDS"  # a script's flag (course/flags.py)
         print(failed.failure.report(), file=sys.stderr)
         raise SystemExit(1) from None
     except KeyboardInterrupt as interrupt:

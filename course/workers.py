@@ -59,7 +59,7 @@ import torch.distributed as dist
 from course import env, failure, impl, sandbox
 from course.device import bound_device
 from course.device import select as select_device
-from course.instrument import PointToPoint, check_ddp_on_an_unchecked_group, unchecked_group
+from course.instrument import Agreement, PointToPoint, check_ddp_on_an_unchecked_group, unchecked_group
 from course.layout import ROOT
 
 
@@ -330,6 +330,7 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
                     # not run here), and batches a step's messages on the group they name: they stay.
                     timeout = timedelta(seconds=settings.collective_timeout)
                     messages.carry_on(dist.group.WORLD, unchecked_group(timeout))
+                    Agreement().install(dist.group.WORLD, unchecked_group(timeout, "agreement"))
                 baseline = _Baseline()
             messages.pending.clear()
             messages.waiting = None

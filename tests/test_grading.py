@@ -330,6 +330,34 @@ def test_grade_names_the_exercises_when_there_is_no_such_one(tmp_path):
     assert "could not be graded" in found["output"] and found["tests"][0]["name"] == "The grader", found
 
 
+def test_an_interrupted_grade_says_so_and_gives_no_score(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) while a check runs: no table, no score."""
+    import signal
+    import time
+
+    submission = tmp_path / "submission"
+    submission.mkdir()
+    for name in STUDENT_FILES:
+        shutil.copy(os.path.join(ROOT, name), submission)
+    with open(submission / "dist.py", "a") as f:
+        f.write("\nimport time\ntime.sleep(60)\n")
+    grader = subprocess.Popen(
+        [sys.executable, "-m", "course", "grade", "--ex", "2"],
+        cwd=tmp_path,
+        env=dict(os.environ, COURSE_IMPL=str(submission)),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    time.sleep(6)  # its first check's workers sleep in dist.py
+    os.killpg(grader.pid, signal.SIGINT)
+    out, _ = grader.communicate(timeout=60)
+    assert grader.returncode != 0 and "Interrupted: no grade" in out and "total" not in out, out
+    with open(tmp_path / "results.json") as f:
+        found = json.load(f)
+    assert "interrupted" in found["output"] and found["tests"][0]["name"] == "The grader", found
+
+
 def test_several_exercises_in_one_run(tmp_path):
     """A weekly assignment: `--ex 6 --ex 7` (make grade EX="6 7") grades both, and only them."""
     done = course_grade("--ex", "7", "--ex", "5", impl=SOLUTIONS, cwd=tmp_path)

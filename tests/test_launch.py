@@ -39,6 +39,17 @@ def mismatched():
         dist.broadcast(t, src=0)
 
 
+def src_differs():
+    """Both ranks in the same broadcast, each naming itself the source (torch's check compares
+    neither roots nor reduce ops): each would wait for the other until the collective timeout."""
+    shapes = [dist.get_rank()]
+    dist.broadcast_object_list(shapes, src=dist.get_rank())
+
+
+def op_differs():
+    dist.all_reduce(torch.ones(2), op=dist.ReduceOp.SUM if dist.get_rank() == 0 else dist.ReduceOp.MAX)
+
+
 def skipped():
     if dist.get_rank() == 0:
         dist.all_reduce(torch.ones(3))
@@ -161,6 +172,26 @@ def test_mismatched_collectives_are_named():
     )
 
 
+def test_a_collective_whose_ranks_give_different_arguments_is_named_at_once():
+    """Issue 29: ranks in the same call with different src were reported, after 23 to 32 s, as one
+    rank skipping a collective. The ranks compare each collective's root and reduce op first."""
+    failed, seconds = timed_failure(src_differs, debug=True, collective_timeout=30)
+    assert seconds < 5, "found when the ranks compare their collectives, not at the collective timeout"
+    f = failed.failure
+    assert f.kind == "arguments" and [(r.op, r.root) for r in f.ranks] == [("BROADCAST", 0), ("BROADCAST", 1)]
+    assert f.report().splitlines() == [
+        "Ranks called broadcast_object_list with a different src (world of 2): every rank must pass the same src:",
+        f"  rank 0 with src=0 in broadcast_object_list at test_launch.py:{line_with(src_differs, 'src=dist')} in src_differs",
+        f"  rank 1 with src=1 in broadcast_object_list at test_launch.py:{line_with(src_differs, 'src=dist')} in src_differs",
+    ]
+    failed, seconds = timed_failure(op_differs, debug=True, collective_timeout=30)
+    assert seconds < 5 and failed.failure.kind == "arguments"
+    assert (
+        "rank 0 with op=SUM in all_reduce" in failed.failure.sentence()
+        and "rank 1 with op=MAX" in failed.failure.sentence()
+    )
+
+
 def test_mismatch_without_fingerprints_ends_at_the_collective_timeout():
     failed, seconds = timed_failure(mismatched, debug=False, collective_timeout=1)
     assert seconds < 6
@@ -215,7 +246,9 @@ def test_endless_loop_times_out_with_each_rank_line():
     spin = line_with(endless, "pass")
     assert [(r.state, r.file, r.func) for r in f.ranks] == [("running", "test_launch.py", "endless")] * 2
     assert {r.line for r in f.ranks} <= {spin, spin - 1}
-    assert f.report().startswith("Timed out after 1.5 s: ranks [0, 1] were still running")
+    # run() (the checks) knows no flag; launch() (the scripts) names --time-limit (issue 29).
+    assert f.report().startswith("Timed out after 1.5 s: ranks [0, 1] never finished (a loop that does not end")
+    assert "--time-limit" not in f.report() and "rank 0 runs at test_launch.py:" in f.report()
 
 
 def endless_on_rank_0():

@@ -3,9 +3,9 @@
 Instructors only: these need solutions/. Each case makes a mutant of the reference with one
 mistake and shows that the check for it fails, with a message that points at the mistake.
 
-One mistake is left out on purpose: a broadcast whose source differs across ranks (src=rank, say)
-does not fail, it waits until the collective timeout. "Broadcast from the wrong rank" is the
-same source on every rank, rank 0's, which returns wrong values instead.
+A broadcast whose source differs across ranks (src=rank, say) is named at once: the ranks compare
+each collective's root before it starts (course/instrument.py). "Broadcast from the wrong rank" is
+the same source on every rank, rank 0's, which returns wrong values instead.
 """
 
 import pytest
@@ -82,6 +82,13 @@ MUTANTS = {
         "        for p, owner in zip(self.params, self.owners):\n            dist.reduce(p.grad, dst=owner)\n",
         lambda folder: check_steps(folder, 2, steps=1),
         "not the average of the ranks' gradients",
+    ),
+    "every rank broadcasts from itself": (
+        "zero.py",
+        "                dist.broadcast(p, src=owner)",
+        "                dist.broadcast(p, src=dist.get_rank())",
+        lambda folder: check_steps(folder, 2, steps=1),
+        "with a different src",
     ),
     "the owner does not broadcast": (
         "zero.py",

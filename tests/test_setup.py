@@ -94,3 +94,20 @@ def test_levels_build_on_each_other():
     assert not re.search(r"^(jupyter|nbgrader|notebook)", students, re.M), (
         "students on the .py path need no notebook packages"
     )
+
+
+def test_grading_outside_the_course_environment_says_to_activate_it(tmp_path):
+    """Issue 29: `python3 -m course grade` with a Python that has no torch printed pytest's
+    ImportError of conftest.py (exit 4). It says, in one line, what to do."""
+    python = os.path.join(sys.base_prefix, "bin", "python3")  # the interpreter beneath the venv
+    has_torch = subprocess.run([python, "-c", "import torch"], capture_output=True).returncode == 0
+    if not os.path.exists(python) or has_torch:
+        pytest.skip("no Python without torch here")
+    done = subprocess.run(
+        [python, "-m", "course", "grade", "--ex", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == (
+        f"torch is not installed for {python}: activate the course's environment first"
+        f" ({setup.activate_command()}), or run make grade"
+    )
