@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import dataclasses
 import html
 import json
 import logging
@@ -266,29 +267,35 @@ async def execute(out: str, student: str, assignments: dict, code: str, cell_tim
     return time.monotonic() - started
 
 
-async def execute_all(out: str, codes: dict, assignments: dict, cell_timeout: int, jobs: int, then=None) -> dict:
+async def execute_all(
+    out: str, codes: dict, assignments: dict, cell_timeout: int, jobs: int, then=None, finished=None
+) -> dict:
     """execute() every student's notebooks, `jobs` kernels at a time; the seconds each took, by student.
 
     Each student's notebooks are shared among `jobs` kernels, so that one student, or the last
     ones of a class, use every core too (a kernel starts in a fraction of a second: kernels.py).
-    then(student, part), if given, is called as soon as the notebooks in `part` have run.
+    then(student, part), if given, is called as soon as the notebooks in `part` have run;
+    finished(student, seconds, students done so far) once all of a student's have.
     """
     slots = asyncio.Semaphore(jobs)
     kernels = max(1, min(len(assignments), jobs))
     names = list(assignments)
+    parts = [(student, names[k::kernels]) for student in codes for k in range(kernels)]
+    left = {student: sum(1 for s, _ in parts if s == student) for student in codes}
+    total = dict.fromkeys(codes, 0.0)
 
-    async def one(student: str, part: list) -> float:
+    async def one(student: str, part: list) -> None:
         async with slots:
-            seconds = await execute(out, student, {a: assignments[a] for a in part}, codes[student], cell_timeout)
+            total[student] += await execute(
+                out, student, {a: assignments[a] for a in part}, codes[student], cell_timeout
+            )
         if then is not None:
             then(student, part)
-        return seconds
+        left[student] -= 1
+        if finished is not None and left[student] == 0:
+            finished(student, total[student], sum(1 for n in left.values() if n == 0))
 
-    parts = [(student, names[k::kernels]) for student in codes for k in range(kernels)]
-    seconds = await asyncio.gather(*(one(student, part) for student, part in parts))
-    total = dict.fromkeys(codes, 0.0)
-    for (student, _), taken in zip(parts, seconds):
-        total[student] += taken
+    await asyncio.gather(*(one(student, part) for student, part in parts))
     return total
 
 
@@ -494,40 +501,71 @@ def grade_all(submissions: str, out: str, cell_timeout: int, jobs: int = 1, exer
 
     # nbgrader records a kernel's notebooks in this thread while the next kernels run: recording
     # is one process's work, and would otherwise leave the other cores idle at the end.
+    started = time.monotonic()
     with ThreadPoolExecutor(1) as recorder:
         records = {student: [] for student in students}
 
         def ran(student: str, part: list) -> None:
             records[student].append(recorder.submit(record, student, part))
 
-        executed = asyncio.run(execute_all(out, codes, assignments, cell_timeout, jobs, then=ran))
+        def finished(student: str, seconds: float, done: int) -> None:
+            left = (time.monotonic() - started) / done * (len(students) - done)
+            print(
+                f"[{done}/{len(students)}] {student}: its checks ran {seconds:.1f} s; about {left:.0f} s left",
+                flush=True,
+            )
+
+        executed = asyncio.run(execute_all(out, codes, assignments, cell_timeout, jobs, then=ran, finished=finished))
     results = {}
     for student in students:
-        started = time.monotonic()
-        failures, recording = {}, 0.0
+        failures = {}
         for done in records[student]:
-            found, seconds = done.result()
-            failures.update(found)
-            recording += seconds
-        checks = collect(out, student, assignments, failures)
+            failures.update(done.result()[0])
         feedback = os.path.join(out, "feedback", student)
-        os.makedirs(feedback, exist_ok=True)
-        seconds = executed[student] + recording + time.monotonic() - started
+        # Exercises graded before and not now are kept: one late student's run replaces no one's grades.
+        checks = merge(feedback, collect(out, student, assignments, failures))
         notes = "\n".join(taken[student][1])  # what of the submission could not be read
-        write_results(os.path.join(feedback, "results.json"), checks, seconds, notes)
+        write_results(os.path.join(feedback, "results.json"), checks, executed[student], notes)
         with open(os.path.join(feedback, "feedback.txt"), "w") as f:
             f.write(f"Autograded checks of {student} (written answers are graded by hand):\n\n{table(checks)}\n")
             f.write(f"{notes}\n" if notes else "")
         with open(os.path.join(feedback, "feedback.html"), "w") as f:
             f.write(feedback_html(student, checks, out, assignments))
         results[student] = checks
-        print(
-            f"{student}: {sum(c.score for c in checks):g}/{sum(c.max_score for c in checks):g}, its checks ran {executed[student]:.1f} s",
-            flush=True,
-        )
+        print(f"{student}: {sum(c.score for c in checks):g}/{sum(c.max_score for c in checks):g}", flush=True)
     export_csv(out)
-    report.write(out, results)
+    report.write(out, graded_before(out) | results)
     return results
+
+
+_CHECKS = "checks.json"  # in feedback/STUDENT/: every check of the student graded so far, by exercise
+
+
+def merge(feedback: str, checks: list) -> list:
+    """The student's checks of earlier runs, those of the exercises graded now replaced by checks;
+    written back to feedback/STUDENT/checks.json."""
+    os.makedirs(feedback, exist_ok=True)
+    now = {c.exercise for c in checks}
+    kept = [c for c in _read_checks(feedback) if c.exercise not in now]
+    merged = sorted(kept + checks, key=lambda c: (c.exercise, c.name))
+    with open(os.path.join(feedback, _CHECKS), "w") as f:
+        json.dump([dataclasses.asdict(c) for c in merged], f, indent=1)
+    return merged
+
+
+def _read_checks(feedback: str) -> list:
+    try:
+        with open(os.path.join(feedback, _CHECKS)) as f:
+            return [Check(**c) for c in json.load(f)]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
+def graded_before(out: str) -> dict:
+    """Every student graded into out so far, with their checks: the class report is the whole class's."""
+    folder = os.path.join(out, "feedback")
+    students = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    return {s: checks for s in students if (checks := _read_checks(os.path.join(folder, s)))}
 
 
 def main(argv=None) -> int:

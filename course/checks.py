@@ -111,3 +111,28 @@ def points() -> dict:
         for case in of_module(module):
             total[case.exercise] = total.get(case.exercise, 0) + case.points
     return total
+
+
+class Said(str):
+    """A check's sentence, and the mistake it diagnosed in a few words: the concept that titles a
+    row of the class report (course/report.py) and tells two diagnoses of one assert apart."""
+
+    concept: str = ""
+
+
+def said(concept: str, sentence: str) -> Said:
+    """``assert ok, said("gradients summed, not averaged", f"rank {r}'s gradient ...")``"""
+    found = Said(sentence)
+    found.concept = concept
+    return found
+
+
+def concept_of(error: BaseException, frame) -> str:
+    """What a failed assert judged: its Said's concept, else the first sentence of the docstring of
+    the check function it is in (frame: that function's frame), else ''."""
+    given = getattr(error.args[0], "concept", "") if error.args else ""
+    if given:
+        return given
+    function = frame.f_globals.get(frame.f_code.co_name) if frame is not None else None
+    doc = (getattr(function, "__doc__", None) or "").strip()
+    return doc.split("\n\n")[0].split(". ")[0].replace("\n", " ").rstrip(".") if doc else ""

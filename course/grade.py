@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from course.checks import points_of
+from course.checks import concept_of, points_of
 from course.layout import STUDENT_FILES
 from course.student import ROOT
 
@@ -161,7 +161,11 @@ def mistake(error: BaseException) -> dict:
     frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(error.__traceback__)]
     place = _place(frames, _judge) or _place(frames, lambda path: True)  # a check kept outside tests/
     if isinstance(error, AssertionError):
-        return {"kind": "assert"} | place
+        # The frame of the assert that failed: the innermost judge's, as _place picked it.
+        live = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+        frame = next((f for f in reversed(live) if _judge(f.f_code.co_filename)), live[-1] if live else None)
+        concept = concept_of(error, frame)
+        return {"kind": "assert"} | place | ({"concept": concept} if concept else {})
     return {"kind": "exception", "error": type(error).__name__} | place
 
 

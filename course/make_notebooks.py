@@ -25,6 +25,7 @@ import importlib
 import json
 import os
 import re
+import sys
 
 from course.layout import BEGIN, END, ROOT, SOLUTIONS, TESTS
 
@@ -93,7 +94,9 @@ _GRADE = re.compile(r"grade\((test_\w+)\)")
 
 
 def check_module(exercise: int) -> str:
-    """tests.test_exN_name, the checks of an exercise."""
+    """tests.test_exN_name, the checks of an exercise (importable from any folder)."""
+    if ROOT not in sys.path:
+        sys.path.append(ROOT)
     found = glob.glob(os.path.join(TESTS, f"test_ex{exercise}_*.py"))
     if len(found) != 1:
         raise FileNotFoundError(f"exercise {exercise} should have one module of checks in tests/, found {found}")

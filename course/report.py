@@ -101,6 +101,8 @@ def title(mistake: dict) -> str:
         return f"{mistake['func']} not written yet"
     if kind == "unimportable":
         return f"{mistake['file']} does not import ({mistake['error']})"
+    if kind == "assert" and mistake.get("concept"):  # what the check diagnosed (course/checks.py)
+        return mistake["concept"]
     if kind in ("assert", "exception"):
         what = "assertion failed" if kind == "assert" else f"{mistake.get('error', 'an exception')} raised"
         where = f" in {mistake['func']} ({mistake['file']}:{mistake['line']})" if mistake.get("file") else ""
@@ -164,8 +166,13 @@ def summarize(rows: list) -> dict:
         )
 
     groups: dict = {}
+    unwritten: dict = {}  # a stub's function -> who left it: not attempted, no mistake
     for row in rows:
         if row["passed"]:
+            continue
+        if (row.get("mistake") or {}).get("kind") == "stub":
+            entry = unwritten.setdefault(row["mistake"]["func"], {"exercise": row["exercise"], "students": set()})
+            entry["students"].add(row["student"])
             continue
         key = group_key(row)
         group = groups.setdefault(
@@ -201,6 +208,18 @@ def summarize(rows: list) -> dict:
         for g in groups.values()
     ]
     mistakes.sort(key=lambda m: (-m["count"], -len(m["checks"]), m["title"]))
+    not_attempted = sorted(
+        (
+            {
+                "function": func,
+                "exercise": e["exercise"],
+                "count": len(e["students"]),
+                "students": sorted(e["students"]),
+            }
+            for func, e in unwritten.items()
+        ),
+        key=lambda n: (n["exercise"], -n["count"], n["function"]),
+    )
 
     trouble: dict = {}
     for row in rows:
@@ -239,6 +258,7 @@ def summarize(rows: list) -> dict:
         "students": students,
         "exercises": exercises,
         "mistakes": mistakes,
+        "not_attempted": not_attempted,
         "troubled": troubled,
         "timing": {
             "median_check_s": round(statistics.median(r["seconds"] for r in rows if r.get("seconds") is not None), 3)
@@ -360,6 +380,15 @@ def page(summary: dict) -> str:
         [_td(t["student"]), _td(t["what"]), _td(", ".join(map(str, t["exercises"]))), _td(t["reason"], code=True)]
         for t in summary["troubled"]
     ]
+    unwritten = [
+        [
+            _td(u["exercise"], numeric=True),
+            _td(u["function"]),
+            _td(u["count"], numeric=True),
+            _td(_some(u["students"], 8)),
+        ]
+        for u in summary["not_attempted"]
+    ]
     timing = summary["timing"]
     times = [
         [
@@ -392,6 +421,10 @@ def page(summary: dict) -> str:
 <p>Failed checks grouped by the mistake each diagnosed (its kind, ranks, collective and place, or the
 check's own assertion), not by the words of its message. Count: students.</p>
 {_table(["students", "mistake", "exercises", "checks", "one message", "who"], mistakes)}
+
+<h2 id="not-attempted">Not attempted yet</h2>
+<p>Functions still as the course gave them (their checks stop at "not written yet"): no mistake, no row above.</p>
+{_table(["exercise", "function", "students", "who"], unwritten)}
 
 <h2 id="troubled">Submissions that crashed, hung or did not import</h2>
 {_table(["student", "what", "exercises", "reason"], troubled)}

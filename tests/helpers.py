@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course import impl
+from course.checks import said
 from course.launch import run
 
 # Small enough that a multi-rank check takes a fraction of a second; 144 training rows divide
@@ -89,12 +90,16 @@ def printed(fn, *args):
 
 
 def describe_ratio(name, got, expected, rank):
-    """A sentence about how a gradient differs from the expected one."""
+    """A sentence about how a gradient differs from the expected one, with its concept (course/checks.py)."""
     ratio = (got * expected).sum() / (expected * expected).sum().clamp_min(1e-30)
     if torch.allclose(got, expected * ratio, rtol=1e-3, atol=1e-6) and abs(ratio - 1) > 1e-3:
         hint = " did you divide by the world size?" if ratio > 1 else ""
-        return f"rank {rank}'s gradient of {name} is {ratio:.1f}x the expected average:{hint}"
-    return f"rank {rank}'s gradient of {name} is not the average of the ranks' gradients"
+        concept = "gradients summed over the ranks, not averaged" if ratio > 1 else "gradients scaled down"
+        return said(concept, f"rank {rank}'s gradient of {name} is {ratio:.1f}x the expected average:{hint}")
+    return said(
+        "gradients not the average over the ranks",
+        f"rank {rank}'s gradient of {name} is not the average of the ranks' gradients",
+    )
 
 
 def global_batch(config, step, world_size):

@@ -22,6 +22,7 @@ with a mistake already made, for the class report, on the exercises where they l
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -214,6 +215,9 @@ def test_autograde_end_to_end(tmp_path):
     )
 
     check_class_report(out, done.stdout)
+    assert re.search(r"^\[1/5\] \w+: its checks ran [\d.]+ s; about \d+ s left$", done.stdout, re.M), (
+        "one progress line per student as it is graded"
+    )
 
     deadline = time.monotonic() + 5
     while processes_in(tmp_path) and time.monotonic() < deadline:
@@ -232,6 +236,7 @@ def check_class_report(out, said):
     assert len(sums) == 1, f"one mistake, one row: {[(m['title'], m['students']) for m in sums]}"
     assert sums[0]["students"] == ["mistakes", "sums_again", "sums_too"] and sums[0]["count"] == 3, sums[0]
     assert sums[0]["mistake"]["kind"] == "assert" and sums[0]["mistake"]["exercise"] == 4, sums[0]
+    assert sums[0]["title"] == "gradients summed over the ranks, not averaged", "titled by what the check found"
     assert summary["mistakes"][0]["count"] == 3, "the most frequent mistake comes first"
     for student, kinds in (("crash", {"crash"}), ("mistakes", {"wait", "timeout", "p2p_deadlock"})):
         rows = [m["title"] for m in summary["mistakes"] if student in m["students"] and m["mistake"]["kind"] in kinds]
@@ -443,3 +448,20 @@ def test_a_notebook_that_is_not_one_costs_its_own_answers_only(tmp_path, monkeyp
     assert len(problems) == 2 and "ex2_what_moves" in problems[0] and "could not be read" in problems[1], problems
     for assignment, stem in assignments.items():
         nbformat.read(out / "submitted" / "student" / assignment / f"{stem}.ipynb", as_version=4)
+
+
+def test_a_late_students_run_keeps_the_rest_of_the_class(tmp_path):
+    """Issue 28: re-running one late student replaced the whole report, and that student's other
+    exercises. Each student's checks are merged by exercise, and the report is the whole class's."""
+    from course.autograde import graded_before, merge
+    from course.grade import Check
+
+    first = [Check(2, "test_by_row[2]", True, "", 3), Check(4, "test_start_sync[2]", False, "x", 4)]
+    for student in ("ada", "ben"):
+        merge(str(tmp_path / "feedback" / student), first)
+    again = merge(str(tmp_path / "feedback" / "ada"), [Check(4, "test_start_sync[2]", True, "", 4)])
+    assert [(c.exercise, c.passed) for c in again] == [(2, True), (4, True)]
+    assert {s: [c.passed for c in checks] for s, checks in graded_before(str(tmp_path)).items()} == {
+        "ada": [True, True],
+        "ben": [True, False],
+    }

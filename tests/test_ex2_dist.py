@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
+from course.checks import said
 from tests.helpers import load, world
 
 # No world of these checks builds an optimizer: grading them alone need not import torch._dynamo
@@ -63,33 +64,50 @@ def _as_sent_without_copy(A, parts):
 
 
 def wrong_product(method, got, expected, A, B, world_size, rank, right_on_rank0):
-    """What is wrong with a product, said with the one cause that fits, or as plain facts."""
+    """What is wrong with a product, said with the one cause that fits, or as plain facts; its concept
+    (course/checks.py) names the cause for the class report."""
     m, n = expected.shape
     if tuple(got.shape) != (m, n):
-        said = f"a {'x'.join(map(str, got.shape))} tensor, expected {m}x{n}"
+        text = f"a {'x'.join(map(str, got.shape))} tensor, expected {m}x{n}"
         padded = world_size * max(block_sizes(m, world_size))
         if method == "par_matmul_by_row" and tuple(got.shape) == (padded, n):
-            said += ": the zero rows that pad the last blocks are still there: keep each block's own rows"
-        return said
+            return said(
+                "padding rows kept",
+                text + ": the zero rows that pad the last blocks are still there: keep each block's own rows",
+            )
+        return said("a product of the wrong shape", text)
     close = lambda x, y: torch.allclose(x, y, atol=1e-5)  # noqa: E731
     if method == "par_matmul_by_reduction":
         if rank != 0 and right_on_rank0:
-            return "wrong numbers, right on rank 0 only: every rank must end with the sum of the partial products"
+            return said(
+                "right on rank 0 only",
+                "wrong numbers, right on rank 0 only: every rank must end with the sum of the partial products",
+            )
         parts = block_sizes(A.shape[1], world_size)
         for r, (a, b) in enumerate(_bounds(parts)):
             if b > a and world_size > 1 and close(got, A[:, a:b] @ B[a:b]):
-                return f"wrong numbers: rank {r}'s partial product alone: the partial products must be summed on every rank"
+                return said(
+                    "partial products not summed",
+                    f"wrong numbers: rank {r}'s partial product alone: the partial products must be summed on every rank",
+                )
         if world_size > 1 and close(got, world_size * expected):
-            return f"wrong numbers, {world_size} times the product: each term is counted once per rank"
+            return said(
+                "each term counted once per rank",
+                f"wrong numbers, {world_size} times the product: each term is counted once per rank",
+            )
         raw = _as_sent_without_copy(A, parts)
         if close(got, sum(block @ B[a:b] for block, (a, b) in zip(raw, _bounds(parts)))):
-            return (
+            return said(
+                "column blocks sent as views",
                 "wrong numbers, those of column blocks of A sent as views: a column block is not contiguous,"
-                " and scatter sends its memory as it lies (.contiguous())"
+                " and scatter sends its memory as it lies (.contiguous())",
             )
     matches = [next((j for j in range(m) if close(got[i], expected[j])), None) for i in range(m)]
     if None not in matches and matches != list(range(m)):
-        return "wrong numbers: the right rows in the wrong order: join the row blocks in rank order"
+        return said(
+            "row blocks joined in the wrong order",
+            "wrong numbers: the right rows in the wrong order: join the row blocks in rank order",
+        )
     if method == "par_matmul_by_row":
         wrong = [
             f"{_rows(a, b)} (rank {r}'s block)"
@@ -97,10 +115,12 @@ def wrong_product(method, got, expected, A, B, world_size, rank, right_on_rank0)
             if b > a and not close(got[a:b], expected[a:b])
         ]
         if len(wrong) < world_size:
-            return f"wrong numbers in {', '.join(wrong)}; the other rows right"
+            return said(
+                "wrong numbers in some ranks' rows", f"wrong numbers in {', '.join(wrong)}; the other rows right"
+            )
     error = (got - expected).abs()
     i, j = divmod(int(error.argmax()), n)
-    return f"wrong numbers, off by up to {error.max():.3g} (at C[{i}, {j}])"
+    return said("wrong numbers", f"wrong numbers, off by up to {error.max():.3g} (at C[{i}, {j}])")
 
 
 def _work_split(what, method, flops, m, k, n, world_size, rank):
@@ -129,10 +149,9 @@ def check_by_row(folder, world_size):
                 assert isinstance(got, torch.Tensor), (
                     f"{what}: par_matmul_by_row should return the {m}x{n} product on rank 0, got {got!r}"
                 )
-                assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5), (
-                    f"{what}: par_matmul_by_row on rank 0 returned "
-                    + wrong_product("par_matmul_by_row", got, expected, A, B, world_size, 0, True)
-                )
+                if not (got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5)):
+                    why = wrong_product("par_matmul_by_row", got, expected, A, B, world_size, 0, True)
+                    raise AssertionError(said(why.concept, f"{what}: par_matmul_by_row on rank 0 returned {why}"))
             else:
                 assert got is None, f"{what}: par_matmul_by_row should return None on rank {rank}"
             _work_split(what, "par_matmul_by_row", flops, m, k, n, world_size, rank)
@@ -153,10 +172,11 @@ def check_by_reduction(folder, world_size):
             assert isinstance(got, torch.Tensor), (
                 f"{what}: par_matmul_by_reduction should return the {m}x{n} product on rank {rank}, got {got!r}"
             )
-            assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5), (
-                f"{what}: par_matmul_by_reduction on rank {rank} returned "
-                + wrong_product("par_matmul_by_reduction", got, expected, A, B, world_size, rank, right_on_rank0)
-            )
+            if not (got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5)):
+                why = wrong_product("par_matmul_by_reduction", got, expected, A, B, world_size, rank, right_on_rank0)
+                raise AssertionError(
+                    said(why.concept, f"{what}: par_matmul_by_reduction on rank {rank} returned {why}")
+                )
             _work_split(what, "par_matmul_by_reduction", flops, m, k, n, world_size, rank)
 
 

@@ -14,6 +14,7 @@ from html.parser import HTMLParser
 import pytest
 
 from course import report
+from course.checks import said
 from course.failure import Failure, RankFact
 from course.grade import Check, mistake
 from course.workers import WorldFailed
@@ -275,3 +276,37 @@ def test_what_autograding_saw_of_a_cell_is_a_mistake_too():
         **{"iopub.execute_input": "2026-01-05T10:00:00.250000Z", "shell.execute_reply": "2026-01-05T10:00:02Z"}
     )
     assert _seconds(timed) == 1.75 and _seconds(cell()) is None
+
+
+def described(value):
+    """The value is one. (The first sentence of a check's docstring: the concept of its asserts.)"""
+    assert value == 1, f"the value is {value}"
+
+
+def diagnosed(value):
+    # Raised, not asserted: pytest rewrites this module's asserts, and their message with them.
+    if value != 1:
+        raise AssertionError(said("a value of two", "the value is 2") if value == 2 else f"the value is {value}")
+
+
+def test_a_row_is_titled_by_what_the_check_diagnosed():
+    """Issue 28: rows were titled 'assertion failed in check_equivalence (helpers.py:188)', and two
+    diagnoses of one assert shared a row. A check's said() concept, else its docstring, titles it."""
+    assert mistake(raised(described, 2))["concept"] == "The value is one"
+    two, three = mistake(raised(diagnosed, 2)), mistake(raised(diagnosed, 3))
+    assert two["concept"] == "a value of two" and "concept" not in three and two != three
+    assert report.title(two) == "a value of two"
+
+
+def test_code_not_written_yet_is_not_attempted_not_a_mistake():
+    """Issue 28: the stubs filled the top rows of the mistakes. They are listed apart."""
+    stub = {"kind": "stub", "exercise": 2, "func": "par_matmul_by_row"}
+    said_ = "Exercise 2: par_matmul_by_row is not written yet, see exercises/02_dist.md"
+    results = {s: [Check(2, "test_by_row[2]", False, said_, 3, mistake=stub)] for s in ("ada", "ben")}
+    results["cai"] = [Check(2, "test_by_row[2]", False, MESSAGE, 3, mistake=SUMS)]
+    summary = report.summarize(report.records(results))
+    assert [m["students"] for m in summary["mistakes"]] == [["cai"]]
+    assert summary["not_attempted"] == [
+        {"function": "par_matmul_by_row", "exercise": 2, "count": 2, "students": ["ada", "ben"]}
+    ]
+    assert "Not attempted yet" in report.page(summary)
