@@ -1,0 +1,680 @@
+"""Exercise 14: tensor and sequence parallelism, forward and backward, against one process and torch's."""
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.comm_log import CommLog
+from tests.helpers import load, world
+
+# Two blocks. Only the hidden width 12 divides by 2 and 3: a layer split along another width fails.
+WIDTHS = [7, 12, 5, 12, 5]
+BLOCK = WIDTHS[:3]
+ROWS = 12  # of a batch; sequence parallel, each of 2 or 3 ranks runs a block of them
+LR = 0.2
+STEPS = 3
+
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all-reduce", "all-gather", "reduce-scatter"
+# The process group methods that CommLog records, by what they do.
+KINDS = {
+    "allreduce": ALL_REDUCE,
+    "allreduce_coalesced": ALL_REDUCE,
+    "allgather": ALL_GATHER,
+    "all_gather_single": ALL_GATHER,
+    "_allgather_base": ALL_GATHER,
+    "allgather_coalesced": ALL_GATHER,
+    "allgather_into_tensor_coalesced": ALL_GATHER,
+    "all_gather_single_coalesced": ALL_GATHER,
+    "reduce_scatter": REDUCE_SCATTER,
+    "reduce_scatter_single": REDUCE_SCATTER,
+    "_reduce_scatter_base": REDUCE_SCATTER,
+    "reduce_scatter_tensor_coalesced": REDUCE_SCATTER,
+    "reduce_scatter_single_coalesced": REDUCE_SCATTER,
+}
+
+
+def kinds(log):
+    return [KINDS.get(name, name) for name in log.summary()["collectives"]]
+
+
+class Blocks(nn.Module):
+    """The tests' model: per block LayerNorm, Linear, tanh, Linear; tanh between blocks. Exercise 1's
+    MLP with biases and norms; the same weights wherever it is built."""
+
+    def __init__(self, widths=WIDTHS, bias=True, norms=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=bias) for a, b in zip(widths, widths[1:]))
+        self.norms = nn.ModuleList(nn.LayerNorm(widths[i]) for i in range(0, len(widths) - 1, 2)) if norms else None
+        with torch.no_grad():  # not LayerNorm's ones and zeros: a mistake with them must show
+            for norm in self.norms or []:
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        blocks = len(self.layers) // 2
+        for k in range(blocks):
+            if self.norms is not None:
+                x = self.norms[k](x)
+            x = self.layers[2 * k + 1](torch.tanh(self.layers[2 * k](x)))
+            if k < blocks - 1:
+                x = torch.tanh(x)
+        return x
+
+
+def data(widths, rows=ROWS, step=0):
+    """The batch every rank holds whole: inputs, the gradient of the output, and labels."""
+    g = torch.Generator().manual_seed(100 + step)
+    return (
+        torch.randn(rows, widths[0], generator=g),
+        torch.randn(rows, widths[-1], generator=g),
+        torch.randint(0, widths[-1], (rows,), generator=g),
+    )
+
+
+def block_of(total, rank, world_size):
+    size = total // world_size
+    return slice(rank * size, (rank + 1) * size)
+
+
+def part(name, tensor, rank, world_size):
+    """Rank r's part of one process's parameter (or gradient) `name`: a column layer (even place)
+    holds a block of the output features, a row layer (odd place) a block of the input features
+    and all of the bias, a norm all of itself."""
+    kind, place, what = name.split(".")
+    if kind == "norms":
+        return tensor
+    if int(place) % 2 == 0:
+        return tensor[block_of(tensor.shape[0], rank, world_size)]
+    return tensor if what == "bias" else tensor[:, block_of(tensor.shape[1], rank, world_size)]
+
+
+def whole_on_every_rank(name, sequence_parallel):
+    """Parameters that every rank holds whole and, sequence parallel, uses on its own rows only."""
+    return sequence_parallel and (name.startswith("norms.") or (name.endswith("bias") and int(name.split(".")[1]) % 2))
+
+
+def close(got, expected):
+    return got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def shape(t):
+    return "x".join(map(str, t.shape))
+
+
+def rows_of(rank, world_size, sequence_parallel, rows=ROWS):
+    return block_of(rows, rank, world_size) if sequence_parallel else slice(None)
+
+
+# The four autograd functions, each alone.
+
+N, D = 2, 6  # rows per rank, features: D divides by 3, so a split along the features has a shape of its own
+FUNCTIONS = {  # forward's input rows and backward's gradient rows, in blocks of N, and the collectives each way
+    "Copy": (3, 3, [], [ALL_REDUCE]),
+    "AllReduce": (3, 3, [ALL_REDUCE], []),
+    "AllGatherRows": (1, 3, [ALL_GATHER], [REDUCE_SCATTER]),
+    "ReduceScatterRows": (3, 1, [REDUCE_SCATTER], [ALL_GATHER]),
+}
+
+
+def function_data(name, rank):
+    """Whole numbers, so that every sum is exact. Copy's input is the same on every rank (it is one
+    process's x); every other input and every gradient is the rank's own."""
+    x_blocks, g_blocks, _, _ = FUNCTIONS[name]
+    g = torch.Generator().manual_seed(10 * rank + (0 if name == "Copy" else 1))
+    x = torch.randint(-9, 10, (x_blocks * N, D), generator=torch.Generator().manual_seed(7)).float()
+    if name != "Copy":
+        x = torch.randint(-9, 10, (x_blocks * N, D), generator=g).float()
+    return x, torch.randint(-9, 10, (g_blocks * N, D), generator=g).float()
+
+
+def function_in_world(folder, name):
+    """Probe: one of the four functions forward and backward on this rank's data; what each gave and started."""
+    function = getattr(load(folder).tp, name)
+    x, grad = function_data(name, dist.get_rank())
+    x.requires_grad_()
+    with CommLog() as forward:
+        out = function.apply(x)
+    with CommLog() as backward:
+        out.backward(grad)
+    return {"out": out.detach(), "grad": x.grad, "forward": kinds(forward), "backward": kinds(backward)}
+
+
+def _function_mistake(name, result, rank, world_size):
+    """What is wrong with one function's forward or backward on this rank, or None."""
+    xs, gs = zip(*(function_data(name, r) for r in range(world_size)))
+    mine = block_of(world_size * N, rank, world_size)
+    out, grad = result["out"], result["grad"]
+    expected_out, expected_grad = {
+        "Copy": (xs[rank], sum(gs)),
+        "AllReduce": (sum(xs), gs[rank]),
+        "AllGatherRows": (torch.cat(xs), sum(gs)[mine]),
+        "ReduceScatterRows": (sum(xs)[mine], torch.cat(gs)),
+    }[name]
+    where = f"on rank {rank} of {world_size}, {name}'s"
+    if not close(out, expected_out):
+        said = f"{where} forward returned a {shape(out)} tensor, expected {shape(expected_out)}"
+        if out.shape == expected_out.shape[::-1] and name in ("AllGatherRows", "ReduceScatterRows"):
+            return f"{said}: it splits and stacks the features (dim 1); sequence parallelism splits the rows (dim 0)"
+        if out.shape != expected_out.shape:
+            return said
+        if name == "Copy" and close(out, world_size * xs[rank]):
+            return f"{where} forward summed x over the ranks: it returns x unchanged (the sum is AllReduce's forward: are the two swapped?)"
+        if name == "AllReduce" and close(out, xs[rank]):
+            return f"{where} forward returned this rank's x unchanged: it returns the sum over the ranks (returning x is Copy's forward: are the two swapped?)"
+        if name == "ReduceScatterRows" and close(out, xs[rank][mine]):
+            return f"{where} forward returned this rank's own rows of x: rank {rank}'s block of the sum over the ranks"
+        for other in range(world_size):
+            if name == "ReduceScatterRows" and other != rank and close(out, sum(xs)[block_of(world_size * N, other, world_size)]):
+                return f"{where} forward returned rank {other}'s block of the sum: rank {rank} keeps block {rank}"
+        if name == "AllGatherRows" and sorted(map(tuple, out.tolist())) == sorted(map(tuple, expected_out.tolist())):
+            return f"{where} forward has every rank's rows, in the wrong order: rank 0's first, then rank 1's, ..."
+        return f"{where} forward is off by up to {(out - expected_out).abs().max():.3g}"
+    if grad is None or not close(grad, expected_grad):
+        if grad is None:
+            return f"{where} backward gave x no gradient"
+        if grad.shape != expected_grad.shape:
+            return f"{where} backward returned a {shape(grad)} gradient for a {shape(expected_out)} input"
+        if name == "Copy" and close(grad, gs[rank]):
+            return f"{where} backward returned this rank's gradient unchanged, which is only its own part: the input gradient is the sum over the ranks"
+        if name == "AllReduce" and close(grad, sum(gs)):
+            return (
+                f"{where} backward summed the gradient over the ranks: every rank holds the sum's whole gradient,"
+                " which passes to each term unchanged; a second all-reduce counts it W times"
+            )
+        if name == "AllGatherRows" and close(grad, gs[rank][mine]):
+            return f"{where} backward returned this rank's block of its own gradient: every rank used these rows, so sum their gradients over the ranks"
+        return f"{where} backward is off by up to {(grad - expected_grad).abs().max():.3g}"
+    return None
+
+
+def said(collectives):
+    return ", ".join(collectives) if collectives else "none"
+
+
+def check_function(folder, name, world_size=3):
+    results = world(function_in_world, world_size, folder, name)
+    _, _, forward, backward = FUNCTIONS[name]
+    for rank, result in enumerate(results):
+        mistake = _function_mistake(name, result, rank, world_size)
+        assert mistake is None, mistake
+        for way, expected in (("forward", forward), ("backward", backward)):
+            assert result[way] == expected, (
+                f"{name}'s {way} started these collectives: {said(result[way])}; expected {said(expected)}"
+            )
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_function(impl_dir, name):
+    check_function(impl_dir, name)
+
+
+# Each rank's blocks of the weights.
+
+
+def shards_in_world(folder):
+    """Probe: a column and a row layer from full layers, and ParallelMLP: their parameters on this rank."""
+    tp = load(folder).tp
+    full = Blocks()
+    column, row = tp.ColumnParallelLinear(full.layers[0]), tp.RowParallelLinear(full.layers[1])
+    model = tp.ParallelMLP(list(full.layers), list(full.norms))
+    return {
+        "column": {n: p.detach() for n, p in column.named_parameters()},
+        "row": {n: p.detach() for n, p in row.named_parameters()},
+        "model": {n: p.detach() for n, p in model.named_parameters()},
+    }
+
+
+def _which_rows(got, full):
+    """The rows of full that got's rows are, as a list (None for a row that is none of them)."""
+    return [next((i for i in range(len(full)) if torch.equal(row, full[i])), None) for row in got]
+
+
+def _slice_mistake(layer, got, full, rank, world_size):
+    """What rank r's weight of a column (layer 0) or row (layer 1) layer holds instead of its block, or None."""
+    by_rows = layer == 0
+    expected = part(f"layers.{layer}.weight", full, rank, world_size)
+    if torch.equal(got, expected):
+        return None
+    kind = "ColumnParallelLinear" if by_rows else "RowParallelLinear"
+    block = block_of(full.shape[0 if by_rows else 1], rank, world_size)
+    wanted = f"{'rows' if by_rows else 'columns'} {block.start}-{block.stop - 1}"
+    said = f"rank {rank}'s {kind}.weight is {shape(got)}, expected {shape(expected)}: {wanted} of the full {shape(full)} weight"
+    if got.shape != expected.shape:
+        return said
+    found = _which_rows(got, full) if by_rows else _which_rows(got.T, full.T)
+    if None not in found:
+        return f"{said}, it holds {'rows' if by_rows else 'columns'} {found}: rank r holds block r, all in one piece"
+    return f"{said}; it holds other numbers"
+
+
+def check_shards(folder, world_size):
+    results = world(shards_in_world, world_size, folder)
+    full = Blocks()
+    names = [n for n, _ in full.named_parameters()]
+    for rank, result in enumerate(results):
+        for layer, kind in ((0, "column"), (1, "row")):
+            held = result[kind]
+            assert sorted(held) == ["bias", "weight"], (
+                f"{kind} layer's parameters on rank {rank} are {sorted(held)}: expected weight and bias, as nn.Linear's"
+            )
+            mistake = _slice_mistake(layer, held["weight"], full.layers[layer].weight.detach(), rank, world_size)
+            assert mistake is None, mistake
+        column_bias = part("layers.0.bias", full.layers[0].bias.detach(), rank, world_size)
+        assert close(result["column"]["bias"], column_bias), (
+            f"rank {rank}'s ColumnParallelLinear.bias is {shape(result['column']['bias'])}, expected its block of"
+            f" the full bias, {shape(column_bias)}: the bias of the output features the rank computes"
+        )
+        assert close(result["row"]["bias"], full.layers[1].bias.detach()), (
+            f"rank {rank}'s RowParallelLinear.bias is {shape(result['row']['bias'])}, expected all of the full"
+            f" bias ({len(full.layers[1].bias)}): it is added once, to the sum of the ranks' partial products"
+        )
+        assert sorted(result["model"]) == sorted(names), (
+            f"ParallelMLP's parameters on rank {rank} are named {sorted(result['model'])}: expected the full model's"
+            f" names, {sorted(names)} (self.layers and self.norms)"
+        )
+        for name, p in full.named_parameters():
+            expected = part(name, p.detach(), rank, world_size)
+            assert close(result["model"][name], expected), (
+                f"ParallelMLP's {name} on rank {rank} is {shape(result['model'][name])}, expected rank {rank}'s"
+                f" part of the full model's {shape(p)}, {shape(expected)}"
+            )
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_shards(impl_dir, world_size):
+    check_shards(impl_dir, world_size)
+
+
+# One block, forward and backward, against one process.
+
+
+def model_in_world(folder, widths, sequence_parallel):
+    """Probe: ParallelMLP of the tests' model, forward on this rank's rows and backward from the batch's
+    output gradient; the output, the input gradient and the parameters' gradients on this rank."""
+    tp = load(folder).tp
+    full = Blocks(widths)
+    model = tp.ParallelMLP(list(full.layers), list(full.norms), sequence_parallel)
+    x, grad, _ = data(widths)
+    mine = rows_of(dist.get_rank(), dist.get_world_size(), sequence_parallel)
+    x = x[mine].clone().requires_grad_()
+    out = model(x)
+    out.backward(grad[mine])
+    return {
+        "out": out.detach(),
+        "x_grad": x.grad,
+        "grads": {n: p.grad for n, p in model.named_parameters()},
+    }
+
+
+def one_process(widths):
+    """The judge's run: the tests' model on the whole batch; its output and every gradient."""
+    full = Blocks(widths)
+    x, grad, _ = data(widths)
+    x.requires_grad_()
+    out = full(x)
+    out.backward(grad)
+    return full, x.detach(), out.detach(), x.grad, {n: p.grad for n, p in full.named_parameters()}
+
+
+def _partial(full, x, rank, world_size, scale=1.0):
+    """One block's output on rank r when nothing sums the ranks' partial products (the input times scale)."""
+    column, row = full.layers[0], full.layers[1]
+    mine = block_of(column.out_features, rank, world_size)
+    hidden = torch.tanh(F.linear(full.norms[0](x) * scale, column.weight[mine], column.bias[mine]))
+    return F.linear(hidden, row.weight[:, mine]).detach()
+
+
+def _output_mistake(full, x, got, expected, rank, world_size, sequence_parallel):
+    rows = rows_of(rank, world_size, sequence_parallel)
+    bias = full.layers[1].bias.detach()
+    if got.shape != expected[rows].shape:
+        said = f"rank {rank}'s output is {shape(got)}, expected {shape(expected[rows])}"
+        if sequence_parallel and got.shape == expected.shape:
+            return f"{said}: every row; sequence parallel, each rank ends with its own block of the rows"
+        return said
+    if world_size > 1 and close(got, expected[rows] + (world_size - 1) * bias):
+        return (
+            f"rank {rank}'s output is one process's plus {world_size - 1} times the row layer's bias: every rank"
+            " added it to its partial product before the sum; add the bias once, after the sum"
+        )
+    with torch.no_grad():
+        for plus in (0, 1):
+            if close(got, _partial(full, x, rank, world_size)[rows] + plus * bias):
+                return f"rank {rank}'s output is its own partial product: the row layer must sum the ranks' partial products"
+            if close(got, _partial(full, x, rank, world_size, scale=world_size)[rows] + plus * bias):
+                return (
+                    f"rank {rank}'s output is the partial product of an input summed over the ranks: the column layer"
+                    " summed its input and the row layer did not sum its output. Are Copy and AllReduce swapped?"
+                )
+    for other in range(world_size):
+        if sequence_parallel and other != rank and close(got, expected[rows_of(other, world_size, True)]):
+            return f"rank {rank} holds the output of rank {other}'s rows: rank r's block of the rows is block r"
+    return f"rank {rank}'s output differs from one process's by up to {(got - expected[rows]).abs().max():.3g}"
+
+
+def check_forward(folder, world_size, sequence_parallel):
+    results = world(model_in_world, world_size, folder, BLOCK, sequence_parallel)
+    full, x, expected, _, _ = one_process(BLOCK)
+    for rank, result in enumerate(results):
+        got = result["out"]
+        assert close(got, expected[rows_of(rank, world_size, sequence_parallel)]), (
+            f"{'sequence' if sequence_parallel else 'tensor'} parallel, one block on {world_size} ranks: "
+            + _output_mistake(full, x, got, expected, rank, world_size, sequence_parallel)
+        )
+
+
+PARALLEL = {"tensor": False, "sequence": True}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_forward(impl_dir, parallel, world_size):
+    check_forward(impl_dir, world_size, PARALLEL[parallel])
+
+
+def _gradient_mistake(name, results, rank, expected, world_size, sequence_parallel, key="grads"):
+    """What is wrong with rank r's gradient of `name` (its part of one process's `expected`), or None."""
+    got = results[rank][key][name] if key == "grads" else results[rank][key]
+    what = "the input gradient" if key == "x_grad" else f"the gradient of {name}"
+    if got is None:
+        return f"rank {rank} has no {what}"
+    if close(got, expected):
+        return None
+    said = f"rank {rank}'s {what}"
+    if got.shape != expected.shape:
+        return f"{said} is {shape(got)}, expected {shape(expected)}"
+    if world_size > 1 and close(got, world_size * expected):
+        return (
+            f"{said} is {world_size} times one process's: a gradient that every rank holds whole was summed over"
+            " the ranks again (an all-reduce too many in a backward)"
+        )
+    others = [r[key] if key == "x_grad" else r[key][name] for r in results]
+    if all(g is not None and g.shape == got.shape for g in others) and close(sum(others), expected):
+        if key == "x_grad":
+            return (
+                f"{said} is only its own part: the ranks' input gradients add up to one process's. The column"
+                " layer's input gradient is the sum over the ranks (Copy's backward)"
+            )
+        if whole_on_every_rank(name, sequence_parallel):
+            return (
+                f"{said} is only its own rows' share: the ranks' gradients add up to one process's. Every rank"
+                f" holds all of {name} but uses it on its own rows: pass it through Copy, whose backward sums them"
+            )
+        return f"{said} is only its own part: the ranks' gradients add up to one process's"
+    return f"{said} differs from one process's by up to {(got - expected).abs().max():.3g}"
+
+
+def check_backward(folder, world_size, sequence_parallel):
+    results = world(model_in_world, world_size, folder, BLOCK, sequence_parallel)
+    _, _, _, x_grad, grads = one_process(BLOCK)
+    what = f"{'sequence' if sequence_parallel else 'tensor'} parallel, one block on {world_size} ranks: "
+    for rank in range(world_size):
+        expected = x_grad[rows_of(rank, world_size, sequence_parallel)]
+        mistake = _gradient_mistake(None, results, rank, expected, world_size, sequence_parallel, key="x_grad")
+        assert mistake is None, what + mistake
+    for name, grad in grads.items():
+        for rank in range(world_size):
+            mistake = _gradient_mistake(name, results, rank, part(name, grad, rank, world_size), world_size, sequence_parallel)
+            assert mistake is None, what + mistake
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_backward(impl_dir, parallel, world_size):
+    check_backward(impl_dir, world_size, PARALLEL[parallel])
+
+
+# The collectives, per layer and per block.
+
+
+def collectives_in_world(folder, sequence_parallel):
+    """Probe: the collectives that a column layer, a row layer and ParallelMLP's two blocks start, each
+    way (no biases and no norms: those add none tensor parallel, and are checked by their gradients)."""
+    tp = load(folder).tp
+    full = Blocks(bias=False, norms=False)
+    rows = ROWS // dist.get_world_size() if sequence_parallel else ROWS
+    hidden = WIDTHS[1] // dist.get_world_size()
+    found = {}
+    for what, module, x in (
+        ("ColumnParallelLinear", tp.ColumnParallelLinear(full.layers[0], sequence_parallel), torch.randn(rows, WIDTHS[0])),
+        ("RowParallelLinear", tp.RowParallelLinear(full.layers[1], sequence_parallel), torch.randn(ROWS, hidden)),
+        ("ParallelMLP", tp.ParallelMLP(list(full.layers), None, sequence_parallel), torch.randn(rows, WIDTHS[0])),
+    ):
+        x.requires_grad_()
+        with CommLog() as forward:
+            out = module(x)
+        with CommLog() as backward:
+            out.backward(torch.ones_like(out))
+        found[what] = {"forward": kinds(forward), "backward": kinds(backward)}
+    return found
+
+
+def expected_collectives(sequence_parallel, blocks=len(WIDTHS) // 2):
+    into, out = ([ALL_GATHER], [REDUCE_SCATTER]) if sequence_parallel else ([], [ALL_REDUCE])
+    back_into, back_out = ([REDUCE_SCATTER], [ALL_GATHER]) if sequence_parallel else ([ALL_REDUCE], [])
+    return {
+        "ColumnParallelLinear": {"forward": into, "backward": back_into},
+        "RowParallelLinear": {"forward": out, "backward": back_out},
+        "ParallelMLP": {"forward": (into + out) * blocks, "backward": (back_out + back_into) * blocks},
+    }
+
+
+def _count_mistake(what, way, got, expected):
+    """Which collectives one way of one module started too many or too few, or None."""
+    if got == expected:
+        return None
+    extra, missing = Counter(got) - Counter(expected), Counter(expected) - Counter(got)
+    said = f"{what}'s {way} started {said_list(got)}, expected {said_list(expected)}"
+    if what == "ParallelMLP" and not extra and not missing:
+        return f"{said}: the same collectives in another order"
+    told = [f"{n} {kind}{'s' if n > 1 else ''} too many" for kind, n in extra.items()]
+    told += [f"{n} {kind}{'s' if n > 1 else ''} missing" for kind, n in missing.items()]
+    hint = ""
+    if what != "ParallelMLP" and way == "backward" and extra:
+        hint = ": the backward of each function starts the one collective of its conjugate, and no other"
+    return f"{said} ({', '.join(told)}){hint}"
+
+
+def said_list(collectives):
+    counted = Counter(collectives)
+    return ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in counted.items()) or "none"
+
+
+def check_collectives(folder, sequence_parallel, world_size=2):
+    results = world(collectives_in_world, world_size, folder, sequence_parallel)
+    expected = expected_collectives(sequence_parallel)
+    column, row = expected["ColumnParallelLinear"], expected["RowParallelLinear"]
+    for rank, found in enumerate(results):
+        swapped = found["ColumnParallelLinear"] == row and found["RowParallelLinear"] == column
+        assert not swapped, (
+            f"on rank {rank}, ColumnParallelLinear started the row layer's collectives ({said_list(row['forward'])}"
+            f" forward, {said_list(row['backward'])} backward) and RowParallelLinear the column layer's: the two"
+            f" functions are swapped. The column layer's input goes into the parallel region"
+            f" ({'AllGatherRows' if sequence_parallel else 'Copy'}), the row layer's output comes out of it"
+            f" ({'ReduceScatterRows' if sequence_parallel else 'AllReduce'})"
+        )
+        for what in ("ColumnParallelLinear", "RowParallelLinear", "ParallelMLP"):
+            for way in ("forward", "backward"):
+                mistake = _count_mistake(what, way, found[what][way], expected[what][way])
+                assert mistake is None, f"{'sequence' if sequence_parallel else 'tensor'} parallel, rank {rank}: {mistake}"
+
+
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_collectives(impl_dir, parallel):
+    check_collectives(impl_dir, PARALLEL[parallel])
+
+
+# Training steps.
+
+
+def train_in_world(folder, sequence_parallel, steps):
+    """Probe: train_step on ParallelMLP of the tests' model, `steps` batches; the losses it returned, the
+    gradients of the first step and this rank's parameters after each step."""
+    tp = load(folder).tp
+    full = Blocks()
+    model = tp.ParallelMLP(list(full.layers), list(full.norms), sequence_parallel)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, history, grads = [], [], None
+    for step in range(steps):
+        x, _, y = data(WIDTHS, step=step)
+        losses.append(tp.train_step(model, optimizer, x, y))
+        if step == 0:
+            grads = {n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()}
+        history.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return {"losses": losses, "grads": grads, "history": history}
+
+
+def check_train_steps(folder, world_size, sequence_parallel, steps=STEPS):
+    results = world(train_in_world, world_size, folder, sequence_parallel, steps)
+    full = Blocks()
+    optimizer = torch.optim.SGD(full.parameters(), lr=LR)
+    what = f"{'sequence' if sequence_parallel else 'tensor'} parallel on {world_size} ranks"
+    for step in range(steps):
+        x, _, y = data(WIDTHS, step=step)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(full(x), y)
+        loss.backward()
+        if step == 0:
+            for name, p in full.named_parameters():
+                for rank in range(world_size):
+                    expected = part(name, p.grad, rank, world_size)
+                    mistake = _gradient_mistake(name, results, rank, expected, world_size, sequence_parallel)
+                    if mistake and close(results[rank]["grads"][name], world_size * expected):
+                        mistake = (
+                            f"rank {rank}'s gradient of {name} after train_step is {world_size} times one process's:"
+                            " each rank's loss is the mean over its own rows, and one process's loss the mean over"
+                            f" all of them, which is the sum of the ranks' means divided by {world_size}"
+                        )
+                    assert mistake is None, f"{what}, train_step: {mistake}"
+        optimizer.step()
+        for rank, result in enumerate(results):
+            got = result["losses"][step]
+            assert isinstance(got, float) and abs(got - loss.item()) <= 1e-5 * max(1.0, abs(loss.item())), (
+                f"{what}, train_step returned {got!r} on rank {rank} in step {step}: one process's loss on the"
+                f" batch is {loss.item():.6f}, the mean over all its rows, and every rank returns it"
+            )
+            for name, p in full.named_parameters():
+                expected = part(name, p.detach(), rank, world_size)
+                assert close(result["history"][step][name], expected), (
+                    f"{what}, after step {step}, rank {rank}'s {name} differs from its part of one process's"
+                )
+
+
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_train_steps(impl_dir, parallel):
+    check_train_steps(impl_dir, 3 if PARALLEL[parallel] else 2, PARALLEL[parallel])
+
+
+# The same as torch's parallelize_module.
+
+
+def torch_in_world(sequence_parallel):
+    """Probe, no student code: torch's tensor parallelism of the tests' model, as model_in_world runs it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    full = Blocks()
+    plan = {}
+    for k in range(len(full.norms)):
+        if sequence_parallel:
+            plan[f"norms.{k}"] = SequenceParallel(sequence_dim=0)
+            plan[f"layers.{2 * k}"] = ColwiseParallel(input_layouts=Shard(0))
+            plan[f"layers.{2 * k + 1}"] = RowwiseParallel(output_layouts=Shard(0))
+        else:
+            plan[f"layers.{2 * k}"] = ColwiseParallel()
+            plan[f"layers.{2 * k + 1}"] = RowwiseParallel()
+    model = parallelize_module(full, init_device_mesh("cpu", (world_size,)), plan)
+    x, grad, _ = data(WIDTHS)
+    mine = rows_of(rank, world_size, sequence_parallel)
+    x = x[mine].clone().requires_grad_()
+    out = model(x)
+    out.backward(grad[mine])
+    return {
+        "out": out.detach().clone(),
+        "x_grad": x.grad,
+        "grads": {n: local(p.grad) for n, p in model.named_parameters()},
+    }
+
+
+def local(grad):
+    """This rank's part of a gradient of torch's tensor parallelism. SequenceParallel leaves the norms'
+    gradients as Partial(sum): each rank's rows' share, summed when something reads them."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if not isinstance(grad, DTensor):
+        return grad
+    if any(isinstance(p, Partial) for p in grad.placements):
+        grad = grad.redistribute(placements=[Replicate()])
+    return grad.to_local()
+
+
+def check_matches_torch(folder, sequence_parallel, world_size=2):
+    mine = world(model_in_world, world_size, folder, WIDTHS, sequence_parallel)
+    theirs = world(torch_in_world, world_size, sequence_parallel)
+    plan = "SequenceParallel, ColwiseParallel and RowwiseParallel on rows" if sequence_parallel else "ColwiseParallel and RowwiseParallel"
+    for rank, (got, expected) in enumerate(zip(mine, theirs)):
+        assert close(got["out"], expected["out"]), (
+            f"rank {rank}'s output of two blocks differs from torch's parallelize_module with {plan}"
+        )
+        assert got["x_grad"] is not None and close(got["x_grad"], expected["x_grad"]), (
+            f"rank {rank}'s input gradient differs from torch's parallelize_module with {plan}"
+        )
+        for name, grad in expected["grads"].items():
+            assert got["grads"].get(name) is not None and close(got["grads"][name], grad), (
+                f"rank {rank}'s gradient of {name} differs from torch's parallelize_module with {plan}"
+            )
+
+
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_matches_torch(impl_dir, parallel):
+    check_matches_torch(impl_dir, PARALLEL[parallel])
+
+
+# Sizes the world size does not divide.
+
+
+def uneven_in_world(folder):
+    """Probe: a hidden width of 10, and a batch of 8 rows sequence parallel, on 3 ranks: what was raised."""
+    tp = load(folder).tp
+    said = []
+    for attempt in (
+        lambda: tp.ParallelMLP(list(Blocks([7, 10, 5]).layers)),
+        lambda: tp.train_step(
+            (model := tp.ParallelMLP(list(Blocks().layers), None, True)),
+            torch.optim.SGD(model.parameters(), lr=LR),
+            *data(WIDTHS, rows=8)[::2],
+        ),
+    ):
+        try:
+            attempt()
+            said.append(None)
+        except Exception as error:  # noqa: BLE001 - which error, and its words, are the check's to judge
+            said.append(f"{type(error).__name__}: {error}")
+    return said
+
+
+def check_uneven(folder, world_size=3):
+    width, rows = world(uneven_in_world, world_size, folder)[0]
+    for what, size, got in (("a hidden width of 10", 10, width), ("a batch of 8 rows, sequence parallel", 8, rows)):
+        assert got is not None, f"{what} on {world_size} ranks gave no error: {world_size} does not divide {size}"
+        assert got.startswith("ValueError") and re.search(rf"\b{size}\b", got) and re.search(rf"\b{world_size}\b", got), (
+            f"{what} on {world_size} ranks raised {got!r}: expected a ValueError whose message names the size"
+            f" ({size}) and the world size ({world_size})"
+        )
+
+
+def test_uneven(impl_dir):
+    check_uneven(impl_dir)
