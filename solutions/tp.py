@@ -183,7 +183,8 @@ class RowParallelLinear(nn.Module):
     self.bias: all of full.bias, or None, added once, to the sum. forward(x): x holds every row of
     this rank's block of the input features (a ColumnParallelLinear's output, after an activation);
     returns the whole output, of every row (tensor parallel) or of this rank's block of the rows
-    (sequence parallel). Sequence parallel, every rank adds the bias to its own rows only.
+    (sequence parallel). Either way the backward pass leaves every rank one process's whole
+    gradient of the bias.
     """
 
     def __init__(self, full: nn.Linear, sequence_parallel: bool = False) -> None:
@@ -198,8 +199,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # TODO(exercise 14): this rank's partial product, out of the parallel region (AllReduce, or
-        # ReduceScatterRows), then the bias: a parameter used on this rank's rows only gets only their share of
-        # its gradient.
+        # ReduceScatterRows), then the bias, once. Sequence parallel, the bias meets this rank's rows only.
         ### BEGIN SOLUTION
         partial = F.linear(x, self.weight)
         if not self.sequence_parallel:
@@ -219,7 +219,8 @@ class ParallelMLP(nn.Module):
     block k. self.layers holds the parallel layers in the order of `layers` and self.norms copies
     of the norms, so the parameters keep the full model's names (layers.0.weight, norms.0.bias).
     Sequence parallel, forward takes and returns this rank's block of the rows, and the norms run
-    on those rows only.
+    on those rows only. The backward pass leaves each rank its part of one process's gradients:
+    its blocks of the layers' weights, and the norms' whole gradients.
     """
 
     def __init__(

@@ -58,12 +58,12 @@ class Blocks(nn.Module):
                 norm.bias.uniform_(-0.5, 0.5)
 
     def forward(self, x):
-        blocks = len(self.layers) // 2
-        for k in range(blocks):
+        pairs = list(zip(self.layers[::2], self.layers[1::2]))
+        for k, (up, down) in enumerate(pairs):
             if self.norms is not None:
                 x = self.norms[k](x)
-            x = self.layers[2 * k + 1](torch.tanh(self.layers[2 * k](x)))
-            if k < blocks - 1:
+            x = down(torch.tanh(up(x)))
+            if k + 1 < len(pairs):
                 x = torch.tanh(x)
         return x
 
