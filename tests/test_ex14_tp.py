@@ -147,8 +147,9 @@ def function_in_world(folder, name):
     return {"out": out.detach(), "grad": x.grad, "forward": kinds(forward), "backward": kinds(backward)}
 
 
-def _function_mistake(name, result, rank, world_size):
-    """What is wrong with one function's forward or backward on this rank, or None."""
+def judge_function(name, result, rank, world_size):
+    """One function's forward and backward on this rank against the sums and blocks computed here.
+    Each diagnosis is an assert of its own: the class report groups the mistakes by it."""
     xs, gs = zip(*(function_data(name, r) for r in range(world_size)))
     mine = block_of(world_size * N, rank, world_size)
     out, grad = result["out"], result["grad"]
@@ -162,59 +163,62 @@ def _function_mistake(name, result, rank, world_size):
     if not close(out, expected_out):
         said = f"{where} forward returned a {shape(out)} tensor, expected {shape(expected_out)}"
         along_features = {"AllGatherRows": (N, world_size * D), "ReduceScatterRows": (world_size * N, D // world_size)}
-        if tuple(out.shape) == along_features.get(name):
-            return f"{said}, as if split along the features (dim 1): sequence parallelism splits the rows (dim 0)"
-        if out.shape != expected_out.shape:
-            return said
-        if name == "Copy" and close(out, world_size * xs[rank]):
-            return f"{where} forward summed x over the ranks: it returns x unchanged (the sum is AllReduce's forward: are the two swapped?)"
-        if name == "AllReduce" and close(out, xs[rank]):
-            return f"{where} forward returned this rank's x unchanged: it returns the sum over the ranks (returning x is Copy's forward: are the two swapped?)"
-        if name == "ReduceScatterRows" and close(out, xs[rank][mine]):
-            return f"{where} forward returned this rank's own rows of x: rank {rank}'s block of the sum over the ranks"
-        for other in range(world_size):
-            if (
-                name == "ReduceScatterRows"
-                and other != rank
-                and close(out, sum(xs)[block_of(world_size * N, other, world_size)])
-            ):
-                return f"{where} forward returned rank {other}'s block of the sum: rank {rank} keeps block {rank}"
-        if name == "AllGatherRows" and sorted(map(tuple, out.tolist())) == sorted(map(tuple, expected_out.tolist())):
-            return f"{where} forward has every rank's rows, in the wrong order: rank 0's first, then rank 1's, ..."
-        return f"{where} forward is off by up to {(out - expected_out).abs().max():.3g}"
-    if grad is None or not close(grad, expected_grad):
-        if grad is None:
-            return f"{where} backward gave x no gradient"
-        if grad.shape != expected_grad.shape:
-            return f"{where} backward returned a {shape(grad)} gradient for a {shape(expected_out)} input"
-        if world_size > 1 and close(grad, world_size * expected_grad):
-            return f"{where} backward returned {world_size} times the sum over the ranks: an all-reduce too many"
-        if name == "Copy" and close(grad, gs[rank]):
-            return f"{where} backward returned this rank's gradient unchanged, which is only its own part: the input gradient is the sum over the ranks"
-        if name == "AllReduce" and close(grad, sum(gs)):
-            return (
-                f"{where} backward summed the gradient over the ranks: every rank holds the sum's whole gradient,"
-                " which passes to each term unchanged; a second all-reduce counts it W times"
-            )
-        if name == "AllGatherRows" and close(grad, gs[rank][mine]):
-            return f"{where} backward returned this rank's block of its own gradient: every rank used these rows, so sum their gradients over the ranks"
-        return f"{where} backward is off by up to {(grad - expected_grad).abs().max():.3g}"
-    return None
-
-
-def said(collectives):
-    return ", ".join(collectives) if collectives else "none"
+        assert tuple(out.shape) != along_features.get(name), (
+            f"{said}, as if split along the features (dim 1): sequence parallelism splits the rows (dim 0)"
+        )
+        assert out.shape == expected_out.shape, said
+        assert not (name == "Copy" and close(out, world_size * xs[rank])), (
+            f"{where} forward summed x over the ranks: it returns x unchanged (the sum is AllReduce's forward:"
+            " are the two swapped?)"
+        )
+        assert not (name == "AllReduce" and close(out, xs[rank])), (
+            f"{where} forward returned this rank's x unchanged: it returns the sum over the ranks (returning x is"
+            " Copy's forward: are the two swapped?)"
+        )
+        assert not (name == "ReduceScatterRows" and close(out, xs[rank][mine])), (
+            f"{where} forward returned this rank's own rows of x: rank {rank}'s block of the sum over the ranks"
+        )
+        others = [r for r in range(world_size) if r != rank]
+        other = next((r for r in others if close(out, sum(xs)[block_of(world_size * N, r, world_size)])), None)
+        assert not (name == "ReduceScatterRows" and other is not None), (
+            f"{where} forward returned rank {other}'s block of the sum: rank {rank} keeps block {rank}"
+        )
+        assert not (name == "AllGatherRows" and sorted(out.tolist()) == sorted(expected_out.tolist())), (
+            f"{where} forward has every rank's rows, in the wrong order: rank 0's first, then rank 1's, ..."
+        )
+        raise AssertionError(f"{where} forward is off by up to {(out - expected_out).abs().max():.3g}")
+    assert grad is not None, f"{where} backward gave x no gradient"
+    if close(grad, expected_grad):
+        return
+    assert grad.shape == expected_grad.shape, (
+        f"{where} backward returned a {shape(grad)} gradient for a {shape(expected_out)} input"
+    )
+    assert not close(grad, world_size * expected_grad), (
+        f"{where} backward returned {world_size} times the sum over the ranks: an all-reduce too many"
+    )
+    assert not (name == "Copy" and close(grad, gs[rank])), (
+        f"{where} backward returned this rank's gradient unchanged, which is only its own part: the input gradient"
+        " is the sum over the ranks"
+    )
+    assert not (name == "AllReduce" and close(grad, sum(gs))), (
+        f"{where} backward summed the gradient over the ranks: every rank holds the sum's whole gradient,"
+        " which passes to each term unchanged; a second all-reduce counts it W times"
+    )
+    assert not (name == "AllGatherRows" and close(grad, gs[rank][mine])), (
+        f"{where} backward returned this rank's block of its own gradient: every rank used these rows, so sum"
+        " their gradients over the ranks"
+    )
+    raise AssertionError(f"{where} backward is off by up to {(grad - expected_grad).abs().max():.3g}")
 
 
 def check_function(folder, name, world_size=3):
     results = world(function_in_world, world_size, folder, name)
     _, _, forward, backward = FUNCTIONS[name]
     for rank, result in enumerate(results):
-        mistake = _function_mistake(name, result, rank, world_size)
-        assert mistake is None, mistake
+        judge_function(name, result, rank, world_size)
         for way, expected in (("forward", forward), ("backward", backward)):
             assert result[way] == expected, (
-                f"{name}'s {way} started these collectives: {said(result[way])}; expected {said(expected)}"
+                f"{name}'s {way} started {said_list(result[way])}, expected {said_list(expected)}"
             )
 
 
@@ -244,23 +248,25 @@ def _which_rows(got, full):
     return [next((i for i in range(len(full)) if torch.equal(row, full[i])), None) for row in got]
 
 
-def _slice_mistake(layer, got, full, rank, world_size):
-    """What rank r's weight of a column (layer 0) or row (layer 1) layer holds instead of its block, or None."""
+def judge_slice(layer, got, full, rank, world_size):
+    """Rank r's weight of a column (layer 0) or row (layer 1) layer against its block of the full weight."""
     by_rows = layer == 0
     expected = part(f"layers.{layer}.weight", full, rank, world_size)
     if torch.equal(got, expected):
-        return None
+        return
     kind = "ColumnParallelLinear" if by_rows else "RowParallelLinear"
     block = block_of(full.shape[0 if by_rows else 1], rank, world_size)
     wanted = f"{'rows' if by_rows else 'columns'} {block.start}-{block.stop - 1}"
-    if got.shape != expected.shape:
-        return f"rank {rank}'s {kind}.weight is {shape(got)}, expected {shape(expected)}: {wanted} of the full {shape(full)} weight"
-    found = _which_rows(got, full) if by_rows else _which_rows(got.T, full.T)
-    held = f"{'rows' if by_rows else 'columns'} {found}" if None not in found else "other numbers"
-    return (
-        f"rank {rank}'s {kind}.weight holds {held} of the full {shape(full)} weight, expected {wanted}:"
-        " rank r holds block r, all in one piece"
+    assert got.shape == expected.shape, (
+        f"rank {rank}'s {kind}.weight is {shape(got)}, expected {shape(expected)}: {wanted} of the full"
+        f" {shape(full)} weight"
     )
+    found = _which_rows(got, full) if by_rows else _which_rows(got.T, full.T)
+    assert None in found, (
+        f"rank {rank}'s {kind}.weight holds {'rows' if by_rows else 'columns'} {found} of the full {shape(full)}"
+        f" weight, expected {wanted}: rank r holds block r, all in one piece"
+    )
+    raise AssertionError(f"rank {rank}'s {kind}.weight holds other numbers than {wanted} of the full weight")
 
 
 def check_shards(folder, world_size):
@@ -273,8 +279,7 @@ def check_shards(folder, world_size):
             assert sorted(held) == ["bias", "weight"], (
                 f"{kind} layer's parameters on rank {rank} are {sorted(held)}: expected weight and bias, as nn.Linear's"
             )
-            mistake = _slice_mistake(layer, held["weight"], full.layers[layer].weight.detach(), rank, world_size)
-            assert mistake is None, mistake
+            judge_slice(layer, held["weight"], full.layers[layer].weight.detach(), rank, world_size)
         column_bias = part("layers.0.bias", full.layers[0].bias.detach(), rank, world_size)
         assert close(result["column"]["bias"], column_bias), (
             f"rank {rank}'s ColumnParallelLinear.bias is {shape(result['column']['bias'])}, expected its block of"
@@ -340,44 +345,44 @@ def _partial(full, x, rank, world_size, scale=1.0):
     return F.linear(hidden, row.weight[:, mine]).detach()
 
 
-def _output_mistake(full, x, got, expected, rank, world_size, sequence_parallel):
+def judge_output(full, x, got, expected, rank, world_size, sequence_parallel):
+    """Rank r's output of one block against one process's: its rows of it, sequence parallel."""
+    what = f"{'sequence' if sequence_parallel else 'tensor'} parallel, one block on {world_size} ranks: rank {rank}'s"
     rows = rows_of(rank, world_size, sequence_parallel)
+    if close(got, expected[rows]):
+        return
+    said = f"{what} output is {shape(got)}, expected {shape(expected[rows])}"
+    assert not (sequence_parallel and got.shape == expected.shape), (
+        f"{said}: every row; sequence parallel, each rank ends with its own block of the rows"
+    )
+    assert got.shape == expected[rows].shape, said
     bias = full.layers[1].bias.detach()
-    if got.shape != expected[rows].shape:
-        said = f"rank {rank}'s output is {shape(got)}, expected {shape(expected[rows])}"
-        if sequence_parallel and got.shape == expected.shape:
-            return f"{said}: every row; sequence parallel, each rank ends with its own block of the rows"
-        return said
-    if world_size > 1 and close(got, expected[rows] + (world_size - 1) * bias):
-        more = "one more copy" if world_size == 2 else f"{world_size - 1} more copies"
-        return (
-            f"rank {rank}'s output is one process's plus {more} of the row layer's bias: every rank"
-            " added it to its partial product before the sum; add the bias once, after the sum"
-        )
+    assert not close(got, expected[rows] + (world_size - 1) * bias), (
+        f"{what} output is one process's with the row layer's bias counted {world_size - 1} extra"
+        f" time{'s' if world_size > 2 else ''}: every rank added it to its partial product before the sum; add the"
+        " bias once, after the sum"
+    )
     with torch.no_grad():
-        for plus in (0, 1):
-            if close(got, _partial(full, x, rank, world_size)[rows] + plus * bias):
-                return f"rank {rank}'s output is its own partial product: the row layer must sum the ranks' partial products"
-            if close(got, _partial(full, x, rank, world_size, scale=world_size)[rows] + plus * bias):
-                return (
-                    f"rank {rank}'s output is the partial product of an input summed over the ranks: the column layer"
-                    " summed its input and the row layer did not sum its output. Are Copy and AllReduce swapped?"
-                )
-    for other in range(world_size):
-        if sequence_parallel and other != rank and close(got, expected[rows_of(other, world_size, True)]):
-            return f"rank {rank} holds the output of rank {other}'s rows: rank r's block of the rows is block r"
-    return f"rank {rank}'s output differs from one process's by up to {(got - expected[rows]).abs().max():.3g}"
+        partial, swapped = (_partial(full, x, rank, world_size, scale)[rows] for scale in (1, world_size))
+    assert not any(close(got, partial + plus * bias) for plus in (0, 1)), (
+        f"{what} output is its own partial product: the row layer must sum the ranks' partial products"
+    )
+    assert not any(close(got, swapped + plus * bias) for plus in (0, 1)), (
+        f"{what} output is the partial product of an input summed over the ranks: the column layer summed its"
+        " input and the row layer did not sum its output. Are Copy and AllReduce swapped?"
+    )
+    other = next((r for r in range(world_size) if close(got, expected[rows_of(r, world_size, True)])), None)
+    assert not sequence_parallel or other is None, (
+        f"{what} output is that of rank {other}'s rows: rank r's block of the rows is block r"
+    )
+    raise AssertionError(f"{what} output differs from one process's by up to {(got - expected[rows]).abs().max():.3g}")
 
 
 def check_forward(folder, world_size, sequence_parallel):
     results = world(model_in_world, world_size, folder, BLOCK, sequence_parallel)
     full, x, expected, _, _ = one_process(BLOCK)
     for rank, result in enumerate(results):
-        got = result["out"]
-        assert close(got, expected[rows_of(rank, world_size, sequence_parallel)]), (
-            f"{'sequence' if sequence_parallel else 'tensor'} parallel, one block on {world_size} ranks: "
-            + _output_mistake(full, x, got, expected, rank, world_size, sequence_parallel)
-        )
+        judge_output(full, x, result["out"], expected, rank, world_size, sequence_parallel)
 
 
 PARALLEL = {"tensor": False, "sequence": True}
@@ -389,52 +394,48 @@ def test_forward(impl_dir, parallel, world_size):
     check_forward(impl_dir, world_size, PARALLEL[parallel])
 
 
-def _gradient_mistake(name, results, rank, expected, world_size, sequence_parallel, key="grads"):
-    """What is wrong with rank r's gradient of `name` (its part of one process's `expected`), or None."""
-    got = results[rank][key][name] if key == "grads" else results[rank][key]
-    what = "input gradient" if key == "x_grad" else f"gradient of {name}"
-    if got is None:
-        return f"rank {rank} has no {what}"
+def judge_gradient(what, name, results, rank, expected, world_size, sequence_parallel, training=False):
+    """Rank r's gradient of `name` (None: of its input) against its part of one process's, `expected`."""
+    grads = [r["x_grad"] if name is None else r["grads"].get(name) for r in results]
+    got = grads[rank]
+    said = f"{what}: rank {rank}'s {'input gradient' if name is None else f'gradient of {name}'}"
+    assert got is not None, f"{said} is missing"
     if close(got, expected):
-        return None
-    said = f"rank {rank}'s {what}"
-    if got.shape != expected.shape:
-        return f"{said} is {shape(got)}, expected {shape(expected)}"
-    if world_size > 1 and close(got, world_size * expected):
-        return (
-            f"{said} is {world_size} times one process's: a gradient that every rank holds whole was summed over"
-            " the ranks again (an all-reduce too many in a backward)"
-        )
-    others = [r[key] if key == "x_grad" else r[key][name] for r in results]
-    if all(g is not None and g.shape == got.shape for g in others) and close(sum(others), expected):
-        if key == "x_grad":
-            return (
-                f"{said} is only its own part: the ranks' input gradients add up to one process's. The column"
-                " layer's input gradient is the sum over the ranks (Copy's backward)"
-            )
-        if whole_on_every_rank(name, sequence_parallel):
-            return (
-                f"{said} is only its own rows' share: the ranks' gradients add up to one process's. Every rank"
-                f" holds all of {name} but uses it on its own rows: pass it through Copy, whose backward sums them"
-            )
-        return f"{said} is only its own part: the ranks' gradients add up to one process's"
-    return f"{said} differs from one process's by up to {(got - expected).abs().max():.3g}"
+        return
+    assert got.shape == expected.shape, f"{said} is {shape(got)}, expected {shape(expected)}"
+    scaled = close(got, world_size * expected)
+    assert not (scaled and training and sequence_parallel), (
+        f"{said} is {world_size} times one process's: each rank's loss is the mean over its own rows, and one"
+        f" process's loss the mean over all of them, which is the sum of the ranks' means divided by {world_size}"
+    )
+    assert not scaled, (
+        f"{said} is {world_size} times one process's: a gradient that every rank holds whole was summed over the"
+        " ranks again (an all-reduce too many in a backward)"
+    )
+    parts = all(g is not None and g.shape == got.shape for g in grads) and close(sum(grads), expected)
+    assert not (parts and name is None), (
+        f"{said} is only its own part: the ranks' input gradients add up to one process's. The column layer's"
+        " input gradient is the sum over the ranks (Copy's backward)"
+    )
+    assert not (parts and whole_on_every_rank(name, sequence_parallel)), (
+        f"{said} is only its own rows' share: the ranks' gradients add up to one process's. Every rank holds all"
+        f" of {name} but uses it on its own rows: pass it through Copy, whose backward sums them"
+    )
+    assert not parts, f"{said} is only its own part: the ranks' gradients add up to one process's"
+    raise AssertionError(f"{said} differs from one process's by up to {(got - expected).abs().max():.3g}")
 
 
 def check_backward(folder, world_size, sequence_parallel):
     results = world(model_in_world, world_size, folder, BLOCK, sequence_parallel)
     _, _, _, x_grad, grads = one_process(BLOCK)
-    what = f"{'sequence' if sequence_parallel else 'tensor'} parallel, one block on {world_size} ranks: "
+    what = f"{'sequence' if sequence_parallel else 'tensor'} parallel, one block on {world_size} ranks"
     for rank in range(world_size):
         expected = x_grad[rows_of(rank, world_size, sequence_parallel)]
-        mistake = _gradient_mistake(None, results, rank, expected, world_size, sequence_parallel, key="x_grad")
-        assert mistake is None, what + mistake
+        judge_gradient(what, None, results, rank, expected, world_size, sequence_parallel)
     for name, grad in grads.items():
         for rank in range(world_size):
-            mistake = _gradient_mistake(
-                name, results, rank, part(name, grad, rank, world_size), world_size, sequence_parallel
-            )
-            assert mistake is None, what + mistake
+            expected = part(name, grad, rank, world_size)
+            judge_gradient(what, name, results, rank, expected, world_size, sequence_parallel)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -482,20 +483,21 @@ def expected_collectives(sequence_parallel, blocks=BLOCKS):
     }
 
 
-def _count_mistake(what, way, got, expected):
-    """Which collectives one way of one module started too many or too few, or None."""
+def judge_counts(what, way, got, expected):
+    """The collectives one way of one module started, against the expected ones."""
     if got == expected:
-        return None
+        return
     extra, missing = Counter(got) - Counter(expected), Counter(expected) - Counter(got)
     said = f"{what}'s {way} started {said_list(got)}, expected {said_list(expected)}"
-    if what == "ParallelMLP" and not extra and not missing:
-        return f"{said}: the same collectives in another order"
     told = [f"{n} {kind}{'s' if n > 1 else ''} too many" for kind, n in extra.items()]
     told += [f"{n} {kind}{'s' if n > 1 else ''} missing" for kind, n in missing.items()]
-    hint = ""
-    if what != "ParallelMLP" and way == "backward" and extra:
-        hint = ": the backward of each function starts the one collective of its conjugate, and no other"
-    return f"{said} ({', '.join(told)}){hint}"
+    assert not (extra and what != "ParallelMLP" and way == "backward"), (
+        f"{said} ({', '.join(told)}): the backward of each function starts the one collective of its conjugate,"
+        " and no other"
+    )
+    assert not extra, f"{said} ({', '.join(told)})"
+    assert not missing, f"{said} ({', '.join(told)})"
+    raise AssertionError(f"{said}: the same collectives in another order")
 
 
 def said_list(collectives):
@@ -518,10 +520,8 @@ def check_collectives(folder, sequence_parallel, world_size=2):
         )
         for what in ("ColumnParallelLinear", "RowParallelLinear", "ParallelMLP"):
             for way in ("forward", "backward"):
-                mistake = _count_mistake(what, way, found[what][way], expected[what][way])
-                assert mistake is None, (
-                    f"{'sequence' if sequence_parallel else 'tensor'} parallel, rank {rank}: {mistake}"
-                )
+                where = f"{'sequence' if sequence_parallel else 'tensor'} parallel, rank {rank}: {what}"
+                judge_counts(where, way, found[what][way], expected[what][way])
 
 
 @pytest.mark.parametrize("parallel", PARALLEL)
@@ -563,19 +563,15 @@ def check_train_steps(folder, world_size, sequence_parallel, steps=STEPS):
             for name, p in full.named_parameters():
                 for rank in range(world_size):
                     expected = part(name, p.grad, rank, world_size)
-                    mistake = _gradient_mistake(name, results, rank, expected, world_size, sequence_parallel)
-                    if mistake and close(results[rank]["grads"][name], world_size * expected):
-                        mistake = (
-                            f"rank {rank}'s gradient of {name} after train_step is {world_size} times one process's:"
-                            " each rank's loss is the mean over its own rows, and one process's loss the mean over"
-                            f" all of them, which is the sum of the ranks' means divided by {world_size}"
-                        )
-                    assert mistake is None, f"{what}, train_step: {mistake}"
+                    judge_gradient(
+                        f"{what}, train_step", name, results, rank, expected, world_size, sequence_parallel, True
+                    )
         optimizer.step()
         for rank, result in enumerate(results):
             got = result["losses"][step]
+            shown = f"{got:.6f}" if isinstance(got, float) else repr(got)
             assert isinstance(got, float) and abs(got - loss.item()) <= 1e-5 * max(1.0, abs(loss.item())), (
-                f"{what}, train_step returned {got:.6f} on rank {rank} in step {step}: one process's loss on the"
+                f"{what}, train_step returned {shown} on rank {rank} in step {step}: one process's loss on the"
                 f" batch is {loss.item():.6f}, the mean over all its rows, and every rank returns it"
             )
             for name, p in full.named_parameters():
