@@ -12,15 +12,20 @@ forward, backward, SGD step) of:
 Each figure is the fastest of several steps, taken in turns with the others (bench/overlap.py
 says why); the JSON has the medians too. Then exercise 12's model predicts both, from figures
 taken in the same world:
-- T_comp(b): the step of the whole MLP alone on b rows, every rank at once (they share the cores);
+- T_comp: the work is the same, 1/W of every product cut two ways, so both get the mean of
+  the two measured without communication, every rank at once (they share the cores): data
+  parallel, the whole MLP alone on B / W rows; tensor parallel, this rank's blocks of the weights
+  alone on all B rows (the table shows both);
 - alpha and beta: fit_alpha_beta on the fastest ping-pongs between ranks 0 and 1, 1 KiB to 1 MiB;
-- tensor parallel: T_comp(B) / W, plus a ring all-reduce of each block's output (B x 256 and
-  B x 32 floats) and of the second block's input gradient (B x 256; the first block's input, the
-  data, needs none);
-- data parallel: T_comp(B / W), plus a ring all-reduce of each gradient (the parameters, once).
-Tensor parallelism's bytes grow with the rows, data parallelism's do not: the crossover is the
-batch from which data parallelism is the faster, measured and predicted. Writes bench/tp.json
-and, with matplotlib, bench/tp.png.
+- tensor parallel: T_comp, plus a ring all-reduce of each block's output (B x 256 and B x 32
+  floats) and of the second block's input gradient (B x 256; the first block's input, the data,
+  needs none);
+- data parallel: T_comp, plus a ring all-reduce of each gradient (the parameters, once).
+Tensor parallelism's bytes grow with the rows, data parallelism's do not. The crossover is the
+batch from which data parallelism stays the faster: measured, the last change from tensor to data
+parallelism, interpolated on log scales (a busy machine can swap two close figures before it);
+predicted, where the two sums of ring all-reduces are equal; and where the bytes alone are equal
+(alpha = 0). Writes bench/tp.json and, with matplotlib, bench/tp.png.
 """
 
 import json
@@ -31,6 +36,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from overlap import slowest_rank  # bench/, where this script runs from
 
@@ -45,7 +51,7 @@ VARIANTS = ("tensor parallel", "data parallel")
 
 
 def steps(ex, config, rows):
-    """One step of each variant, and of the MLP alone on all the rows and on 1/W of them."""
+    """One step of each variant, and of each one's computation alone."""
     world_size = dist.get_world_size()
     torch.manual_seed(0)
     x, y = torch.randn(rows, config.d_in), torch.randint(0, config.n_classes, (rows,))
@@ -77,9 +83,28 @@ def steps(ex, config, rows):
     return {
         "tensor parallel": lambda: ex.tp.train_step(parallel, tp_optimizer, x, y),
         "data parallel": data_parallel,
-        "alone, all rows": alone_on(x, y)[0],
-        "alone, 1/W of the rows": data_step,
+        "tensor parallel, compute alone": blocks_alone(parallel, x, y),
+        "data parallel, compute alone": data_step,
     }
+
+
+def blocks_alone(parallel, x, y):
+    """A step of this rank's blocks of the weights on every row, as tensor parallelism runs them, without
+    its all-reduces: a column layer's output block feeds the row layer's block straight away."""
+    weights = [nn.Parameter(layer.weight.detach().clone()) for layer in parallel.layers]
+    optimizer = torch.optim.SGD(weights, lr=0.01)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        h = x
+        for i, weight in enumerate(weights):
+            h = F.linear(h, weight)
+            if i < len(weights) - 1:
+                h = torch.tanh(h)
+        F.cross_entropy(h, y).backward()
+        optimizer.step()
+
+    return step
 
 
 def measure(folder, rounds, per_round):
@@ -113,25 +138,32 @@ def predict(cost, figures, world_size):
     alpha, beta = cost.fit_alpha_beta(SIZES, figures["message"])
     ring = lambda n: cost.ring_allreduce_seconds(n, world_size, alpha, beta)  # noqa: E731
     sync_dp = sum(ring(n) for n in figures["grad_bytes"])
+    sync_tp = lambda rows: sum(ring(rows * n) for n in figures["tp_bytes_per_row"])  # noqa: E731
     predicted = {}
     for rows, got in figures["batches"].items():
-        predicted[rows] = {
-            "tensor parallel": got["alone, all rows"]["fastest"] / world_size
-            + sum(ring(rows * n) for n in figures["tp_bytes_per_row"]),
-            "data parallel": got["alone, 1/W of the rows"]["fastest"] + sync_dp,
-        }
-    return {"alpha_s": alpha, "beta_bytes_per_s": beta, "predicted": predicted}
+        t_comp = statistics.mean(got[f"{v}, compute alone"]["fastest"] for v in VARIANTS)
+        predicted[rows] = {"tensor parallel": t_comp + sync_tp(rows), "data parallel": t_comp + sync_dp}
+    return {
+        "alpha_s": alpha,
+        "beta_bytes_per_s": beta,
+        "predicted": predicted,
+        # sync_tp is a straight line in the rows: where it meets sync_dp; T_comp is the same on both sides.
+        "crossover_predicted": (sync_dp - sync_tp(0)) / (sync_tp(1) - sync_tp(0)),
+        "crossover_bytes": sum(figures["grad_bytes"]) / sum(figures["tp_bytes_per_row"]),
+    }
 
 
 def crossover(rows, tensor, data):
-    """The batch (rows) from which data parallelism is faster, interpolated on log scales; None if it never
-    is, or always is."""
-    gaps = [math.log(d / t) for t, d in zip(tensor, data)]  # > 0 while tensor parallelism wins
-    for i in range(1, len(rows)):
+    """The batch (rows) from which data parallelism stays the faster: the last change from tensor to data
+    parallelism, interpolated on log scales; None if data parallelism is not the faster at the end."""
+    gaps = [math.log(d / t) for t, d in zip(tensor, data)]  # > 0 where tensor parallelism wins
+    if gaps[-1] > 0:
+        return None
+    for i in range(len(rows) - 1, 0, -1):
         if gaps[i - 1] > 0 >= gaps[i]:
             share = gaps[i - 1] / (gaps[i - 1] - gaps[i])
             return math.exp(math.log(rows[i - 1]) + share * (math.log(rows[i]) - math.log(rows[i - 1])))
-    return None
+    return rows[0]  # data parallelism is the faster throughout
 
 
 def summary(results):
@@ -141,21 +173,21 @@ def summary(results):
             f"W={w}: alpha {got['alpha_s'] * 1e6:.0f} us, beta {got['beta_bytes_per_s'] / 1e9:.2f} GB/s;"
             " fastest step in ms, measured (predicted)"
         )
-        lines.append(f"  {'rows':>6}" + "".join(f"{v:>26}" for v in VARIANTS) + f"{'T_comp(B)':>12}{'T_comp(B/W)':>13}")
+        lines.append(f"  {'rows':>6}" + "".join(f"{v:>26}" for v in VARIANTS) + f"{'T_comp TP':>11}{'T_comp DP':>11}")
         for rows in BATCHES:
             measured, predicted = got["batches"][rows], got["predicted"][rows]
             cells = [f"{measured[v]['fastest'] * 1e3:9.2f} ({predicted[v] * 1e3:8.2f})" for v in VARIANTS]
             lines.append(
                 f"  {rows:>6}"
                 + "".join(f"{c:>26}" for c in cells)
-                + f"{measured['alone, all rows']['fastest'] * 1e3:12.2f}"
-                + f"{measured['alone, 1/W of the rows']['fastest'] * 1e3:13.2f}"
+                + "".join(f"{measured[f'{v}, compute alone']['fastest'] * 1e3:11.2f}" for v in VARIANTS)
             )
         said = {k: f"{v:.0f} rows" if v else "none in range" for k, v in got["crossover"].items()}
         ratio = got["crossover"]["measured"] / got["crossover"]["predicted"] if all(got["crossover"].values()) else None
         lines.append(
             f"  data parallelism faster from: measured {said['measured']}, predicted {said['predicted']}"
             + (f" (measured / predicted {ratio:.2f})" if ratio else "")
+            + f"; the bytes alone: {got['crossover_bytes']:.0f} rows"
         )
     return "\n".join(lines)
 
@@ -175,14 +207,18 @@ def plot(results, path) -> bool:
             predicted = [got["predicted"][rows][variant] * 1e3 for rows in BATCHES]
             ax.plot(BATCHES, measured, "o-", color=colour, label=f"{variant}, measured")
             ax.plot(BATCHES, predicted, "--", color=colour, label=f"{variant}, predicted")
-        for kind, style in (("measured", "-"), ("predicted", "--")):
-            if got["crossover"][kind]:
-                ax.axvline(got["crossover"][kind], color="grey", linestyle=style, linewidth=0.8)
+        for at, style in ((got["crossover"]["measured"], "-"), (got["crossover"]["predicted"], "--")):
+            if at:
+                ax.axvline(at, color="grey", linestyle=style, linewidth=0.8)
+        ax.axvline(got["crossover_bytes"], color="grey", linestyle=":", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("rows per step, all ranks together")
         ax.set_ylabel("fastest step (ms)")
-        ax.set_title(f"default MLP on {w} ranks (gloo, this machine): grey, where DP starts to win")
+        ax.set_title(
+            f"default MLP on {w} ranks (gloo, this machine). Grey: DP the faster from here,\n"
+            "measured (solid), predicted (dashed), the bytes alone (dotted)"
+        )
         ax.title.set_fontsize(9)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
@@ -190,7 +226,7 @@ def plot(results, path) -> bool:
     return True
 
 
-def main(rounds=3, per_round=3):
+def main(rounds=5, per_round=3):
     folder = impl.selected()
     cost = impl.load(folder).cost
     start, load_before = time.perf_counter(), os.getloadavg()[0]
@@ -200,7 +236,7 @@ def main(rounds=3, per_round=3):
         figures |= predict(cost, figures, w)
         figures["crossover"] = {
             "measured": crossover(BATCHES, *([figures["batches"][r][v]["fastest"] for r in BATCHES] for v in VARIANTS)),
-            "predicted": crossover(BATCHES, *([figures["predicted"][r][v] for r in BATCHES] for v in VARIANTS)),
+            "predicted": figures["crossover_predicted"],
         }
         results[w] = figures
     load = (
