@@ -12,20 +12,20 @@ forward, backward, SGD step) of:
 Each figure is the fastest of several steps, taken in turns with the others (bench/overlap.py
 says why); the JSON has the medians too. Then exercise 12's model predicts both, from figures
 taken in the same world:
-- T_comp: the work is the same, 1/W of every product cut two ways, so both get the mean of
-  the two measured without communication, every rank at once (they share the cores): data
-  parallel, the whole MLP alone on B / W rows; tensor parallel, this rank's blocks of the weights
-  alone on all B rows (the table shows both);
+- T_comp of each variant without its communication, every rank at once (they share the cores):
+  data parallel, the whole MLP alone on B / W rows; tensor parallel, this rank's blocks of the
+  weights alone on all B rows. The products are the same work cut two ways, but tensor
+  parallelism runs what lies between them (tanh, the loss) on every row on every rank;
 - alpha and beta: fit_alpha_beta on the fastest ping-pongs between ranks 0 and 1, 1 KiB to 1 MiB;
-- tensor parallel: T_comp, plus a ring all-reduce of each block's output (B x 256 and B x 32
+- tensor parallel: its T_comp, plus a ring all-reduce of each block's output (B x 256 and B x 32
   floats) and of the second block's input gradient (B x 256; the first block's input, the data,
   needs none);
-- data parallel: T_comp, plus a ring all-reduce of each gradient (the parameters, once).
+- data parallel: its T_comp, plus a ring all-reduce of each gradient (the parameters, once).
 Tensor parallelism's bytes grow with the rows, data parallelism's do not. The crossover is the
-batch from which data parallelism stays the faster: measured, the last change from tensor to data
-parallelism, interpolated on log scales (a busy machine can swap two close figures before it);
-predicted, where the two sums of ring all-reduces are equal; and where the bytes alone are equal
-(alpha = 0). Writes bench/tp.json and, with matplotlib, bench/tp.png.
+batch from which data parallelism stays the faster, measured and predicted: the last change from
+tensor to data parallelism, interpolated on log scales (a busy machine can swap two close figures
+before it). Also printed: where the bytes alone are equal. Writes bench/tp.json and, with
+matplotlib, bench/tp.png.
 """
 
 import json
@@ -141,14 +141,14 @@ def predict(cost, figures, world_size):
     sync_tp = lambda rows: sum(ring(rows * n) for n in figures["tp_bytes_per_row"])  # noqa: E731
     predicted = {}
     for rows, got in figures["batches"].items():
-        t_comp = statistics.mean(got[f"{v}, compute alone"]["fastest"] for v in VARIANTS)
-        predicted[rows] = {"tensor parallel": t_comp + sync_tp(rows), "data parallel": t_comp + sync_dp}
+        predicted[rows] = {
+            "tensor parallel": got["tensor parallel, compute alone"]["fastest"] + sync_tp(rows),
+            "data parallel": got["data parallel, compute alone"]["fastest"] + sync_dp,
+        }
     return {
         "alpha_s": alpha,
         "beta_bytes_per_s": beta,
         "predicted": predicted,
-        # sync_tp is a straight line in the rows: where it meets sync_dp; T_comp is the same on both sides.
-        "crossover_predicted": (sync_dp - sync_tp(0)) / (sync_tp(1) - sync_tp(0)),
         "crossover_bytes": sum(figures["grad_bytes"]) / sum(figures["tp_bytes_per_row"]),
     }
 
@@ -226,7 +226,7 @@ def plot(results, path) -> bool:
     return True
 
 
-def main(rounds=5, per_round=3):
+def main(rounds=8, per_round=2):
     folder = impl.selected()
     cost = impl.load(folder).cost
     start, load_before = time.perf_counter(), os.getloadavg()[0]
@@ -236,7 +236,7 @@ def main(rounds=5, per_round=3):
         figures |= predict(cost, figures, w)
         figures["crossover"] = {
             "measured": crossover(BATCHES, *([figures["batches"][r][v]["fastest"] for r in BATCHES] for v in VARIANTS)),
-            "predicted": figures["crossover_predicted"],
+            "predicted": crossover(BATCHES, *([figures["predicted"][r][v] for r in BATCHES] for v in VARIANTS)),
         }
         results[w] = figures
     load = (
