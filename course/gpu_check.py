@@ -18,7 +18,7 @@ import math
 import sys
 import traceback
 from dataclasses import asdict, dataclass
-from functools import partial
+from functools import cache, partial
 
 import torch
 import torch.distributed as dist
@@ -92,12 +92,13 @@ def ring_on_rank(folder: str, length: int):
     return ring.cpu() if dist.get_rank() == 0 else None
 
 
-def tp_on_rank(folder: str, fields: dict, sequence_parallel: bool):
-    """Worker: exercise 14's training, silenced; rank 0 returns its loss, one process's beside it, and its step time."""
+def tp_on_rank(folder: str, fields: dict):
+    """Worker: exercise 14's training, tensor parallel and then sequence parallel too, silenced; rank 0
+    returns each one's figures: its loss, one process's beside it, and its step time."""
     ex = impl.load(folder)
     with contextlib.redirect_stdout(io.StringIO()), ieee_float32():
-        result = ex.tp.train(ex.mlp.ModelConfig(**fields), sequence_parallel)
-    return result if dist.get_rank() == 0 else None
+        results = [ex.tp.train(ex.mlp.ModelConfig(**fields), sequence_parallel) for sequence_parallel in (False, True)]
+    return results if dist.get_rank() == 0 else None
 
 
 def matmul_on_rank(folder: str, m: int, k: int, n: int):
@@ -158,15 +159,15 @@ def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> li
         exact = torch.arange(RING_LENGTH, dtype=torch.float32) * (world_size * (world_size + 1) // 2)
         return (summed - exact).abs().max().item(), None
 
-    def tensor_parallel(sequence_parallel):
-        # ParallelMLP pairs the layers: an odd count gets one hidden layer more.
-        even = fields | {"n_layers": fields["n_layers"] + fields["n_layers"] % 2}
+    # ParallelMLP pairs the layers: an odd count gets one hidden layer more. One world per device for both rows.
+    even = fields | {"n_layers": fields["n_layers"] + fields["n_layers"] % 2}
+    tensor_parallel_runs = cache(
+        lambda: [run(tp_on_rank, world_size, folder, even, **where)[0] for where in (on_cpu, on_device)]
+    )
 
+    def tensor_parallel(sequence_parallel):
         def measure():
-            cpu, other = (
-                run(tp_on_rank, world_size, folder, even, sequence_parallel, **where)[0]
-                for where in (on_cpu, on_device)
-            )
+            cpu, other = (both[sequence_parallel] for both in tensor_parallel_runs())
             # Against the CPU's run, and against one process on the same device.
             difference = max(
                 abs(other["train_loss"] - cpu["train_loss"]), abs(other["train_loss"] - other["one_process_loss"])
