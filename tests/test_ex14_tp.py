@@ -675,6 +675,8 @@ def uneven_in_world(folder):
         try:
             attempt()
             said.append(None)
+        except NotImplementedError:  # a stub: the grade says which, as for every check
+            raise
         except Exception as error:  # noqa: BLE001 - which error, and its words, are the check's to judge
             said.append(f"{type(error).__name__}: {error}")
     return said
