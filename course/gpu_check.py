@@ -3,7 +3,7 @@
     python -m course.gpu_check                      # the defaults of mlp.py, 300 steps
     python -m course.gpu_check --dim-hidden 2048    # any flag of mlp.py
 
-Exercises 1 to 6 (7 adds no device-specific code to 6): each case runs on the CPU with gloo and
+Exercises 1 to 6 (7 adds no device-specific code to 6) and 14: each case runs on the CPU with gloo and
 on the GPUs with nccl, from the same seeds, in a world of one rank per GPU (one GPU is enough).
 The report gives the largest difference between the two and the median step times; a case that
 fails shows why below the table, and the others still run. The exit status says whether every
@@ -18,7 +18,7 @@ import math
 import sys
 import traceback
 from dataclasses import asdict, dataclass
-from functools import partial
+from functools import cache, partial
 
 import torch
 import torch.distributed as dist
@@ -92,6 +92,15 @@ def ring_on_rank(folder: str, length: int):
     return ring.cpu() if dist.get_rank() == 0 else None
 
 
+def tp_on_rank(folder: str, fields: dict):
+    """Worker: exercise 14's training, tensor parallel and then sequence parallel too, silenced; rank 0
+    returns each one's figures: its loss, one process's beside it, and its step time."""
+    ex = impl.load(folder)
+    with contextlib.redirect_stdout(io.StringIO()), ieee_float32():
+        results = [ex.tp.train(ex.mlp.ModelConfig(**fields), sequence_parallel) for sequence_parallel in (False, True)]
+    return results if dist.get_rank() == 0 else None
+
+
 def matmul_on_rank(folder: str, m: int, k: int, n: int):
     """Worker: both distributed matrix products of exercise 2; rank 0 returns them."""
     ex = impl.load(folder)
@@ -150,6 +159,23 @@ def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> li
         exact = torch.arange(RING_LENGTH, dtype=torch.float32) * (world_size * (world_size + 1) // 2)
         return (summed - exact).abs().max().item(), None
 
+    # ParallelMLP pairs the layers: an odd count gets one hidden layer more. One world per device for both rows.
+    even = fields | {"n_layers": fields["n_layers"] + fields["n_layers"] % 2}
+    tensor_parallel_runs = cache(
+        lambda: [run(tp_on_rank, world_size, folder, even, **where)[0] for where in (on_cpu, on_device)]
+    )
+
+    def tensor_parallel(sequence_parallel):
+        def measure():
+            cpu, other = (both[sequence_parallel] for both in tensor_parallel_runs())
+            # Against the CPU's run, and against one process on the same device.
+            difference = max(
+                abs(other["train_loss"] - cpu["train_loss"]), abs(other["train_loss"] - other["one_process_loss"])
+            )
+            return difference, (cpu["step_ms"], other["step_ms"])
+
+        return measure
+
     cases = [
         ("1 MLP, one process", 1, TOLERANCE[config.amp], alone),
         ("2 matmul, by row and by reduction", world_size, ex.dist.MATMUL_TOLERANCE, matmul),
@@ -159,6 +185,8 @@ def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> li
         ("4 MyDP --amp", world_size, TOLERANCE[True], data_parallel("mydp", amp=True)),
         ("5 ring all-reduce", world_size, 0.0, ring),
         ("6 OverlappedDP, 1 MiB buckets", world_size, TOLERANCE[False], data_parallel("overlapped")),
+        ("14 tensor parallel (final loss)", world_size, TOLERANCE[False], tensor_parallel(False)),
+        ("14 sequence parallel (final loss)", world_size, TOLERANCE[False], tensor_parallel(True)),
     ]
     return [_row(*case) for case in cases]
 
