@@ -18,11 +18,15 @@ COLLECTIVES = (
     "allreduce",
     "allreduce_coalesced",
     "allgather",
+    "all_gather_single",  # dist.all_gather_single, and all_gather_into_tensor, its old name
     "_allgather_base",
     "allgather_coalesced",
+    "all_gather_single_coalesced",
     "allgather_into_tensor_coalesced",
     "reduce_scatter",
+    "reduce_scatter_single",  # dist.reduce_scatter_single, and reduce_scatter_tensor, its old name
     "_reduce_scatter_base",
+    "reduce_scatter_single_coalesced",
     "reduce_scatter_tensor_coalesced",
     "broadcast",
     "reduce",
@@ -30,6 +34,7 @@ COLLECTIVES = (
     "scatter",
     "alltoall",
     "alltoall_base",
+    "all_to_all_single",
     "barrier",
     "monitored_barrier",
 )
