@@ -66,7 +66,7 @@ demo: $(VENV)/.installed
 	$(PY) solutions/zero.py --world-size 2 --niters 300 --bf16-hook
 	$(PY) solutions/hvd.py --world-size 2 --niters 300
 	$(PY) solutions/cost.py
-	$(PY) solutions/fsdp.py --world-size 2
+	$(PY) solutions/fsdp.py --world-size 2 --niters 50
 
 test: $(VENV)/.instructors
 	COURSE_IMPL=solutions $(PYTEST) tests

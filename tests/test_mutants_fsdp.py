@@ -221,6 +221,18 @@ MUTANTS = {
         check_checkpoint,
         "are the parameters and Adam's state (its step count too) all restored?",
     ),
+    "Adam's step count left out of the checkpoint": (
+        '        state[f"{name}.step"] = adam["step"]\n',
+        "",
+        check_checkpoint,
+        "and a resumed run must go on counting",
+    ),
+    "a fresh Adam given no state to load into": (
+        "        if not adam:\n",
+        "        if False:\n",
+        check_checkpoint,
+        "an Adam that has not stepped has no state yet",
+    ),
     "the optimizer built before sharding": (
         '    shard_layers(model.layers, reshard_after_forward=strategy == "zero3", param_dtype=param_dtype)\n'
         "    return model, torch.optim.Adam(model.parameters(), lr=lr)\n",
