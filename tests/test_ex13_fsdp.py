@@ -467,7 +467,7 @@ def check_steps(folder, world_size, zero3, steps=None):
         for rank, result in enumerate(results):
             done = result["logs"][step]["collectives"]
             assert done.count("all_gather_single") == gathers, (
-                f"in step {step}, rank {rank} started {done.count('all_gather_single')} all-gathers for"
+                f"in step {step}, rank {rank} started {done.count('all_gather_single')} dist.all_gather_single for"
                 f" {len(UNITS)} units, expected {gathers}: "
                 + (
                     "one before each unit's forward and one before its backward"
