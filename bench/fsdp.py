@@ -18,14 +18,13 @@ Writes bench/fsdp.json and bench/fsdp.png (with matplotlib), and prints the tabl
 
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
-from overlap import slowest_rank  # bench/, where this script runs from
+from overlap import interleaved  # bench/, where this script runs from
 
 from course import impl
 from course.launch import run
@@ -107,28 +106,15 @@ def measure(folder, rounds, per_round):
     ex = impl.load(folder)
     out = {}
     for name, config in models(ex.mlp).items():
-        steps = {strategy: training(ex, config, strategy) for strategy in TIMED}
-        times = {strategy: [] for strategy in TIMED}
-        for r in range(rounds + 1):  # the first round warms up
-            for strategy, (step, _) in steps.items():
-                dist.barrier()
-                for _ in range(per_round):
-                    start = time.perf_counter()
-                    step()
-                    if r:
-                        times[strategy].append(time.perf_counter() - start)
-        out[name] = {}
-        for strategy, (_, bytes_held) in steps.items():
-            out[name][strategy] = {
-                "fastest_ms": slowest_rank(min(times[strategy])) * 1000,
-                "median_ms": slowest_rank(statistics.median(times[strategy])) * 1000,
-            }
-            if strategy in STRATEGIES:
-                mine = torch.tensor(bytes_held())
-                everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-                dist.all_gather(everyone, mine)
-                out[name][strategy]["bytes"] = [dict(zip(PARTS, map(int, b))) for b in everyone]
-                out[name][strategy]["formula"] = formula(config, strategy, dist.get_world_size())
+        trained = {strategy: training(ex, config, strategy) for strategy in TIMED}
+        fastest, median = interleaved({strategy: step for strategy, (step, _) in trained.items()}, rounds, per_round)
+        out[name] = {s: {"fastest_ms": fastest[s] * 1000, "median_ms": median[s] * 1000} for s in TIMED}
+        for strategy in STRATEGIES:
+            mine = torch.tensor(trained[strategy][1]())
+            everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, mine)
+            out[name][strategy]["bytes"] = [dict(zip(PARTS, map(int, b))) for b in everyone]
+            out[name][strategy]["formula"] = formula(config, strategy, dist.get_world_size())
     return out
 
 
