@@ -702,20 +702,14 @@ def torch_steps(folder, steps, bf16):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     model = stack()
-    for i in UNITS:
-        fully_shard(model[i], mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
-    fully_shard(model, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
+    for part in [model[i] for i in UNITS] + [model]:
+        fully_shard(part, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     for step in range(steps):
-        x, y = global_batch(CONFIG, step, world_size)
-        mine = slice(rank * CONFIG.batch_size, (rank + 1) * CONFIG.batch_size)
-        optimizer.zero_grad()
-        F.cross_entropy(model(x[mine]).float(), y[mine]).backward()
-        optimizer.step()
+        rank_step(stack_loss(model), optimizer, step)
     full = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
     return [flat_of([full[f"{i}.{n}"] for n in ("weight", "bias") if f"{i}.{n}" in full]) for i in UNITS]
 
@@ -745,7 +739,7 @@ def train_and_save(folder, path, steps):
     fsdp = load(folder).fsdp
     model, optimizer = zero3_stack(fsdp, seed=0)
     for step in range(steps):
-        one_step(model, optimizer, step)
+        rank_step(stack_loss(model), optimizer, step)
     fsdp.save_checkpoint(model, optimizer, path)
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     return {key: list(getattr(m, "size", [])) for key, m in metadata.items()}
@@ -760,13 +754,18 @@ def zero3_stack(fsdp, seed):
     return model, torch.optim.Adam(model.parameters(), lr=LR)
 
 
-def one_step(model, optimizer, step):
+def rank_step(loss_of, optimizer, step):
+    """One step of this rank on its rows of the step's batch: loss_of(x, y) is the loss to go back from."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     x, y = global_batch(CONFIG, step, world_size)
     mine = slice(rank * CONFIG.batch_size, (rank + 1) * CONFIG.batch_size)
     optimizer.zero_grad()
-    F.cross_entropy(model(x[mine]), y[mine]).backward()
+    loss_of(x[mine], y[mine]).backward()
     optimizer.step()
+
+
+def stack_loss(model):
+    return lambda x, y: F.cross_entropy(model(x).float(), y)
 
 
 def load_and_train(folder, path, first, steps):
@@ -781,7 +780,7 @@ def load_and_train(folder, path, first, steps):
         nothing_written(error)
         return {"load_error": f"{type(error).__name__}: {str(error)[:300]}"}
     for step in range(first, steps):
-        one_step(model, optimizer, step)
+        rank_step(stack_loss(model), optimizer, step)
     return {"history": [[p.detach().clone() for p in shards_of(model)]]}
 
 
@@ -848,17 +847,12 @@ class Layers(nn.Module):
 def setup_steps(folder, strategy, steps):
     """Probe: setup(Layers, strategy) and `steps` steps; the sizes of what its Adam steps, and this rank's parameters."""
     fsdp = load(folder).fsdp
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Layers()
     forward, optimizer = fsdp.setup(model, strategy, LR)
     stepped = [p.numel() for group in optimizer.param_groups for p in group["params"]]
     for step in range(steps):
-        x, y = global_batch(CONFIG, step, world_size)
-        mine = slice(rank * CONFIG.batch_size, (rank + 1) * CONFIG.batch_size)
-        optimizer.zero_grad()
-        forward(x[mine], y[mine])[1].backward()
-        optimizer.step()
+        rank_step(lambda x, y: forward(x, y)[1], optimizer, step)
     return {"stepped": stepped, "shards": [p.detach().clone() for p in shards_of(model)]}
 
 
