@@ -7,7 +7,7 @@ SETUP := $(PYTHON) -m course setup
 # Workers share the cores: see course/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help setup notebooks demo test lint grade student release autograde gradescope bench bench-launch bench-grade bench-cost bench-zero bench-tp gpu-check non-iid
+.PHONY: help setup notebooks demo test lint grade student release autograde gradescope bench bench-launch bench-grade bench-cost bench-zero bench-fsdp bench-tp gpu-check non-iid
 
 help:
 	@echo "make setup    make .venv with what the .py exercises and grading need"
@@ -27,6 +27,7 @@ help:
 	@echo "make bench-grade   how long make grade takes, per exercise and in all, against its targets"
 	@echo "make bench-cost    exercise 12's cost model: predicted against measured steps of MyDP and OverlappedDP"
 	@echo "make bench-zero    optimizer-state bytes per rank and step time of sharded Adam (exercise 11)"
+	@echo "make bench-fsdp    bytes per rank and step time of DDP, ZeRO-1, -2, -3 and torch's fully_shard (exercise 13)"
 	@echo "make bench-tp      tensor against data parallelism by batch size, measured and predicted (exercise 14)"
 	@echo "make gpu-check  every reference solution on this machine's GPUs, compared with the CPU (ARGS=mlp.py flags)"
 
@@ -67,6 +68,7 @@ demo: $(VENV)/.installed
 	$(PY) solutions/zero.py --world-size 2 --niters 300 --bf16-hook
 	$(PY) solutions/hvd.py --world-size 2 --niters 300
 	$(PY) solutions/cost.py
+	$(PY) solutions/fsdp.py --world-size 2 --niters 50
 	$(PY) solutions/tp.py --world-size 2 --niters 300
 	$(PY) solutions/tp.py --world-size 2 --niters 300 --sequence-parallel
 
@@ -109,6 +111,9 @@ bench-launch: $(VENV)/.installed
 
 bench-zero: $(VENV)/.installed
 	$(PY) bench/zero.py
+
+bench-fsdp: $(VENV)/.installed
+	$(PY) bench/fsdp.py
 
 bench-tp: $(VENV)/.installed
 	$(PY) bench/tp.py

@@ -77,9 +77,12 @@ def cases(fn) -> list:
         return [Case(exercise, fn.__name__, fn.__name__, {}, default)]
     names, values = parametrize[0].args[:2]
     names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    ids = parametrize[0].kwargs.get("ids")
+    if ids is not None and not isinstance(ids, (list, tuple)):
+        raise ValueError(f"{fn.__name__}: ids given as a list, so that its cases read as pytest's")
     found = []
-    for value in values:
-        own_marks, own_id = list(getattr(value, "marks", ())), getattr(value, "id", None)
+    for i, value in enumerate(values):
+        own_marks, own_id = list(getattr(value, "marks", ())), getattr(value, "id", None) or (ids and ids[i])
         if hasattr(value, "values"):  # pytest.param(...): its values, marks and id
             value = value.values if len(names) > 1 else value.values[0]
         params = dict(zip(names, value)) if len(names) > 1 else {names[0]: value}

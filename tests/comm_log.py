@@ -21,11 +21,13 @@ COLLECTIVES = (
     "all_gather_single",  # torch 2.13's all_gather_single and all_gather_into_tensor
     "_allgather_base",
     "allgather_coalesced",
+    "all_gather_single_coalesced",
     "allgather_into_tensor_coalesced",
     "all_gather_single_coalesced",
     "reduce_scatter",
     "reduce_scatter_single",  # torch 2.13's reduce_scatter_single and reduce_scatter_tensor
     "_reduce_scatter_base",
+    "reduce_scatter_single_coalesced",
     "reduce_scatter_tensor_coalesced",
     "reduce_scatter_single_coalesced",
     "broadcast",

@@ -528,3 +528,27 @@ def test_nccl_world_one_rank_per_gpu():
 def test_gpu_check_agrees_on_gpus():
     rows = gpu_check.compare("cuda", torch.cuda.device_count(), small_config(impl.load(SOLUTIONS).mlp))
     assert all(row.ok for row in rows), gpu_check.report(rows, "GPU")
+
+
+def fsdp_losses(folder, fields):
+    """Worker: exercise 13's four strategies (DDP, ZeRO-1, -2, -3) on this rank's device; rank 0's test losses."""
+    fsdp = impl.load(folder).fsdp
+    with gpu_check.ieee_float32():
+        results = fsdp.compare(fsdp.ModelConfig(**fields))
+    return {result["strategy"]: result["test_loss"] for result in results}
+
+
+# float32 on both sides, the GPU's matrix products pinned to IEEE: the sums differ in order only. Not
+# yet run on a GPU: the first run should confirm the limit.
+FSDP_GPU_TOLERANCE = 1e-4
+
+
+@no_gpu
+def test_fsdp_agrees_on_gpus():
+    """Exercise 13's units on one GPU per rank (nccl) end every strategy with the CPU's (gloo) test loss."""
+    fields = vars(small_config(impl.load(SOLUTIONS).mlp)) | {"lr": 1e-3}
+    ranks = min(2, torch.cuda.device_count())
+    on_gpus = run(fsdp_losses, ranks, SOLUTIONS, fields, backend="nccl", device="cuda")[0]
+    on_cpu = run(fsdp_losses, ranks, SOLUTIONS, fields)[0]
+    for strategy, loss in on_cpu.items():
+        assert abs(on_gpus[strategy] - loss) <= FSDP_GPU_TOLERANCE, (strategy, on_gpus[strategy], loss)

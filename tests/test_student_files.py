@@ -21,6 +21,7 @@ from tests.test_ex9_sync import check_average_parameters, check_forward
 from tests.test_ex10_hvd import check_broadcast_parameters
 from tests.test_ex11_zero import check_owners
 from tests.test_ex12_cost import check_fit
+from tests.test_ex13_fsdp import check_flat_shard
 from tests.test_ex14_tp import check_function
 
 STUB = re.compile(r'raise NotImplementedError\("(Exercise (\d+): \S+ is not written yet, see (\S+))"\)')
@@ -67,6 +68,7 @@ def test_student_files_import():
         (lambda f: check_broadcast_parameters(f, 2), 10),
         (check_owners, 11),
         (check_fit, 12),
+        (check_flat_shard, 13),
         (lambda f: check_function(f, "Copy"), 14),
     ],
 )

@@ -1,0 +1,250 @@
+"""The checks of exercise 13 catch the mistakes of flat shards, ZeRO-2, ZeRO-3 and a sharded checkpoint.
+
+Instructors only: these need solutions/. Each case makes a mutant of the reference with one
+mistake and shows that the check for it fails, with a message that points at the mistake.
+
+Left out on purpose: gather_into without making the storage full-sized again. The all-gather then
+writes through a pointer to freed memory, which crashes the worker or corrupts it silently; the
+checks see a crash, but no message can name it reliably.
+"""
+
+import pytest
+
+from tests.mutants import assert_caught
+from tests.test_ex13_fsdp import (
+    check_checkpoint,
+    check_flat_shard,
+    check_frozen,
+    check_gather,
+    check_gradient_shards,
+    check_memory,
+    check_mixed_precision,
+    check_reduce_scatter,
+    check_setup,
+    check_sharded_bytes,
+    check_steps,
+    check_views,
+    check_zero2_keeps,
+)
+
+PIECE = "    return padded.chunk(world_size)[rank].clone()\n"
+REDUCE = "    dist.reduce_scatter_single(shard, full.float())\n    return shard.div_(world_size)\n"
+NEW_SHARD = "    shard = full.new_empty(full.numel() // world_size, dtype=torch.float32)\n"
+FORWARD_FREE = "            free(self.full)\n            if output.requires_grad:"
+AFTER_BACKWARD = "        full.grad = None\n        if self.reshard_after_forward:\n            free(full)\n"
+GATHER = "    dist.all_gather_single(full.data, shard.detach().to(full.dtype))\n"
+VALID = "    valid = shard.detach()[: max(0, min(shard.numel(), numel - start))]\n"
+
+MUTANTS = {
+    # Part A: flat shards and the collectives
+    "a shard interleaved (every W-th element)": (
+        PIECE,
+        "    return padded[rank::world_size].clone()\n",
+        check_flat_shard,
+        "one contiguous piece",
+    ),
+    "the pieces in reverse rank order": (
+        PIECE,
+        "    return padded.chunk(world_size)[world_size - 1 - rank].clone()\n",
+        check_flat_shard,
+        "so that an all-gather, which puts the pieces in rank order",
+    ),
+    "the padding at the front": (
+        "    padded = F.pad(flat, (0, -flat.numel() % world_size))\n",
+        "    padded = F.pad(flat, (-flat.numel() % world_size, 0))\n",
+        check_flat_shard,
+        "the padding goes at the end",
+    ),
+    "the padding at the front, seen in training": (
+        "    padded = F.pad(flat, (0, -flat.numel() % world_size))\n",
+        "    padded = F.pad(flat, (-flat.numel() % world_size, 0))\n",
+        lambda folder: check_steps(folder, 2, zero3=True, steps=1),
+        "the padding goes at the end, after the last parameter",
+    ),
+    "a shard that is a view of the whole padded tensor": (
+        PIECE,
+        "    return padded.chunk(world_size)[rank]\n",
+        check_flat_shard,
+        "return a tensor of its own",
+    ),
+    "views that are copies": (
+        "    return [piece.view(shape) for piece, shape",
+        "    return [piece.clone().view(shape) for piece, shape",
+        check_views,
+        "is a copy",
+    ),
+    "free drops a name, not the memory": (
+        "    full.untyped_storage().resize_(0)\n",
+        "    del full\n",
+        check_gather,
+        "resize the storage to 0",
+    ),
+    "shards gathered in reverse rank order": (
+        GATHER,
+        "    dist.all_gather(list(full.data.chunk(dist.get_world_size()))[::-1], shard.detach().to(full.dtype))\n",
+        check_gather,
+        "in the order [2, 1, 0]: rank order",
+    ),
+    "a reduce-scatter without the 1/W": (
+        REDUCE,
+        "    dist.reduce_scatter_single(shard, full.float())\n    return shard\n",
+        check_reduce_scatter,
+        "3.0x the expected average: did you divide by the world size?",
+    ),
+    "a reduce-scatter without the 1/W, seen in the gradients": (
+        REDUCE,
+        "    dist.reduce_scatter_single(shard, full.float())\n    return shard\n",
+        check_gradient_shards,
+        "2.0x the expected average: did you divide by the world size?",
+    ),
+    "an all-reduce where a reduce-scatter belongs": (
+        REDUCE,
+        "    whole = full.float()\n    dist.all_reduce(whole)\n"
+        "    return whole.chunk(world_size)[dist.get_rank()] / world_size\n",
+        check_gradient_shards,
+        "an all-reduce gives every rank the whole averaged gradient",
+    ),
+    "an all-reduce, and the shard a view of its whole result": (
+        REDUCE,
+        "    whole = full.float()\n    dist.all_reduce(whole)\n"
+        "    return whole.chunk(world_size)[dist.get_rank()].div_(world_size)\n",
+        check_sharded_bytes,
+        "a piece cut from a full gradient",
+    ),
+    "gradients reduced in bfloat16": (
+        NEW_SHARD + REDUCE,
+        "    shard = full.new_empty(full.numel() // world_size)\n    dist.reduce_scatter_single(shard, full)\n"
+        "    return shard.float().div_(world_size)\n",
+        check_reduce_scatter,
+        "reduce in float32",
+    ),
+    # Part B: the unit
+    "frozen parameters sharded with the others": (
+        "        self.names = [name for name, p in module.named_parameters() if p.requires_grad]\n",
+        "        self.names = [name for name, p in module.named_parameters()]\n",
+        check_frozen,
+        "out of the shard",
+    ),
+    "every child wrapped, Tanh too": (
+        "        if any(p.requires_grad for p in child.parameters()):\n"
+        "            setattr(container, name, FullyShardedUnit(child, reshard_after_forward, param_dtype))\n",
+        "        setattr(container, name, FullyShardedUnit(child, reshard_after_forward, param_dtype))\n",
+        lambda folder: check_steps(folder, 2, zero3=False, steps=1),
+        "a module without parameters is passed through",
+    ),
+    "the gathered parameters in float32 whatever param_dtype says": (
+        "dtype=param_dtype or torch.float32)",
+        "dtype=torch.float32)",
+        check_mixed_precision,
+        "computes from gathered bfloat16 copies",
+    ),
+    "ZeRO-2 gathers once, and computes with old parameters after": (
+        "        gather_into(self.full, self.shard)\n        set_tensors(",
+        "        if self.full.untyped_storage().nbytes() == 0:\n            gather_into(self.full, self.shard)\n"
+        "        set_tensors(",
+        lambda folder: check_steps(folder, 2, zero3=False, steps=2),
+        "gather the updated shards before every forward",
+    ),
+    "ZeRO-2 frees and gathers again like ZeRO-3": (
+        "        if self.reshard_after_forward:\n            free(self.full)",
+        "        if True:\n            free(self.full)",
+        lambda folder: check_steps(folder, 2, zero3=False, steps=1),
+        "ZeRO-2 keeps the gathered parameters for the backward",
+    ),
+    "ZeRO-2 frees after the backward": (
+        "        if self.reshard_after_forward:\n            free(full)\n",
+        "        free(full)\n",
+        check_zero2_keeps,
+        "ZeRO-2 keeps them",
+    ),
+    "ZeRO-3 does not free after the forward": (
+        FORWARD_FREE,
+        "            if output.requires_grad:",
+        check_memory,
+        "free them after the unit's forward",
+    ),
+    "ZeRO-3 does not free after the backward": (
+        AFTER_BACKWARD,
+        "        full.grad = None\n",
+        check_memory,
+        "free them after the unit's backward too",
+    ),
+    "every unit gathered up front": (
+        "            setattr(container, name, FullyShardedUnit(child, reshard_after_forward, param_dtype))\n",
+        "            setattr(container, name, FullyShardedUnit(child, reshard_after_forward, param_dtype))\n"
+        "    gather = [m for m in container.children() if isinstance(m, FullyShardedUnit)]\n"
+        "    container.register_forward_pre_hook(lambda *_: [gather_into(m.full, m.shard) for m in gather] and None)\n",
+        check_memory,
+        "not all of them up front",
+    ),
+    "no gather again before the backward": (
+        "        # TODO(exercise 13): one line.\n        ### BEGIN SOLUTION\n        gather_into(self.full, self.shard)\n",
+        "        # TODO(exercise 13): one line.\n        ### BEGIN SOLUTION\n        pass\n",
+        lambda folder: check_steps(folder, 2, zero3=True, steps=1),
+        "gather them again before the unit's backward",
+    ),
+    "the all-gather written where autograd sees it": (
+        GATHER,
+        "    dist.all_gather_single(full, shard.detach().to(full.dtype))\n",
+        lambda folder: check_steps(folder, 2, zero3=True, steps=1),
+        "write through full.data",
+    ),
+    "the full gradient kept from step to step": (
+        AFTER_BACKWARD,
+        "        if self.reshard_after_forward:\n            free(full)\n",
+        check_gradient_shards,
+        "set full.grad to None once it is reduce-scattered",
+    ),
+    "the shard's gradient replaced, not accumulated": (
+        "        self.shard.grad = grad if self.shard.grad is None else self.shard.grad + grad\n",
+        "        self.shard.grad = grad\n",
+        check_gradient_shards,
+        "add to shard.grad when it is there already",
+    ),
+    "the gradient not averaged over the ranks": (
+        "        grad = reduce_scatter_mean(full.grad)\n",
+        "        grad = full.grad.float().chunk(dist.get_world_size())[dist.get_rank()].clone()\n",
+        check_gradient_shards,
+        "is not the average of the ranks' gradients",
+    ),
+    # Part C and D: the checkpoint, and the training loop's setup
+    "the padding kept in the checkpoint": (
+        VALID + "    return DTensor.from_local(valid, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel])",
+        "    valid = shard.detach()\n    return DTensor.from_local(valid, mesh, [Shard(0)], run_check=False,"
+        " shape=torch.Size([shard.numel() * mesh.size()])",
+        check_checkpoint,
+        "the padding depends on W and stays out of the checkpoint",
+    ),
+    "the checkpoint's pieces copies of the shards": (
+        VALID,
+        "    valid = shard.detach()[: max(0, min(shard.numel(), numel - start))].clone()\n",
+        check_checkpoint,
+        "are the parameters and Adam's state (its step count too) all restored?",
+    ),
+    "Adam's step count left out of the checkpoint": (
+        '        state[f"{name}.step"] = adam["step"]\n',
+        "",
+        check_checkpoint,
+        "and a resumed run must go on counting",
+    ),
+    "a fresh Adam given no state to load into": (
+        "        if not adam:\n",
+        "        if False:\n",
+        check_checkpoint,
+        "an Adam that has not stepped has no state yet",
+    ),
+    "the optimizer built before sharding": (
+        '    shard_layers(model.layers, reshard_after_forward=strategy == "zero3", param_dtype=param_dtype)\n'
+        "    return model, torch.optim.Adam(model.parameters(), lr=lr)\n",
+        "    optimizer = torch.optim.Adam(model.parameters(), lr=lr)\n"
+        '    shard_layers(model.layers, reshard_after_forward=strategy == "zero3", param_dtype=param_dtype)\n'
+        "    return model, optimizer\n",
+        check_setup,
+        "build the optimizer after shard_layers",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(MUTANTS))
+def test_mistake_is_caught(mistake, tmp_path):
+    assert_caught(tmp_path / "mutant", mistake, "fsdp.py", *MUTANTS[mistake])
