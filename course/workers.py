@@ -59,7 +59,7 @@ import torch.distributed as dist
 from course import env, failure, impl
 from course.device import bound_device
 from course.device import select as select_device
-from course.instrument import PointToPoint, check_ddp_on_an_unchecked_group
+from course.instrument import PointToPoint, check_ddp_on_an_unchecked_group, unchecked_group
 
 
 class WorldFailed(RuntimeError):
@@ -330,6 +330,11 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
                     timeout=timedelta(seconds=settings.collective_timeout),
                     device_id=bound_device(settings.backend),
                 )
+                if dist.get_debug_level() == dist.DebugLevel.DETAIL and settings.backend == "gloo":
+                    # NCCL counts collectives apart from messages (seqCollective_ in torch's source;
+                    # not run here), and batches a step's messages on the group they name: they stay.
+                    timeout = timedelta(seconds=settings.collective_timeout)
+                    messages.carry_on(dist.group.WORLD, unchecked_group(timeout))
                 baseline = _Baseline()
             messages.pending.clear()
             messages.waiting = None
