@@ -37,7 +37,7 @@ from course.layout import STUDENT_FILES
 from course.student import ROOT
 
 # Points of each exercise. A new exercise is one line here and a tests/test_exN_*.py module.
-POINTS = {1: 20, 2: 25, 3: 25, 4: 30, 5: 20, 6: 25, 7: 15, 8: 25, 9: 25, 10: 25, 11: 25, 12: 20}
+POINTS = {1: 20, 2: 25, 3: 25, 4: 30, 5: 20, 6: 25, 7: 15, 8: 25, 9: 25, 10: 25, 11: 25, 12: 20, 15: 30}
 
 _MODULE = re.compile(r"test_ex(\d+)_\w*\.py")
 

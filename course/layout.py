@@ -15,7 +15,7 @@ SOLUTIONS = os.path.join(ROOT, "solutions")
 TESTS = os.path.join(ROOT, "tests")
 
 # The files students write, made from solutions/ by `make student`.
-STUDENT_FILES = ("mlp.py", "dist.py", "mydp.py", "data.py", "sync.py", "hvd.py", "zero.py", "cost.py")
+STUDENT_FILES = ("mlp.py", "dist.py", "mydp.py", "data.py", "sync.py", "hvd.py", "zero.py", "cost.py", "pp.py")
 STUDENT_MODULES = tuple(name[: -len(".py")] for name in STUDENT_FILES)
 
 # nbgrader's markers around what a student writes.
