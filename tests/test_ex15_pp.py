@@ -128,7 +128,7 @@ def textbook(schedule, p, m, s):
     """The judge's orders. GPipe: every forward, then every backward in reverse order. 1F1B: a
     forward whenever one is left and the stage holds fewer than p - s micro-batches, else a backward."""
     if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+        return [("F", i) for i in range(m)] + [("B", m - 1 - i) for i in range(m)]
     order, forwards, backwards = [], 0, 0
     while backwards < m:
         if forwards < m and forwards - backwards < p - s:
@@ -238,7 +238,7 @@ def one_process(steps):
         loss.backward()
         if step == 0:
             grads = [w.grad.clone() for w in weights]
-        losses.append(loss.item())
+        losses.append(float(loss))
         optimizer.step()
         history.append([w.detach().clone() for w in weights])
     return losses, grads, history
