@@ -7,7 +7,7 @@ SETUP := $(PYTHON) -m course setup
 # Workers share the cores: see course/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help setup notebooks demo test lint grade student release autograde bench bench-launch bench-grade bench-cost bench-zero gpu-check non-iid
+.PHONY: help setup notebooks demo test lint grade student release autograde bench bench-launch bench-grade bench-cost bench-zero bench-pp gpu-check non-iid
 
 help:
 	@echo "make setup    make .venv with what the .py exercises and grading need"
@@ -26,6 +26,7 @@ help:
 	@echo "make bench-grade   how long make grade takes, per exercise and in all, against its targets"
 	@echo "make bench-cost    exercise 12's cost model: predicted against measured steps of MyDP and OverlappedDP"
 	@echo "make bench-zero    optimizer-state bytes per rank and step time of sharded Adam (exercise 11)"
+	@echo "make bench-pp      a pipeline's idle fraction against (p - 1)/(m + p - 1), step time of GPipe and 1F1B (exercise 15)"
 	@echo "make gpu-check  every reference solution on this machine's GPUs, compared with the CPU (ARGS=mlp.py flags)"
 
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -65,6 +66,7 @@ demo: $(VENV)/.installed
 	$(PY) solutions/zero.py --world-size 2 --niters 300 --bf16-hook
 	$(PY) solutions/hvd.py --world-size 2 --niters 300
 	$(PY) solutions/cost.py
+	$(PY) solutions/pp.py --world-size 2 --schedule 1f1b --niters 300
 
 test: $(VENV)/.instructors
 	COURSE_IMPL=solutions $(PYTEST) tests
@@ -101,6 +103,9 @@ bench-launch: $(VENV)/.installed
 
 bench-zero: $(VENV)/.installed
 	$(PY) bench/zero.py
+
+bench-pp: $(VENV)/.instructors
+	$(PY) bench/pp.py
 
 gpu-check: $(VENV)/.installed
 	$(PY) -m course.gpu_check $(ARGS)

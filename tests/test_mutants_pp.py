@@ -6,11 +6,14 @@ hangs are the launcher's own diagnosis (course/failure.py), proven on a pipeline
 line in pp.py and the message it waits for, MESSAGE_TIMEOUT seconds after the messages stopped.
 """
 
+import re
 import time
 
 import pytest
 
 from course.launch import WorldFailed
+from course.layout import SOLUTIONS
+from tests import warm
 from tests.mutants import assert_caught, make_mutant
 from tests.test_ex15_pp import (
     MESSAGE_TIMEOUT,
@@ -214,3 +217,17 @@ def test_a_hang_is_reported_within_seconds(hang, tmp_path):
         assert f"rank {f.rank} waits in {call} {preposition[call]} rank {peer} at pp.py:" in failure.report()
     # The report comes one message timeout after the messages stopped, plus the worlds' starts and runs.
     assert seconds < MESSAGE_TIMEOUT + 6, f"{hang} was reported after {seconds:.1f} s"
+
+
+def test_the_script_trains_as_one_process():
+    """`python pp.py --world-size 3 --schedule 1f1b`: the pipeline's test loss is one process's."""
+    small = ["--n-layers", "4", "--dim-in", "12", "--n-classes", "4", "--dim-hidden", "10", "--train-size", "160"]
+    done = warm.run(
+        ["pp.py", "--world-size", "3", "--schedule", "1f1b", *small, "--batch-size", "8", "--niters", "30"],
+        cwd=SOLUTIONS,
+    )
+    assert done.returncode == 0, done.stderr
+    final = re.search(
+        r"test_loss ([\d.]+) \| one process: test_loss ([\d.]+) \| largest weight difference (\S+)", done.stdout
+    )
+    assert final and final[1] == final[2] and float(final[3]) < 1e-5, done.stdout
