@@ -238,7 +238,7 @@ def one_process(steps):
         loss.backward()
         if step == 0:
             grads = [w.grad.clone() for w in weights]
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         optimizer.step()
         history.append([w.detach().clone() for w in weights])
     return losses, grads, history
