@@ -254,13 +254,13 @@ LAYER_CASES = [(6, 4), (6, 2), (7, 3), (4, 4), (5, 1), (9, 4)]
 
 
 def stage_cuts(folder):
-    """Probe: stage_layers on every case, as lists (a pure function: one rank's answer is enough)."""
+    """Probe: stage_layers on every case, as lists (a pure function: rank 0's answer is enough)."""
     pp = load(folder).pp
     return [[list(r) for r in pp.stage_layers(n, p)] for n, p in LAYER_CASES]
 
 
 def check_stage_layers(folder):
-    got = on_pipeline(stage_cuts, 1, folder)[0]
+    got = on_pipeline(stage_cuts, 2, folder)[0]  # the world of 2 that the order check keeps
     for (n, p), mine in zip(LAYER_CASES, got):
         where = f"stage_layers({n}, {p}) returned {[f'range({r[0]}, {r[-1] + 1})' if r else 'range(0)' for r in mine]}"
         held = [k for layers in mine for k in layers]
@@ -338,17 +338,17 @@ def check_memory(folder, schedule):
                 )
 
 
-def describe_gradient(s, k, got, expected, m):
-    """A sentence about how a stage's gradient of layer k differs from one process's."""
+def describe_gradient(s, k, got, expected, m, whose="one process's on the whole batch"):
+    """A sentence about how a stage's gradient of layer k differs from the expected one."""
     ratio = ((got * expected).sum() / (expected * expected).sum()).item()
     if close(got, expected * ratio) and abs(ratio - m) < 1e-3 * m:
         return (
-            f"stage {s}'s gradient of layer {k} is {ratio:.1f}x one process's on the whole batch, m = {m}:"
-            " scale each micro-batch's loss by 1/m, so that the m backwards add up to the batch's mean"
+            f"stage {s}'s gradient of layer {k} is {ratio:.1f}x {whose}, m = {m}: scale each micro-batch's"
+            " loss by 1/m, so that the m backwards add up to the batch's mean"
         )
     if close(got, expected * ratio) and abs(ratio - 1) > 1e-3:
-        return f"stage {s}'s gradient of layer {k} is {ratio:.2f}x one process's on the whole batch"
-    return f"stage {s}'s gradient of layer {k} differs from one process's on the whole batch"
+        return f"stage {s}'s gradient of layer {k} is {ratio:.2f}x {whose}"
+    return f"stage {s}'s gradient of layer {k} differs from {whose}"
 
 
 def check_gradients(folder, schedule):
@@ -413,12 +413,12 @@ def check_messages(folder):
 def check_matches_torch(folder, schedule):
     """torch's PipelineStage with ScheduleGPipe or Schedule1F1B gives each stage the same gradients."""
     p, m = 3, 6
+    where = f"{NAMES[schedule]} with p={p} stages and m={m} micro-batches"
+    whose = f"torch's PipelineStage with Schedule{NAMES[schedule]}'s on the same stages"
     for s, (got, expected) in enumerate(on_pipeline(with_torch, p, folder, schedule, m)):
         for k, g, t in zip(layers_by_rule(len(WIDTHS) - 1, p)[s], got["grads"], expected):
-            assert g is not None and close(g, t), (
-                f"{NAMES[schedule]} with p={p} stages and m={m} micro-batches: stage {s}'s gradient of layer {k}"
-                f" differs from torch's PipelineStage with Schedule{NAMES[schedule]} on the same stages"
-            )
+            assert g is not None, f"{where}: stage {s}'s layer {k} got no gradient, its {whose.replace('s on', ' on')}"
+            assert close(g, t), f"{where}: " + describe_gradient(s, k, g, t, m, whose)
 
 
 def test_stage_layers(impl_dir):

@@ -48,6 +48,13 @@ MUTANTS = {
         check_stage_layers,
         "the first 6 % 4 = 2 of them one layer longer",
     ),
+    "the 1/m scale missing, against torch": (
+        "pp.py",
+        "    return F.cross_entropy(logits, targets) / m",
+        "    return F.cross_entropy(logits, targets)",
+        lambda folder: check_matches_torch(folder, "gpipe"),
+        "6.0x torch's PipelineStage with ScheduleGPipe's on the same stages, m = 6: scale each micro-batch's loss",
+    ),
     "the 1/m scale missing": (
         "pp.py",
         "    return F.cross_entropy(logits, targets) / m",
@@ -156,7 +163,7 @@ MUTANTS = {
         "        output.backward(received)",
         "        output.backward(received if received is None else 2 * received)",
         lambda folder: check_matches_torch(folder, "1f1b"),
-        "differs from torch's PipelineStage with Schedule1F1B",
+        "is 4.00x torch's PipelineStage with Schedule1F1B's",  # doubled at each of 2 stages
     ),
 }
 
