@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from overlap import slowest_rank  # bench/, where this script runs from
 
 from course import impl, timeline
 from course.launch import run
@@ -85,12 +86,6 @@ def ends(m):
     g = torch.Generator().manual_seed(m)
     x, y = torch.randn(m * ROWS, WIDTH, generator=g), torch.randint(0, WIDTH, (m * ROWS,), generator=g)
     return (x if rank == 0 else None), (y if rank == p - 1 else None)
-
-
-def slowest_rank(seconds):
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def bubbles(folder, kind):
