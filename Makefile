@@ -7,7 +7,7 @@ SETUP := $(PYTHON) -m course setup
 # Workers share the cores: see course/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help setup notebooks demo test lint grade student release autograde gradescope bench bench-launch bench-grade bench-cost bench-zero bench-fsdp bench-tp gpu-check non-iid
+.PHONY: help setup notebooks demo test lint grade student release autograde gradescope bench bench-launch bench-grade bench-cost bench-zero bench-fsdp bench-tp bench-pp gpu-check non-iid
 
 help:
 	@echo "make setup    make .venv with what the .py exercises and grading need"
@@ -29,6 +29,7 @@ help:
 	@echo "make bench-zero    optimizer-state bytes per rank and step time of sharded Adam (exercise 11)"
 	@echo "make bench-fsdp    bytes per rank and step time of DDP, ZeRO-1, -2, -3 and torch's fully_shard (exercise 13)"
 	@echo "make bench-tp      tensor against data parallelism by batch size, measured and predicted (exercise 14)"
+	@echo "make bench-pp      a pipeline's idle fraction against (p - 1)/(m + p - 1), step time of GPipe and 1F1B (exercise 15)"
 	@echo "make gpu-check  every reference solution on this machine's GPUs, compared with the CPU (ARGS=mlp.py flags)"
 
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -71,6 +72,7 @@ demo: $(VENV)/.installed
 	$(PY) solutions/fsdp.py --world-size 2 --niters 50
 	$(PY) solutions/tp.py --world-size 2 --niters 300
 	$(PY) solutions/tp.py --world-size 2 --niters 300 --sequence-parallel
+	$(PY) solutions/pp.py --world-size 2 --schedule 1f1b --niters 300
 
 test: $(VENV)/.instructors
 	COURSE_IMPL=solutions $(PYTEST) tests
@@ -117,6 +119,9 @@ bench-fsdp: $(VENV)/.installed
 
 bench-tp: $(VENV)/.installed
 	$(PY) bench/tp.py
+
+bench-pp: $(VENV)/.installed
+	$(PY) bench/pp.py
 
 gpu-check: $(VENV)/.installed
 	$(PY) -m course.gpu_check $(ARGS)

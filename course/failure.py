@@ -155,10 +155,11 @@ class Failure:
                 f" every rank must pass the same {name}:"
             )
         if self.kind == "p2p_deadlock":
-            return (
-                f"Deadlock (world of {w}): every rank waits in a send or receive that no peer answers."
-                " Start sends and receives with isend/irecv before waiting for any:"
-            )
+            head = f"Deadlock (world of {w}): every rank waits in a send or receive that no peer answers."
+            if all(f.collective in ("send", "recv") for f in self.ranks):
+                return head + " Start sends and receives with isend/irecv before waiting for any:"
+            # Started without blocking already: the messages themselves do not match.
+            return head + " A send to rank r needs rank r to receive from this rank, in the same order:"
         if self.kind == "wait":
             return (
                 f"Ranks {[f.rank for f in self.ranks if f.state == 'waited']} waited in a collective that not every rank joined:"

@@ -3,8 +3,9 @@
     python -m course.gpu_check                      # the defaults of mlp.py, 300 steps
     python -m course.gpu_check --dim-hidden 2048    # any flag of mlp.py
 
-Exercises 1 to 6 (7 adds no device-specific code to 6) and 14: each case runs on the CPU with gloo and
-on the GPUs with nccl, from the same seeds, in a world of one rank per GPU (one GPU is enough).
+Exercises 1 to 6 (7 adds no device-specific code to 6), 14 and 15: each case runs on the CPU with
+gloo and on the GPUs with nccl, from the same seeds, in a world of one rank per GPU (one GPU is
+enough; exercise 15's pipeline has at most one stage per layer).
 The report gives the largest difference between the two and the median step times; a case that
 fails shows why below the table, and the others still run. The exit status says whether every
 case agreed. Without a GPU it says so and exits 0.
@@ -85,6 +86,14 @@ def train_on_rank(folder: str, fields: dict, wrap_name: str):
     return result if dist.get_rank() == 0 else None
 
 
+def pipeline_on_rank(folder: str, fields: dict):
+    """Worker: exercise 15's 1F1B pipeline, one stage per rank; the last rank returns the whole trained model."""
+    ex = impl.load(folder)
+    with contextlib.redirect_stdout(io.StringIO()), ieee_float32():
+        result = ex.pp.train(ex.mlp.ModelConfig(**fields), "1f1b", 4)
+    return result if dist.get_rank() == dist.get_world_size() - 1 else None
+
+
 def ring_on_rank(folder: str, length: int):
     """Worker: exercise 5's ring_all_reduce of whole numbers (exact sums); rank 0 returns the sum."""
     ring = torch.arange(length, dtype=torch.float32, device=current_device()) * (dist.get_rank() + 1)
@@ -133,6 +142,7 @@ def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> li
     on_device = dict(backend=backend, device=device)
     ex = impl.load(folder)
     fields = asdict(config)
+    stages = min(world_size, config.n_layers)
 
     def alone():
         return _training_difference(
@@ -152,6 +162,11 @@ def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> li
                 run(train_on_rank, world_size, folder, fields_here, wrap_name, **where)[0]
                 for where in (on_cpu, on_device)
             ],
+        )
+
+    def pipeline():
+        return _training_difference(
+            ex, [run(pipeline_on_rank, stages, folder, fields, **where)[-1] for where in (on_cpu, on_device)]
         )
 
     def ring():
@@ -187,6 +202,7 @@ def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> li
         ("6 OverlappedDP, 1 MiB buckets", world_size, TOLERANCE[False], data_parallel("overlapped")),
         ("14 tensor parallel (final loss)", world_size, TOLERANCE[False], tensor_parallel(False)),
         ("14 sequence parallel (final loss)", world_size, TOLERANCE[False], tensor_parallel(True)),
+        ("15 pipeline, 1F1B", stages, TOLERANCE[False], pipeline),
     ]
     return [_row(*case) for case in cases]
 

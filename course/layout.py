@@ -26,6 +26,7 @@ STUDENT_FILES = (
     "cost.py",
     "fsdp.py",
     "tp.py",
+    "pp.py",
 )
 STUDENT_MODULES = tuple(name[: -len(".py")] for name in STUDENT_FILES)
 

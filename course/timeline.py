@@ -3,6 +3,8 @@
 `python mydp.py --world-size 2 --timeline step.svg` records one step of MyDP and one of
 OverlappedDP on every rank and draws them one above the other: a lane for computation and a lane
 for communication per rank, so that overlap is something to see (exercise 6's handout shows it).
+`python pp.py --world-size 4 --timeline pp.svg` draws one lane per pipeline stage instead: each
+micro-batch's forward and backward (``Spans``), and between them the stage's idle time.
 
 The events come from the step itself, with nothing added to the code under test: the recorder's own
 gradient hooks, registered before the wrapper's so that they run first (a gradient is computed), the
@@ -85,6 +87,36 @@ class _Waited:
         return getattr(self._work, name)
 
 
+class Spans:
+    """Times calls as spans: ``fn = spans.timed(fn, "forward", "F")`` notes each call of fn, labelled
+    F and its first argument (a micro-batch's number), in seconds from the last ``restart()``."""
+
+    def __init__(self):
+        self.events: list = []
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.events = time.perf_counter(), []
+
+    def timed(self, fn, kind: str, prefix: str):
+        def timed_call(*args, **kwargs):
+            begin = time.perf_counter() - self.start
+            result = fn(*args, **kwargs)
+            self.events.append(
+                {"kind": kind, "start": begin, "end": time.perf_counter() - self.start, "label": f"{prefix}{args[0]}"}
+            )
+            return result
+
+        return timed_call
+
+
+def idle_fractions(runs: list) -> list:
+    """For the events of each rank (``Spans``, one shared start): the fraction of the step, from the
+    start to the last event's end on any rank, that the rank spent in none of its spans."""
+    length = max(e["end"] for events in runs for e in events)
+    return [1 - sum(e["end"] - e["start"] for e in events) / length for events in runs]
+
+
 def record_step(model_fn, wrap, x, y, warmup: int = 3) -> list:
     """Run on every rank: a few steps to warm up, then one step recorded; its events, in seconds."""
     model = model_fn()
@@ -129,13 +161,21 @@ def by_wrapper(per_rank: list) -> dict:
 
 _COLOURS = {"forward": "#8fb8de", "backward": "#4f81bd", "step": "#9bbb59", "allreduce": "#f79646", "grad": "#c0504d"}
 
+# The lanes of each rank: (name, the kinds of event drawn in it), and the legend under them.
+DATA_PARALLEL_LANES = (("compute", ("forward", "backward", "step")), ("all-reduce", ("allreduce",)))
+DATA_PARALLEL_LEGEND = (
+    "forward, backward (blue), optimizer step (green), all-reduce (orange), gradient ready (red line)"
+)
+PIPELINE_LANES = (("stage", ("forward", "backward")),)
+PIPELINE_LEGEND = "forward Fi (light blue), backward Bi (dark blue) of micro-batch i; white: the stage is idle"
 
-def svg(traces: dict, title: str) -> str:
-    """traces: {name: [events of rank 0, events of rank 1, ...]}; one panel per name, two lanes per rank."""
+
+def svg(traces: dict, title: str, lanes: tuple = DATA_PARALLEL_LANES) -> str:
+    """traces: {name: [events of rank 0, events of rank 1, ...]}; one panel per name, `lanes` per rank."""
     width, left, lane, gap = 900, 150, 18, 6
     longest = max(e["end"] for runs in traces.values() for events in runs for e in events) or 1e-6
     scale = (width - left - 20) / longest
-    rows = sum(2 * len(runs) + 1 for runs in traces.values())
+    rows = sum(len(lanes) * len(runs) + 1 for runs in traces.values())
     height = 40 + rows * (lane + gap) + 30
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif"'
@@ -147,7 +187,7 @@ def svg(traces: dict, title: str) -> str:
         out.append(f'<text x="10" y="{y + 12}" font-weight="bold">{html.escape(name)}</text>')
         y += lane + gap
         for rank, events in enumerate(runs):
-            for lane_name, kinds in (("compute", ("forward", "backward", "step")), ("all-reduce", ("allreduce",))):
+            for lane_name, kinds in lanes:
                 out.append(f'<text x="10" y="{y + 12}">rank {rank} {lane_name}</text>')
                 for e in (e for e in events if e["kind"] in kinds):
                     x, w = left + e["start"] * scale, max(1.0, (e["end"] - e["start"]) * scale)
@@ -156,6 +196,10 @@ def svg(traces: dict, title: str) -> str:
                         f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{lane}" fill="{_COLOURS[e["kind"]]}"'
                         f' stroke="#333" stroke-width="0.3"><title>{tip}</title></rect>'
                     )
+                    if lanes is PIPELINE_LANES and w >= 8 * len(e["label"]):  # a micro-batch's name, where it fits
+                        out.append(
+                            f'<text x="{x + w / 2:.1f}" y="{y + 13}" text-anchor="middle">{html.escape(e["label"])}</text>'
+                        )
                 if lane_name == "compute":
                     for e in (e for e in events if e["kind"] == "grad"):
                         x = left + e["start"] * scale
@@ -168,15 +212,15 @@ def svg(traces: dict, title: str) -> str:
     for t in ticks:
         x = left + t * scale
         out.append(f'<text x="{x:.1f}" y="{y + 12}" text-anchor="middle">{t * 1e3:.1f} ms</text>')
-    legend = "forward, backward (blue), optimizer step (green), all-reduce (orange), gradient ready (red line)"
+    legend = PIPELINE_LEGEND if lanes is PIPELINE_LANES else DATA_PARALLEL_LEGEND
     out.append(f'<text x="{left}" y="{y + 28}">{legend}</text>')
     out.append("</svg>")
     return "\n".join(out)
 
 
-def write(path: str, traces: dict, title: str) -> None:
+def write(path: str, traces: dict, title: str, lanes: tuple = DATA_PARALLEL_LANES) -> None:
     """The picture, as SVG: a browser opens it, and no plotting library is needed."""
     if not path.endswith(".svg"):
         raise SystemExit(f"--timeline writes SVG: name the file .svg (got {path})")
     with open(path, "w") as f:
-        f.write(svg(traces, title))
+        f.write(svg(traces, title, lanes))

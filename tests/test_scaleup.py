@@ -474,9 +474,10 @@ def test_gpu_check_compares_every_case():
         "6 OverlappedDP, 1 MiB buckets",
         "14 tensor parallel (final loss)",
         "14 sequence parallel (final loss)",
+        "15 pipeline, 1F1B",
     ]
     assert all(row.ok for row in rows), gpu_check.report(rows, "CPU")
-    assert "10 of 10 cases agree with the CPU." in gpu_check.report(rows, "CPU")
+    assert "11 of 11 cases agree with the CPU." in gpu_check.report(rows, "CPU")
     assert "COURSE_DEVICE" not in os.environ, "the check should leave this process's device as it found it"
     assert torch.backends.cuda.matmul.fp32_precision == "none", "and its float32 precision"
 
@@ -492,10 +493,10 @@ def test_gpu_check_keeps_the_table_when_a_case_fails(tmp_path):
     )
     rows = gpu_check.compare("cpu", 2, small_config(impl.load(SOLUTIONS).mlp), folder)
     failed = [row.case for row in rows if not row.ok]
-    assert failed == ["5 ring all-reduce"] and len(rows) == 10, gpu_check.report(rows, "CPU")
+    assert failed == ["5 ring all-reduce"] and len(rows) == 11, gpu_check.report(rows, "CPU")
     text = gpu_check.report(rows, "CPU")
     assert "failed, see below" in text and "lost the ring" in text and "rank 1" in text, text
-    assert "9 of 10 cases agree with the CPU." in text, text
+    assert "10 of 11 cases agree with the CPU." in text, text
 
 
 def test_ieee_float32_pins_and_restores():

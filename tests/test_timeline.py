@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from course import timeline
-from tests.helpers import CONFIG, SMALL_BUCKET_MB, SmallMLP, global_batch, load, world
+from tests.helpers import CONFIG, SMALL, SMALL_BUCKET_MB, SmallMLP, global_batch, load, world
 
 
 def steps(folder):
@@ -50,3 +50,27 @@ def test_the_recorder_leaves_the_process_group_as_it_was():
     with timeline.Recorder(SmallMLP()):
         assert vars(torch.distributed.ProcessGroup)["allreduce"] is not allreduce
     assert vars(torch.distributed.ProcessGroup)["allreduce"] is allreduce
+
+
+def pipeline_step(folder, schedule):
+    """Probe: the reference's one recorded step of a pipeline (`python pp.py --timeline`), SMALL's MLP."""
+    ex = load(folder)
+    return ex.pp.record_step(ex.mlp.ModelConfig(**SMALL), schedule, 4, warmup=1)
+
+
+def test_a_pipeline_step_is_recorded_and_drawn(impl_dir, tmp_path):
+    """`python pp.py --timeline pp.svg`: each stage's forwards and backwards, as spans in the schedule's order."""
+    traces = {name: world(pipeline_step, 2, impl_dir, name) for name in ("gpipe", "1f1b")}
+    orders = {"gpipe": ["F0 F1 F2 F3 B3 B2 B1 B0"] * 2, "1f1b": ["F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"]}
+    for name, runs in traces.items():
+        assert [" ".join(e["label"] for e in events) for events in runs] == orders[name], runs
+        for events in runs:
+            assert all(a["start"] <= a["end"] <= b["start"] for a, b in zip(events, events[1:])), events
+        assert all(0 <= idle < 1 for idle in timeline.idle_fractions(runs))
+    path = tmp_path / "pp.svg"
+    timeline.write(str(path), traces, "one step on 2 stages", lanes=timeline.PIPELINE_LANES)
+    drawing = ET.parse(path).getroot()
+    labels = [t.text for t in drawing.iter("{http://www.w3.org/2000/svg}text")]
+    assert labels.count("rank 1 stage") == 2 and "gpipe" in labels and "1f1b" in labels, labels
+    rects = list(drawing.iter("{http://www.w3.org/2000/svg}rect"))
+    assert len(rects) == sum(len(events) for runs in traces.values() for events in runs)

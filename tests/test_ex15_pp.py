@@ -1,0 +1,465 @@
+"""Exercise 15: pipeline parallelism, GPipe and 1F1B, from point-to-point messages.
+
+The probes run the student's Pipeline on the tests' own stages (OwnStage: a six-layer MLP cut by
+the judge's rule) and record what happens through the tests' own instrumentation, never by asking
+the student's code: a forward pre-hook names each forward by the micro-batch its input belongs
+to, a hook on each forward's output notes that micro-batch's backward, saved-tensor hooks count
+the micro-batches whose activations autograd keeps, and CommLog notes every message. The judge
+recomputes the rest: the textbook orders, one process on the whole batch, and torch's own
+pipelining (PipelineStage with ScheduleGPipe and Schedule1F1B) on the same stages.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from course.launch import WorldFailed, run
+from tests.comm_log import CommLog
+from tests.helpers import forward_from, load
+
+WIDTHS = [12, 10, 10, 10, 10, 10, 4]  # six layers: 4 stages hold 2, 2, 1 and 1 of them
+HIDDEN = 10  # the width of every activation that travels between stages
+ROWS = 24  # a batch: 2, 4, 6 or 8 micro-batches of equal size
+LR = 0.2
+# (p stages, [m micro-batches, ...]): (3, 2) has fewer micro-batches than stages. One world call per p.
+ORDER_CASES = [(2, [4]), (3, [6, 2]), (4, [8])]
+NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+
+
+def layers_by_rule(n_layers, p):
+    """The judge's cut: p runs of consecutive layers, as even as possible, the first ones longer."""
+    cuts = [s * (n_layers // p) + min(s, n_layers % p) for s in range(p + 1)]
+    return [list(range(a, b)) for a, b in zip(cuts, cuts[1:])]
+
+
+def initial_weights():
+    g = torch.Generator().manual_seed(15)
+    return [torch.randn(b, a, generator=g) / a**0.5 for a, b in zip(WIDTHS, WIDTHS[1:])]
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(150 + step)
+    return torch.randn(ROWS, WIDTHS[0], generator=g), torch.randint(0, WIDTHS[-1], (ROWS,), generator=g)
+
+
+class OwnStage(nn.Module):
+    """Layers `layers` of the tests' MLP, with tanh after each but the model's last."""
+
+    def __init__(self, weights, layers):
+        super().__init__()
+        self.first = layers[0]
+        self.ends_model = layers[-1] == len(weights) - 1
+        self.weights = nn.ParameterList(nn.Parameter(weights[k].clone()) for k in layers)
+
+    def forward(self, x):
+        for k, weight in enumerate(self.weights):
+            x = x @ weight.T
+            if not (self.ends_model and k == len(self.weights) - 1):
+                x = torch.tanh(x)
+        return x
+
+
+def stage_of(p, rank):
+    weights, layers = initial_weights(), layers_by_rule(len(WIDTHS) - 1, p)[rank]
+    return OwnStage(weights, layers), weights, layers
+
+
+# --- the instrumentation: what a probe records, whatever the student's code does -------------------
+
+
+class NoGradientBack(RuntimeError):
+    """Raised by the tests' hook, in the student's forward: a stage's received input asks for no gradient."""
+
+
+class Saved:
+    """A tensor that autograd keeps for a backward, counted for its micro-batch while it lives."""
+
+    def __init__(self, tensor, label, recorder):
+        self.tensor, self.label, self.recorder = tensor, label, recorder
+        recorder.live[label] = recorder.live.get(label, 0) + 1
+        recorder.peak = max(recorder.peak, sum(1 for n in recorder.live.values() if n))
+
+    def __del__(self):
+        self.recorder.live[self.label] -= 1
+
+
+class Recorder:
+    """On one rank: each forward and backward of the stage, by micro-batch, and the most micro-batches
+    whose activations autograd kept at once. `with recorder:` around the student's run."""
+
+    def __init__(self, stage, expected_inputs):
+        self.events, self.live, self.peak, self.current = [], {}, 0, None
+        self.expected = expected_inputs  # what the stage's forward i receives
+        stage.register_forward_pre_hook(self._forward_starts)
+        stage.register_forward_hook(self._forward_ends)
+
+    def _which(self, x):
+        found = [i for i, e in enumerate(self.expected) if x.shape == e.shape and torch.allclose(x, e, atol=1e-5)]
+        return found[0] if found else "?"
+
+    def _forward_starts(self, stage, args):
+        (x,) = args
+        self.current = self._which(x.detach())
+        self.events.append(("F", self.current))
+        if stage.first > 0 and not x.requires_grad:
+            raise NoGradientBack(f"stage input of micro-batch {self.current} asks for no gradient")
+
+    def _forward_ends(self, stage, args, output):
+        label = self.current
+        if output.requires_grad:
+            output.register_hook(lambda grad: self.events.append(("B", label)))
+
+    def __enter__(self):
+        pack = lambda tensor: Saved(tensor, self.current, self)  # noqa: E731
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved.tensor)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+def textbook(schedule, p, m, s):
+    """The judge's orders. GPipe: every forward, then every backward in reverse order. 1F1B: a
+    forward whenever one is left and the stage holds fewer than p - s micro-batches, else a backward."""
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", m - 1 - i) for i in range(m)]
+    order, forwards, backwards = [], 0, 0
+    while backwards < m:
+        if forwards < m and forwards - backwards < p - s:
+            order.append(("F", forwards))
+            forwards += 1
+        else:
+            order.append(("B", backwards))
+            backwards += 1
+    return order
+
+
+# --- the probes ------------------------------------------------------------------------------------
+
+
+def pipelines(folder, runs):
+    """Probe: each of `runs`, (schedule, m, steps, events_from), through pipeline_steps; what each recorded.
+    Several runs in one call read the student's files once (about 50 ms a call on 4 ranks)."""
+    pp = load(folder).pp
+    return [pipeline_steps(pp, *one) for one in runs]
+
+
+def pipeline_steps(pp, schedule, m, steps, events_from):
+    """`steps` steps of SGD on this rank's OwnStage through the student's Pipeline, with the student's
+    events of `schedule` ("student") or the textbook's ("textbook"); the first step recorded."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    stage, weights, layers = stage_of(p, rank)
+    x0 = batch(0)[0]
+    for k in range(layers[0]):  # what this stage receives: the layers before it, applied
+        x0 = torch.tanh(x0 @ weights[k].T)
+    recorder = Recorder(stage, list(x0.tensor_split(m)))
+    if events_from == "student":
+        events = {"gpipe": pp.gpipe, "1f1b": pp.one_f_one_b}[schedule](m, p, rank)
+    else:
+        events = textbook(schedule, p, m, rank)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
+    out = {"losses": [], "history": []}
+    for step in range(steps):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        with CommLog() as log, recorder:
+            loss = pp.Pipeline(stage, m, (ROWS // m, HIDDEN)).run(
+                events, x if rank == 0 else None, y if rank == p - 1 else None
+            )
+        if step == 0:
+            out["messages"] = [(e.what, e.peer, e.nbytes) for e in log.started()]
+            out["events"] = [list(e) for e in recorder.events]
+            out["peak"] = recorder.peak
+            out["grads"] = [None if w.grad is None else w.grad.clone() for w in stage.weights]
+        out["losses"].append(None if loss is None else float(loss))
+        optimizer.step()
+        out["history"].append([w.detach().clone() for w in stage.weights])
+    return out
+
+
+def with_torch(folder, schedule, m):
+    """Probe: one step of the student's schedule, then one of torch's pipelining on the same stages and
+    batch; what the student's recorded, and this stage's gradients from torch's."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    mine = pipeline_steps(load(folder).pp, schedule, m, 1, "student")
+    rank, p = dist.get_rank(), dist.get_world_size()
+    stage = stage_of(p, rank)[0]
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    runner = kind(PipelineStage(stage, rank, p, torch.device("cpu")), n_microbatches=m, loss_fn=F.cross_entropy)
+    x, y = batch(0)
+    if rank == 0:
+        runner.step(x)
+    elif rank == p - 1:
+        runner.step(target=y)
+    else:
+        runner.step()
+    return mine, [w.grad.clone() for w in stage.weights]
+
+
+def on_pipeline(fn, p, *args):
+    """Run the probe on p ranks (a message no peer answers fails after the checks' collective timeout,
+    COURSE_COLLECTIVE_TIMEOUT, so a hang is reported at once); a failure that shows a known
+    mistake is said as that mistake, any other as the launcher reports it."""
+    try:
+        return run(fn, p, *args, keep=True)
+    except WorldFailed as failed:
+        first = failed.failure.fact(failed.failure.first) if failed.failure.first is not None else None
+        if first is None:
+            raise
+        assert first.error != NoGradientBack.__name__, (
+            f"stage {first.rank} ran its forward on a received activation that asks for no gradient: its"
+            f" backward then computes no gradient to send back to stage {first.rank - 1} (requires_grad_()"
+            " on what arrives, before the forward)"
+        )
+        # torch's words for a backward from a tensor that has no graph
+        assert "does not require grad and does not have a grad_fn" not in first.message, (
+            f"stage {first.rank}'s backward started from a tensor with no graph ({first.where()}): keep the"
+            " output the forward computed for the backward (a detached copy is for sending, not for keeping)"
+        )
+        raise
+
+
+def one_process(steps):
+    """The judge's run: the whole MLP in one process, SGD on each step's whole batch. Its loss and
+    gradients of the first step, and the weights after each step."""
+    weights = [w.clone().requires_grad_() for w in initial_weights()]
+    optimizer = torch.optim.SGD(weights, lr=LR)
+    losses, history, grads = [], [], None
+    for step in range(steps):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(forward_from(weights, x), y)
+        loss.backward()
+        if step == 0:
+            grads = [w.grad.clone() for w in weights]
+        losses.append(float(loss.detach()))
+        optimizer.step()
+        history.append([w.detach().clone() for w in weights])
+    return losses, grads, history
+
+
+def close(got, expected):
+    return torch.allclose(got, expected, rtol=1e-4, atol=1e-6)
+
+
+# --- the checks ------------------------------------------------------------------------------------
+
+LAYER_CASES = [(6, 4), (6, 2), (7, 3), (4, 4), (5, 1), (9, 4)]
+
+
+def stage_cuts(folder):
+    """Probe: stage_layers on every case, as lists (a pure function: rank 0's answer is enough)."""
+    pp = load(folder).pp
+    return [[list(r) for r in pp.stage_layers(n, p)] for n, p in LAYER_CASES]
+
+
+def check_stage_layers(folder):
+    got = on_pipeline(stage_cuts, 2, folder)[0]  # the world of 2 that the order check keeps
+    for (n, p), mine in zip(LAYER_CASES, got):
+        where = f"stage_layers({n}, {p}) returned {[f'range({r[0]}, {r[-1] + 1})' if r else 'range(0)' for r in mine]}"
+        held = [k for layers in mine for k in layers]
+        twice = sorted({k for k in held if held.count(k) > 1})
+        assert not twice, f"{where}: layer {twice[0]} is in two stages: the stages must not overlap"
+        assert len(mine) == p, f"{where}: one run of layers per stage, {p} of them"
+        assert sorted(held) == list(range(n)), f"{where}: every layer, 0 to {n - 1}, belongs to a stage"
+        assert held == list(range(n)), f"{where}: stage s holds the s-th run of consecutive layers, in order"
+        expected = layers_by_rule(n, p)
+        assert mine == expected, (
+            f"{where}: the runs as even as possible, the first {n} % {p} = {n % p} of them one layer longer"
+        )
+
+
+def runs_on(p, folder, runs):
+    """The student's pipelines on p ranks: for each of `runs`, what each stage recorded."""
+    by_rank = on_pipeline(pipelines, p, folder, runs)
+    return [[mine[k] for mine in by_rank] for k in range(len(runs))]
+
+
+def check_order(folder, schedule):
+    """On every stage, the forwards and backwards that the tests' hooks saw come in the textbook's order."""
+    for p, ms in ORDER_CASES:
+        for m, stages in zip(ms, runs_on(p, folder, [(schedule, m, 1, "student") for m in ms])):
+            for s, got in enumerate(stages):
+                judge_order(schedule, p, m, s, [tuple(e) for e in got["events"]])
+
+
+def judge_order(schedule, p, m, s, events):
+    name, expected = NAMES[schedule], textbook(schedule, p, m, s)
+    forwards = [i for kind, i in events if kind == "F"]
+    backwards = [i for kind, i in events if kind == "B"]
+    where = f"{name} with p={p} stages and m={m} micro-batches: stage {s} ran {' '.join(f'{k}{i}' for k, i in events)}"
+    assert "?" not in forwards, (
+        f"{where}: a forward's input was no micro-batch's activation (F?): forward i runs on micro-batch i's"
+        " activation, received from the stage before"
+    )
+    assert sorted(forwards) == list(range(m)) == sorted(backwards), (
+        f"{where}: each micro-batch needs one forward and one backward on every stage"
+    )
+    assert forwards == list(range(m)), f"{where}: the forwards run in micro-batch order"
+    if schedule == "gpipe":
+        assert not (m > 1 and backwards == list(range(m))), (
+            f"{where}: the backwards ran in forward order; GPipe's run in reverse order, micro-batch {m - 1} first"
+            " (the handout's order; torch's ScheduleGPipe runs them in forward order)"
+        )
+    else:
+        warmup, before = min(p - s - 1, m), events.index(("B", backwards[0]))
+        assert before == min(p - s, m), (
+            f"{where}: {before} forwards before the first backward; stage {s} of {p} runs min(p - s - 1, m) ="
+            f" {warmup} warm-up forwards, then one forward and one backward in turn"
+        )
+    assert events == expected, f"{where}; {name} runs {' '.join(f'{k}{i}' for k, i in expected)}"
+
+
+MEMORY_CASE = (3, [6, 2])  # p = 3 stages; with 2 micro-batches, fewer than stages
+
+
+def check_memory(folder, schedule):
+    """The micro-batches whose activations autograd holds at once: m under GPipe, at most p - s under 1F1B."""
+    p, ms = MEMORY_CASE
+    for m, stages in zip(ms, runs_on(p, folder, [(schedule, m, 1, "student") for m in ms])):
+        for s, got in enumerate(stages):
+            where = f"{NAMES[schedule]} with p={p} stages and m={m} micro-batches: stage {s} held"
+            if schedule == "gpipe":
+                assert got["peak"] == m, (
+                    f"{where} the activations of {got['peak']} micro-batches at once: GPipe keeps all {m} until"
+                    " the backwards"
+                )
+            else:
+                assert got["peak"] <= min(p - s, m), (
+                    f"{where} the activations of {got['peak']} micro-batches at once, 1F1B at most p - s ="
+                    f" {p - s}: run each backward as soon as the stages after allow, and let it free what its"
+                    " forward kept (no retain_graph)"
+                )
+
+
+def describe_gradient(s, k, got, expected, m, whose="one process's on the whole batch"):
+    """A sentence about how a stage's gradient of layer k differs from the expected one."""
+    ratio = ((got * expected).sum() / (expected * expected).sum()).item()
+    if close(got, expected * ratio) and abs(ratio - m) < 1e-3 * m:
+        return (
+            f"stage {s}'s gradient of layer {k} is {ratio:.1f}x {whose}, m = {m}: scale each micro-batch's"
+            " loss by 1/m, so that the m backwards add up to the batch's mean"
+        )
+    if close(got, expected * ratio) and abs(ratio - 1) > 1e-3:
+        return f"stage {s}'s gradient of layer {k} is {ratio:.2f}x {whose}"
+    return f"stage {s}'s gradient of layer {k} differs from {whose}"
+
+
+def check_gradients(folder, schedule):
+    """After one step on the textbook's order, every stage's gradients and the loss equal one process's."""
+    p, m = 4, 8
+    losses, grads, _ = one_process(1)
+    (stages,) = runs_on(p, folder, [(schedule, m, 1, "textbook")])
+    where = f"{NAMES[schedule]} with p={p} stages and m={m} micro-batches"
+    for s, got in enumerate(stages):
+        for k, g in zip(layers_by_rule(len(WIDTHS) - 1, p)[s], got["grads"]):
+            assert g is not None, (
+                f"{where}: stage {s}'s layer {k} got no gradient: its backward must run through the stage"
+            )
+            assert close(g, grads[k]), f"{where}: " + describe_gradient(s, k, g, grads[k], m)
+    loss = stages[-1]["losses"][0]
+    assert loss is not None and abs(loss - losses[0]) < 1e-5, (
+        f"{where}: run returned the loss {loss} on the last stage, one process's on the whole batch is"
+        f" {losses[0]:.6f}: the sum of the micro-batches' scaled losses"
+    )
+    for s, got in enumerate(stages[:-1]):
+        assert got["losses"][0] is None, f"{where}: run returned {got['losses'][0]} on stage {s}, None before the last"
+
+
+def check_training(folder, steps=3):
+    """Three steps of SGD through the student's 1F1B train as one process on the whole batches."""
+    p, m = 3, 6
+    _, _, expected = one_process(steps)
+    (stages,) = runs_on(p, folder, [("1f1b", m, steps, "student")])
+    for step in range(steps):
+        for s, got in enumerate(stages):
+            for k, w in zip(layers_by_rule(len(WIDTHS) - 1, p)[s], got["history"][step]):
+                assert close(w, expected[step][k]), (
+                    f"after step {step} of 1F1B with p={p} stages and m={m} micro-batches, stage {s}'s layer {k}"
+                    " differs from one process trained on the whole batches"
+                )
+
+
+def check_messages(folder):
+    """One message per micro-batch each way between neighbours, each one micro-batch's activation or gradient."""
+    p, m = 3, 6
+    nbytes = ROWS // m * HIDDEN * 4
+    (stages,) = runs_on(p, folder, [("1f1b", m, 1, "student")])
+    for s, got in enumerate(stages):
+        where = f"in one step of 1F1B with p={p} stages and m={m} micro-batches, stage {s}"
+        collectives = [what for what, _, _ in got["messages"] if what not in ("send", "recv")]
+        assert not collectives, f"{where} called {collectives[0]}: a pipeline sends point-to-point messages only"
+        for what, peer, size in got["messages"]:
+            assert size == nbytes, (
+                f"{where} started a {what} of {size} bytes {'to' if what == 'send' else 'from'} rank {peer}: every"
+                f" message is one micro-batch's activation or gradient, {ROWS // m}x{HIDDEN} float32 ({nbytes} bytes)"
+            )
+        expected = {(what, peer): m for what in ("send", "recv") for peer in (s - 1, s + 1) if 0 <= peer < p}
+        for what, peer in sorted(expected.keys() | {e[:2] for e in got["messages"]}):
+            count = sum(1 for e in got["messages"] if e[:2] == (what, peer))
+            assert count == expected.get((what, peer), 0), (
+                f"{where} started {count} {what}s {'to' if what == 'send' else 'from'} rank {peer}, a pipeline"
+                f" {expected.get((what, peer), 0)}: one each way per micro-batch between neighbours, and no message"
+                " for shapes (they are agreed in advance)"
+            )
+
+
+def check_matches_torch(folder, schedule):
+    """torch's PipelineStage with ScheduleGPipe or Schedule1F1B gives each stage the same gradients."""
+    p, m = 3, 6
+    where = f"{NAMES[schedule]} with p={p} stages and m={m} micro-batches"
+    whose = f"torch's PipelineStage with Schedule{NAMES[schedule]}'s on the same stages"
+    for s, (got, expected) in enumerate(on_pipeline(with_torch, p, folder, schedule, m)):
+        for k, g, t in zip(layers_by_rule(len(WIDTHS) - 1, p)[s], got["grads"], expected):
+            assert g is not None, f"{where}: stage {s}'s layer {k} got no gradient, its {whose.replace('s on', ' on')}"
+            assert close(g, t), f"{where}: " + describe_gradient(s, k, g, t, m, whose)
+
+
+@pytest.mark.points(2)
+def test_stage_layers(impl_dir):
+    check_stage_layers(impl_dir)
+
+
+def by_schedule(gpipe: int, one_f_one_b: int):
+    """A check's two cases, GPipe and 1F1B, with their points."""
+    return pytest.mark.parametrize(
+        "schedule",
+        [
+            pytest.param("gpipe", marks=pytest.mark.points(gpipe)),
+            pytest.param("1f1b", marks=pytest.mark.points(one_f_one_b)),
+        ],
+    )
+
+
+@by_schedule(3, 4)
+def test_order(impl_dir, schedule):
+    check_order(impl_dir, schedule)
+
+
+@by_schedule(2, 3)
+def test_memory(impl_dir, schedule):
+    check_memory(impl_dir, schedule)
+
+
+@by_schedule(3, 3)
+def test_gradients(impl_dir, schedule):
+    check_gradients(impl_dir, schedule)
+
+
+@pytest.mark.points(2)
+def test_training(impl_dir):
+    check_training(impl_dir)
+
+
+@pytest.mark.points(3)
+def test_messages(impl_dir):
+    check_messages(impl_dir)
+
+
+@by_schedule(2, 3)
+def test_matches_torch(impl_dir, schedule):
+    check_matches_torch(impl_dir, schedule)
