@@ -7,30 +7,21 @@ SETUP := $(PYTHON) -m course setup
 # Workers share the cores: see course/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help setup notebooks demo test lint grade student release autograde gradescope bench bench-launch bench-grade bench-cost bench-zero bench-fsdp bench-tp bench-pp gpu-check non-iid
+.PHONY: help setup notebooks demo test lint grade student release autograde gradescope classroom bench bench-launch bench-grade bench-cost bench-zero bench-fsdp bench-tp bench-pp gpu-check non-iid
 
-help:
+# The students' part of `make help`; the instructors' repository (with solutions/) adds its own below.
+help::
 	@echo "make setup    make .venv with what the .py exercises and grading need"
-	@echo "make notebooks  also JupyterLab, to open exercises/*.ipynb"
-	@echo "make demo     run every reference solution on CPU (not in the students' copy)"
-	@echo "make test     the test suite: the reference solutions and the repository's own checks"
-	@echo "make lint     ruff: the checks and the formatting of pyproject.toml (instructors)"
+	@echo "make notebooks  also JupyterLab (to open exercises/*.ipynb) and matplotlib (the plots)"
 	@echo "make grade    grade your exercise files: mlp.py, dist.py, ... (EX=2 for one exercise, EX=\"6 7\" for two)"
 	@echo "make non-iid  exercise 9's experiment: IID or label-disjoint shards, synchronous or local SGD (non_iid.png, .json)"
-	@echo "make student  regenerate the student files (mlp.py, dist.py, ...) and exercises/*.ipynb from solutions/"
-	@echo "make release DEST=dir          instructors: write the students' copy (no solutions)"
-	@echo "make gradescope                instructors: autograder.zip, a Gradescope autograder (EX=\"6 7\": this week's)"
-	@echo "make autograde SUBMISSIONS=dir instructors: grade one folder per student through nbgrader"
-	@echo "               and write the class report (grading/report.html; python -m course.report grading/)"
-	@echo "make bench    step time of DDP and MyDP variants, ring all-reduce against gloo (bench/)"
+	@echo "make bench    step time of DDP and MyDP variants, ring all-reduce against gloo (exercises 4-6)"
 	@echo "make bench-launch  what starting a world of workers costs, per start method"
-	@echo "make bench-grade   how long make grade takes, per exercise and in all, against its targets"
 	@echo "make bench-cost    exercise 12's cost model: predicted against measured steps of MyDP and OverlappedDP"
 	@echo "make bench-zero    optimizer-state bytes per rank and step time of sharded Adam (exercise 11)"
 	@echo "make bench-fsdp    bytes per rank and step time of DDP, ZeRO-1, -2, -3 and torch's fully_shard (exercise 13)"
 	@echo "make bench-tp      tensor against data parallelism by batch size, measured and predicted (exercise 14)"
 	@echo "make bench-pp      a pipeline's idle fraction against (p - 1)/(m + p - 1), step time of GPipe and 1F1B (exercise 15)"
-	@echo "make gpu-check  every reference solution on this machine's GPUs, compared with the CPU (ARGS=mlp.py flags)"
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(SETUP)
@@ -50,10 +41,48 @@ non-iid: $(VENV)/.installed
 grade: $(VENV)/.installed
 	@$(PY) -m course grade $(foreach e,$(EX),--ex $(e))
 
+# The benchmarks measure the reference solutions where there are some, else your own files
+# (course/impl.py); they plot with matplotlib where it is installed (make notebooks).
+bench: $(VENV)/.installed
+	$(PY) bench/overlap.py
+
+bench-launch: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(PY) bench/launch_cost.py
+
+bench-cost: $(VENV)/.installed
+	$(PY) bench/cost.py
+
+bench-zero: $(VENV)/.installed
+	$(PY) bench/zero.py
+
+bench-fsdp: $(VENV)/.installed
+	$(PY) bench/fsdp.py
+
+bench-tp: $(VENV)/.installed
+	$(PY) bench/tp.py
+
+bench-pp: $(VENV)/.installed
+	$(PY) bench/pp.py
+
 # Targets that need solutions/. The students' copy (make release) has none: there `make test` is
 # `make grade`, and the others are not defined.
 ifneq ($(wildcard solutions/.),)
-# Instructors get everything: nbgrader for the notebooks' grading, matplotlib for the bench plot.
+help::
+	@echo ""
+	@echo "Instructors (this repository, with solutions/):"
+	@echo "make demo     run every reference solution on CPU"
+	@echo "make test     the test suite: the reference solutions and the repository's own checks"
+	@echo "make lint     ruff: the checks and the formatting of pyproject.toml"
+	@echo "make student  regenerate the student files (mlp.py, dist.py, ...) and exercises/*.ipynb from solutions/"
+	@echo "make release DEST=dir          write the students' copy (no solutions)"
+	@echo "make gradescope                autograder.zip, a Gradescope autograder (EX=\"6 7\": this week's)"
+	@echo "make classroom DEST=dir TEMPLATE=owner/name  GitHub Classroom's grading workflow into a release (REF=, EX=)"
+	@echo "make autograde SUBMISSIONS=dir grade one folder per student through nbgrader"
+	@echo "               and write the class report (grading/report.html; python -m course.report grading/)"
+	@echo "make bench-grade   how long make grade takes, per exercise and in all, against its targets"
+	@echo "make gpu-check  every reference solution on this machine's GPUs, compared with the CPU (ARGS=mlp.py flags)"
+
+# Instructors get everything: nbgrader for the notebooks' grading, ruff for lint.
 $(VENV)/.instructors: requirements-instructors.txt $(VENV)/.notebooks
 	$(SETUP) --instructors
 
@@ -84,12 +113,6 @@ lint: $(VENV)/.instructors
 student: $(VENV)/.installed
 	$(PY) -m course.student
 
-bench: $(VENV)/.instructors
-	$(PY) bench/overlap.py
-
-bench-cost: $(VENV)/.instructors
-	$(PY) bench/cost.py
-
 bench-grade: $(VENV)/.installed
 	$(PY) bench/grade_time.py
 
@@ -100,28 +123,21 @@ release: $(VENV)/.instructors
 gradescope: $(VENV)/.instructors
 	$(PY) -m course.gradescope build autograder.zip $(foreach e,$(EX),--ex $(e))
 
+# GitHub Classroom (course/classroom.py, docs/classroom.md): the workflow, into the release at DEST that
+# becomes the template repository TEMPLATE; its checks at REF (a tag of the release) grade.
+classroom: $(VENV)/.installed
+	$(PY) -m course.classroom $(DEST) --template $(TEMPLATE) $(if $(REF),--ref $(REF)) $(foreach e,$(EX),--ex $(e))
+
 # Grades, gradebook and feedback go to OUT (default grading/); EX="2 4" grades only those exercises.
 OUT ?= grading
 autograde: $(VENV)/.instructors
 	$(PY) -m course.autograde $(SUBMISSIONS) --out $(OUT) $(foreach e,$(EX),--ex $(e))
-else
-test: grade
-endif
-
-bench-launch: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(PY) bench/launch_cost.py
-
-bench-zero: $(VENV)/.installed
-	$(PY) bench/zero.py
-
-bench-fsdp: $(VENV)/.installed
-	$(PY) bench/fsdp.py
-
-bench-tp: $(VENV)/.installed
-	$(PY) bench/tp.py
-
-bench-pp: $(VENV)/.installed
-	$(PY) bench/pp.py
 
 gpu-check: $(VENV)/.installed
 	$(PY) -m course.gpu_check $(ARGS)
+else
+help::
+	@echo "make test     the same as make grade"
+
+test: grade
+endif

@@ -1,4 +1,4 @@
-# Your copy of exercise code: fill in every TODO. Made from solutions/cost.py by `make student`.
+# Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
 """Exercise 12: a cost model of data parallelism that predicts, checked against this machine.
 
     python cost.py                  # measure on 2 ranks, fit, predict, and compare with a real run

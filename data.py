@@ -1,4 +1,4 @@
-# Your copy of exercise code: fill in every TODO. Made from solutions/data.py by `make student`.
+# Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
 """Exercise 8: split the data by fractions, weigh the gradients by shard, and end uneven shards cleanly.
 
     python data.py --world-size 2                  # shards of 0.7 and 0.3, batches in proportion

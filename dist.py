@@ -1,4 +1,4 @@
-# Your copy of exercise code: fill in every TODO. Made from solutions/dist.py by `make student`.
+# Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
 """Exercises 2 and 5: multiply matrices across workers with collectives; all-reduce around a ring.
 
     python dist.py                   # two workers

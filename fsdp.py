@@ -1,4 +1,4 @@
-# Your copy of exercise code: fill in every TODO. Made from solutions/fsdp.py by `make student`.
+# Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
 """Exercise 13: fully sharded data parallelism by hand: gradients sharded (ZeRO-2), then parameters too (ZeRO-3).
 
     python fsdp.py --world-size 2          # DDP, ZeRO-1, ZeRO-2, ZeRO-3: bytes per rank, step time, loss

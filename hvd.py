@@ -1,4 +1,4 @@
-# Your copy of exercise code: fill in every TODO. Made from solutions/hvd.py by `make student`.
+# Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
 """Exercise 10: data parallelism from the optimizer's side, the way Horovod does it.
 
     python hvd.py --world-size 2     # Adam with weight decay; the optimizer averages the gradients

@@ -1,4 +1,4 @@
-# Your copy of exercise code: fill in every TODO. Made from solutions/mlp.py by `make student`.
+# Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
 """Exercises 1 and 3: train a toy MLP on one process, then data-parallel with built-in DDP.
 
     python mlp.py                    # exercise 1: one process

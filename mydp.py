@@ -1,4 +1,4 @@
-# Your copy of exercise code: fill in every TODO. Made from solutions/mydp.py by `make student`.
+# Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
 """Exercises 4, 6 and 7: data parallelism by hand, in a wrapper as easy to use as the built-in DDP.
 
     python mydp.py --world-size 2

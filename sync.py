@@ -1,4 +1,4 @@
-# Your copy of exercise code: fill in every TODO. Made from solutions/sync.py by `make student`.
+# Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
 """Exercise 9: what the ranks must agree on besides their gradients.
 
     python sync.py --world-size 2                  # BatchNorm on 2 ranks: per rank, synchronised, one process
@@ -269,5 +269,5 @@ if __name__ == "__main__":
         print(f"wrote {args.non_iid_plot} and {stem}.json")
     except ImportError:
         print(
-            f"wrote {stem}.json; no {args.non_iid_plot}: matplotlib is not installed (python3 -m course setup --instructors)"
+            f"wrote {stem}.json; no {args.non_iid_plot}: matplotlib is not installed (python3 -m course setup --notebooks)"
         )

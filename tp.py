@@ -1,4 +1,4 @@
-# Your copy of exercise code: fill in every TODO. Made from solutions/tp.py by `make student`.
+# Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
 """Exercise 14: tensor and sequence parallelism, forward and backward, built on exercise 2.
 
     python tp.py --world-size 2                        # each rank holds 1/W of every layer

@@ -1,4 +1,4 @@
-# Your copy of exercise code: fill in every TODO. Made from solutions/zero.py by `make student`.
+# Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
 """Exercise 11: shard the optimizer state over the ranks (ZeRO stage 1), and a DDP communication hook.
 
     python zero.py --world-size 2               # sharded Adam: each rank keeps 1/W of its state

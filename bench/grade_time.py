@@ -14,8 +14,7 @@ import sys
 import tempfile
 import time
 
-from course.layout import graded_exercises
-from course.student import ROOT, SOLUTIONS
+from course.layout import ROOT, SOLUTIONS, graded_exercises
 
 REPEAT = int(os.environ.get("REPEAT", 3))
 TARGET_ONE, TARGET_ALL = 5.0, 10.0

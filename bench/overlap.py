@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course import impl
-from course.launch import run
+from course.launch import bench, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD_SIZES = (1, 2, 4)
@@ -177,11 +177,14 @@ def tables(results, ratios):
     return "\n".join(lines)
 
 
-def plot(results, path):
-    import matplotlib
+def plot(results, path) -> bool:
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
 
     model_names = list(results[WORLD_SIZES[0]]["steps"])
     fig, axes = plt.subplots(1, len(model_names) + 1, figsize=(6 * (len(model_names) + 1), 4.5))
@@ -209,6 +212,7 @@ def plot(results, path):
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    return True
 
 
 def main(rounds=4):
@@ -236,9 +240,10 @@ def main(rounds=4):
             f,
             indent=1,
         )
-    plot(results, os.path.join(HERE, "overlap.png"))
-    print(f"wrote bench/overlap.json and bench/overlap.png in {time.perf_counter() - start:.0f} s")
+    drawn = plot(results, os.path.join(HERE, "overlap.png"))
+    also = " and bench/overlap.png" if drawn else " (no matplotlib: no plot)"
+    print(f"wrote bench/overlap.json{also} in {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
-    sys.exit(main(*map(int, sys.argv[1:])))
+    sys.exit(bench(main, *map(int, sys.argv[1:])))

@@ -30,7 +30,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course import impl
-from course.launch import run
+from course.launch import bench, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD_SIZES = (1, 2, 4)
@@ -169,4 +169,4 @@ def main(rounds=3, per_round=4):
 
 
 if __name__ == "__main__":
-    sys.exit(main(*map(int, sys.argv[1:])))
+    sys.exit(bench(main, *map(int, sys.argv[1:])))

@@ -2,6 +2,7 @@
 
     python3 -m course setup [--notebooks | --instructors]   what `make setup` does
     .venv/bin/python -m course grade [--ex N]               what `make grade [EX=N]` does
+    .venv/bin/python -m course grade --fail-under 100       exit status 1 unless every check passed
 
 Python 3.6 must reach setup's version check: this file keeps to 3.6's syntax (tests/test_setup.py).
 """
@@ -46,6 +47,8 @@ def grade(args) -> int:
         problem = f"no exercise {', '.join(map(str, unknown))}; exercises are {min(exercises)}–{max(exercises)}"
         print(problem, file=sys.stderr)
         plugin.write_json("results.json", plugin.not_graded([problem]))
+        if args.github_classroom:
+            plugin.give_github_output(plugin.not_graded([problem]))
         return 2
     chosen = sorted(set(args.ex)) if args.ex else exercises
     checks = [path for n in chosen for path in sorted(glob.glob(os.path.join(ROOT, "tests", f"test_ex{n}_*.py")))]
@@ -57,6 +60,10 @@ def grade(args) -> int:
     # lose the concept a check gives it (course/checks.py's said()), as the notebooks keep it.
     options = ["-p", "no:cacheprovider", "--assert=plain", "--rootdir", ROOT]
     options += ["--grade-processes", str(plugin.processes_here())]
+    if args.fail_under is not None:
+        options += ["--grade-fail-under", str(args.fail_under)]
+    if args.github_classroom:
+        options += ["--grade-github-output"]
     return int(pytest.main([*options, *args.pytest, *checks], plugins=[plugin]))
 
 
@@ -66,6 +73,17 @@ def main(argv=None) -> int:
     commands.required = True  # not an argument of add_subparsers before Python 3.7
     grading = commands.add_parser("grade", help="grade your exercise files (mlp.py, dist.py, ...)")
     grading.add_argument("--ex", type=int, action="append", help="only this exercise (again for more: --ex 6 --ex 7)")
+    grading.add_argument(
+        "--fail-under",
+        type=float,
+        metavar="PERCENT",
+        help="exit status 1 when the score is below PERCENT of the points (100: anything short of full marks)",
+    )
+    grading.add_argument(
+        "--github-classroom",
+        action="store_true",
+        help="also give the grade to GitHub Classroom's grading reporter (a step output, `result`)",
+    )
     grading.add_argument("pytest", nargs="*", help="more options for pytest (after --)")
     grading.set_defaults(run=grade)
     making = commands.add_parser("setup", help="make .venv with what the exercises need")

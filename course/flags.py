@@ -45,7 +45,7 @@ def check_batch_fits(parser, batch_size: int, rows: int) -> None:
 
 def add_launch_arguments(parser) -> None:
     """The command-line flags of ``launch``: where the ranks meet, what they compute on, limits."""
-    group = parser.add_argument_group("where the ranks run (see docs/instructors.md)")
+    group = parser.add_argument_group("where the ranks run (see docs/clusters.md)")
     group.add_argument(
         "--port",
         type=int,

@@ -38,8 +38,7 @@ from dataclasses import dataclass
 import pytest
 
 from course.checks import concept_of, points_of
-from course.layout import STUDENT_FILES
-from course.student import ROOT
+from course.layout import ROOT, STUDENT_FILES
 
 _MODULE = re.compile(r"test_ex(\d+)_\w*\.py")
 
@@ -257,6 +256,38 @@ UNFINISHED = {
 }
 
 
+def classroom(results: dict) -> dict:
+    """results.json's grade as a GitHub Classroom grader's result: what its grading reporter reads
+    (base64 of this JSON, an output `result` of the step that graded): the same score and checks."""
+    tests = [
+        {
+            "name": test["name"],
+            "status": {"passed": "pass", "failed": "fail"}[test["status"]],
+            "score": test["score"],
+            "message": test["output"],
+        }
+        for test in results["tests"]
+    ]
+    graded = all(test["max_score"] > 0 for test in results["tests"]) and tests
+    return {
+        "version": 1,
+        "status": ("pass" if all(t["status"] == "pass" for t in tests) else "fail") if graded else "error",
+        "max_score": sum(test["max_score"] for test in results["tests"]),
+        "tests": tests
+        if graded
+        else [{"name": "The grader", "status": "error", "score": 0, "message": results["output"]}],
+    }
+
+
+def give_github_output(results: dict) -> None:
+    """Append ``result=`` (base64 of ``classroom(results)``) to the file named by $GITHUB_OUTPUT."""
+    import base64
+
+    encoded = base64.b64encode(json.dumps(classroom(results)).encode()).decode()
+    with open(os.environ["GITHUB_OUTPUT"], "a") as f:
+        f.write(f"result={encoded}\n")
+
+
 def not_graded(problems: list) -> dict:
     """results.json of a run that could not grade: it says so, and gives no score as if earned."""
     said = "\n".join(f"GRADER ERROR (not your code): {p}" for p in problems)
@@ -357,6 +388,18 @@ class Fingerprint:
 def pytest_addoption(parser):
     parser.addoption("--grade-results", default="results.json", help="where to write Gradescope's results.json")
     parser.addoption(
+        "--grade-fail-under",
+        type=float,
+        default=None,
+        metavar="PERCENT",
+        help="exit status 1 when the score is below PERCENT of the points (for autograders that read it)",
+    )
+    parser.addoption(
+        "--grade-github-output",
+        action="store_true",
+        help="also give the result to GitHub Classroom's grading reporter (`result` in $GITHUB_OUTPUT)",
+    )
+    parser.addoption(
         "--grade-processes",
         type=int,
         default=1,
@@ -454,6 +497,7 @@ class _Grader:
         self.changed_elsewhere: list = []  # what the other grading processes found changed
         self.sandbox = ""  # the line that says how submission code ran (course/sandbox.py)
         self.interrupted = False
+        self.below = False  # the score is under --fail-under
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session):
@@ -530,19 +574,32 @@ class _Grader:
                 check.message = f"the grader's own files changed while it ran ({changed[0]}{more}): no check counts"
         path = self.config.getoption("grade_results")
         self.interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
+        results = None
         try:
             if self.interrupted:  # Ctrl-C: the checks that ran are no grade
                 write_json(path, not_graded(["grading was interrupted (Ctrl-C) before its checks had all run"]))
             elif self.broken:
                 write_json(path, not_graded(self.broken))
             else:
-                write_results(path, self.final, time.monotonic() - self.started, self.sandbox)
+                results = gradescope(self.final, time.monotonic() - self.started, self.sandbox)
+                write_json(path, results)
         except (OSError, RuntimeError, ValueError) as error:  # ValueError: what was read back is not JSON
             self.broken.append(f"results.json: {error}")
-        if self.broken:
+            results = None
+        if self.config.getoption("grade_github_output"):
+            give_github_output(results if results is not None and not self.broken else not_graded(self.broken))
+        under = self.config.getoption("grade_fail_under")
+        self.below = under is not None and results is not None and self.short_of(results, under)
+        if self.broken or self.below:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         elif exitstatus == pytest.ExitCode.TESTS_FAILED:
             session.exitstatus = pytest.ExitCode.OK
+
+    @staticmethod
+    def short_of(results: dict, percent: float) -> bool:
+        """Whether the score is below ``percent`` of the points; exact for 100 (all of them)."""
+        top = sum(test["max_score"] for test in results["tests"])
+        return results["score"] * 100 < percent * top - 1e-9
 
     def pytest_terminal_summary(self, terminalreporter):
         terminalreporter.write_line("")
@@ -555,6 +612,9 @@ class _Grader:
             terminalreporter.write_line(self.sandbox)
         for problem in self.broken:
             terminalreporter.write_line(f"GRADER ERROR (not your code): {problem}", red=True)
+        if self.below:
+            under = self.config.getoption("grade_fail_under")
+            terminalreporter.write_line(f"Below {under:g}% of the points: exit status 1 (--fail-under).")
         terminalreporter.write_line(f"(Gradescope results: {self.config.getoption('grade_results')})")
 
 

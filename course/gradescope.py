@@ -62,6 +62,7 @@ def build(out: str, exercises: list | None = None) -> str:
     with tempfile.TemporaryDirectory() as folder:
         source = os.path.join(folder, "source")
         release(source)
+        shutil.copyfile(__file__, os.path.join(source, "course", "gradescope.py"))  # run_autograder's own
         scripts = {
             "setup.sh": SETUP,
             "run_autograder": RUN.format(exercises="".join(f" --ex {n}" for n in exercises or [])),

@@ -22,9 +22,11 @@ from course.layout import STUDENT_MODULES as MODULES
 _loaded: dict = {}
 
 
-def selected(default: str = "solutions") -> str:
-    """The folder named by COURSE_IMPL (absolute); `default` when it is not set."""
-    choice = os.environ.get("COURSE_IMPL", default)
+def selected(default: str | None = None) -> str:
+    """The folder named by COURSE_IMPL (absolute). When it is not set, `default`; without one, the
+    reference solutions where there are some (the instructors' repository), else the student files
+    (the students' copy, where the benchmarks then measure the student's own code)."""
+    choice = os.environ.get("COURSE_IMPL") or default or ("solutions" if os.path.isdir(SOLUTIONS) else "student")
     if choice == "solutions":
         return SOLUTIONS
     if choice == "student":

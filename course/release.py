@@ -1,10 +1,12 @@
 """Write the students' copy of the course: ``python -m course.release DEST``.
 
-The copy holds what students need and may see: their four files, the handouts and notebooks,
-the exercise checks with the test helpers, the course package, the Makefile, README and the
-packaging files. It leaves out solutions/, the instructors' tests (the mutant tests need
-solutions/, the others test this repository), CI, and any gradebook or grades. Without
-solutions/ the Makefile's `make test` is `make grade`.
+The copy holds what students need and may see: their files, the handouts and notebooks, the
+exercise checks with the test helpers, the course package less its instructors' modules, the
+benchmarks' scripts, the Makefile, the README less its instructors' parts, the documents it links,
+and the packaging files. It leaves out solutions/, the instructors' tests (the mutant tests need
+solutions/, the others test this repository), their modules and documents, CI, and any gradebook
+or grades. Without solutions/ the Makefile's `make test` is `make grade`, and `make help` lists
+what a student can run; every command the copy names works in it (tests/test_release.py).
 
 ``leaks(dest)`` proves nothing of a solution made it into the copy, in any file: code, handouts
 and notebooks alike. A solution line is any line written inside a solution region of solutions/
@@ -42,17 +44,38 @@ RELEASED = (
     ".gitignore",
     "course/*.py",
     "bench/*.py",
+    "bench/*.png",  # the measurements of docs/benchmarks.md
     "exercises/*.md",
     "exercises/*.ipynb",
     "exercises/*.svg",
     "docs/*.md",  # the README links them
-    "docs/*.png",
     "tests/__init__.py",
     "tests/conftest.py",
     "tests/helpers.py",
     "tests/comm_log.py",
     "tests/test_ex*_*.py",
 )
+
+
+# What serves instructors only: making and grading the course, and their documents.
+INSTRUCTORS_ONLY = (
+    "course/autograde.py",
+    "course/kernels.py",
+    "course/report.py",
+    "course/release.py",
+    "course/gradescope.py",
+    "course/classroom.py",
+    "course/gpu_check.py",
+    "course/student.py",
+    "course/make_notebooks.py",
+    "bench/grade_time.py",
+    "docs/instructors.md",
+    "docs/design.md",
+    "docs/classroom.md",
+)
+
+# A README's parts for instructors stand between these two lines; the copy's README has none of them.
+INSTRUCTORS_BEGIN, INSTRUCTORS_END = "<!-- instructors -->", "<!-- /instructors -->"
 
 
 def released_files(root: str = ROOT) -> list:
@@ -62,6 +85,8 @@ def released_files(root: str = ROOT) -> list:
         dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
         for name in files:
             path = os.path.relpath(os.path.join(folder, name), root)
+            if path in INSTRUCTORS_ONLY:
+                continue
             if any(fnmatch.fnmatch(path, pattern) and path.count(os.sep) == pattern.count("/") for pattern in RELEASED):
                 found.append(path)
     return sorted(found)
@@ -74,7 +99,30 @@ def release(dest: str) -> list:
     for path in files:
         os.makedirs(os.path.dirname(os.path.join(dest, path)), exist_ok=True)
         shutil.copyfile(os.path.join(ROOT, path), os.path.join(dest, path))
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = for_students(f.read())
+    with open(os.path.join(dest, "README.md"), "w", encoding="utf-8") as f:
+        f.write(readme)
     return files
+
+
+def for_students(readme: str) -> str:
+    """The README without its instructors' parts (each between INSTRUCTORS_BEGIN and _END lines)."""
+    kept, inside = [], False
+    for number, line in enumerate(readme.splitlines(keepends=True), 1):
+        if line.strip() == INSTRUCTORS_BEGIN:
+            if inside:
+                raise ValueError(f"README.md:{number}: {INSTRUCTORS_BEGIN} inside an instructors' part")
+            inside = True
+        elif line.strip() == INSTRUCTORS_END:
+            if not inside:
+                raise ValueError(f"README.md:{number}: {INSTRUCTORS_END} without {INSTRUCTORS_BEGIN}")
+            inside = False
+        elif not inside:
+            kept.append(line)
+    if inside:
+        raise ValueError(f"README.md: {INSTRUCTORS_BEGIN} without {INSTRUCTORS_END}")
+    return re.sub(r"\n{3,}", "\n\n", "".join(kept))
 
 
 def text_lines(path: str) -> list:

@@ -1,8 +1,8 @@
 """Set-up: make .venv and install what the course needs, the same way on Linux, macOS and Windows.
 
     python3 -m course setup                 # the .py exercises and grading: torch, numpy, pytest
-    python3 -m course setup --notebooks     # and JupyterLab, to open exercises/*.ipynb
-    python3 -m course setup --instructors   # everything: nbgrader and matplotlib too
+    python3 -m course setup --notebooks     # and JupyterLab (exercises/*.ipynb), matplotlib (plots)
+    python3 -m course setup --instructors   # everything: nbgrader and ruff too
 
 `make setup` and `make notebooks` call it; Windows has no make. It runs on whatever Python the
 student has, before anything is installed, so it imports only the standard library and keeps to
@@ -107,14 +107,14 @@ def add_arguments(parser):
         dest="level",
         action="store_const",
         const="notebooks",
-        help="also JupyterLab, for exercises/*.ipynb",
+        help="also JupyterLab (for exercises/*.ipynb) and matplotlib (plots)",
     )
     level.add_argument(
         "--instructors",
         dest="level",
         action="store_const",
         const="instructors",
-        help="everything: nbgrader and matplotlib too",
+        help="everything: nbgrader and ruff too",
     )
     parser.set_defaults(level="students")
 

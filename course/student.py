@@ -22,7 +22,7 @@ LINE_LENGTH = 120  # [tool.ruff] line-length
 _TODO = re.compile(r"TODO\(exercise (\d+)\)")
 _DEF = re.compile(r"^(\s*)(?:async\s+)?(def|class)\s+(\w+)")
 
-HEADER = "# Your copy of exercise code: fill in every TODO. Made from solutions/{name} by `make student`.\n"
+HEADER = "# Your copy of the exercise code: fill in every TODO, then `make grade` checks it.\n"
 
 
 def handout(exercise: int) -> str:
@@ -48,7 +48,7 @@ def _enclosing_name(lines: list, index: int) -> str:
 def stub_source(source: str, name: str) -> str:
     """The student version of one solution file."""
     lines = source.splitlines(keepends=True)
-    out, exercise, i = [HEADER.format(name=name)], None, 0
+    out, exercise, i = [HEADER], None, 0
     while i < len(lines):
         line = lines[i]
         todo = _TODO.search(line)

@@ -299,5 +299,5 @@ if __name__ == "__main__":
         print(f"wrote {args.non_iid_plot} and {stem}.json")
     except ImportError:
         print(
-            f"wrote {stem}.json; no {args.non_iid_plot}: matplotlib is not installed (python3 -m course setup --instructors)"
+            f"wrote {stem}.json; no {args.non_iid_plot}: matplotlib is not installed (python3 -m course setup --notebooks)"
         )

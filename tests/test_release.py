@@ -1,8 +1,22 @@
-"""Instructors only: the students' copy holds no statement of a solution, in any file."""
+"""Instructors only: the students' copy holds no statement of a solution, in any file, and every
+command and link it names works in it."""
 
 import json
+import re
+import subprocess
 
-from course.release import leaks, release, secret_lines, squeeze
+import pytest
+
+from course.release import (
+    INSTRUCTORS_BEGIN,
+    INSTRUCTORS_END,
+    for_students,
+    leaks,
+    release,
+    secret_lines,
+    squeeze,
+    text_lines,
+)
 
 HOOK = "param.register_post_accumulate_grad_hook(partial(self._gradient_ready, bucket))"  # solutions/mydp.py
 
@@ -36,3 +50,66 @@ def test_leak_check_finds_solution_statements_in_handouts_and_notebooks(tmp_path
     assert leaks(str(dest)) == [("exercises/03_ddp.ipynb", f"Hint: {answer} batch.")], (
         "a model answer in a released notebook"
     )
+
+
+# Commands as the copy's text names them: inside `backticks`, or on a line of a code block.
+MAKE = re.compile(r"\bmake ([a-z][\w-]*)")
+SCRIPT = re.compile(r"\bpython3? ((?:[\w./-]+/)?\w+\.py)\b")
+MODULE = re.compile(r"\bpython3? -m ([\w.]+)")
+LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+# Modules of Python or of requirements.txt, not of the course.
+INSTALLED = {"pytest", "pip", "venv", "jupyter", "torch.distributed.run", "nbgrader"}
+
+
+def commands_of(text: str, markdown: bool) -> list:
+    """The command-like snippets of a text: its `spans`, and a markdown text's code lines."""
+    snippets, fenced = re.findall(r"`([^`\n]+)`", text), False
+    for line in text.splitlines() if markdown else ():
+        if line.strip().startswith("```"):
+            fenced = not fenced
+        elif fenced or line.startswith("    "):
+            snippets.append(line)
+    return snippets
+
+
+def test_every_command_and_link_in_the_students_copy_works_there(tmp_path):
+    """What the copy's README, handouts, notebooks, docs and code tell a student to run is there."""
+    dest = tmp_path / "release"
+    release(str(dest))
+    targets, missing = set(), []
+    for path in sorted(p for p in dest.rglob("*") if p.is_file() and p.suffix in (".md", ".ipynb", ".py", "")):
+        text = "\n".join(text_lines(str(path)))
+        where = path.relative_to(dest)
+        for snippet in commands_of(text, path.suffix in (".md", ".ipynb")):
+            targets.update(MAKE.findall(snippet))
+            for script in SCRIPT.findall(snippet):
+                if not (dest / script).exists() and not (dest / "bench" / script).exists():
+                    missing.append(f"{where}: python {script}")
+            for module in MODULE.findall(snippet):
+                parts = module.split(".")
+                found = (dest.joinpath(*parts).with_suffix(".py")).exists() or (
+                    dest.joinpath(*parts) / "__main__.py"
+                ).exists()
+                if not found and module not in INSTALLED:
+                    missing.append(f"{where}: python -m {module}")
+        if path.suffix == ".md":
+            for link in LINK.findall(text):
+                if "://" not in link and not link.startswith("mailto:") and not (path.parent / link).exists():
+                    missing.append(f"{where}: link {link}")
+    assert {"grade", "setup", "bench-zero", "test"} <= targets
+    for target in sorted(targets):
+        dry = subprocess.run(["make", "-n", target], cwd=dest, capture_output=True, text=True, timeout=60)
+        if dry.returncode != 0:
+            missing.append(f"make {target}: {dry.stderr.strip()}")
+    assert not missing, "\n".join(missing)
+    readme = (dest / "README.md").read_text()
+    assert INSTRUCTORS_BEGIN not in readme and "make autograde" not in readme and "make release" not in readme
+    helped = subprocess.run(["make", "help"], cwd=dest, capture_output=True, text=True, timeout=60).stdout
+    assert "make grade" in helped and "release" not in helped and "autograde" not in helped, helped
+
+
+def test_the_readme_loses_only_its_instructors_parts():
+    readme = f"intro\n\n{INSTRUCTORS_BEGIN}\nmake release\n{INSTRUCTORS_END}\n\nmore\n{INSTRUCTORS_BEGIN}\nx\n{INSTRUCTORS_END}\nend\n"
+    assert for_students(readme) == "intro\n\nmore\nend\n"
+    with pytest.raises(ValueError, match="without"):
+        for_students(f"intro\n{INSTRUCTORS_BEGIN}\nnever closed\n")
