@@ -17,6 +17,8 @@ with a mistake already made, for the class report, on the exercises where they l
   broadcast) still passes;
 - sums_again, sums_too: the summed gradients of `mistakes`, written in other ways: the class report
   (grading/report.html and report.json, course/report.py) counts three students in its row.
+Two of the class (a hang and assertion failures; a segfault) are graded again by `python -m course
+grade`, which must give every check the points nbgrader gave it: one grade, whichever path.
 """
 
 import csv
@@ -34,6 +36,7 @@ import pytest
 from course import checks
 from course.layout import ROOT
 from course.make_notebooks import exercise_of, sources
+from tests import warm
 from tests.helpers import world
 from tests.mutants import make_mutant
 from tests.test_report import References
@@ -187,6 +190,7 @@ def test_autograde_end_to_end(tmp_path):
     done = autograde(tmp_path / "submissions" / "class", out, *CLASS_EXERCISES)
     for student, lost in LOST.items():
         check_scores(out, done, student, CLASS_EXERCISES, lost)
+    same_grade_from_make_grade(tmp_path, out, ["mistakes", "crash"])
     written = {
         step: [p.stat().st_mtime for p in (out / step).glob("*/ex*/*.ipynb")] for step in ("autograded", "submitted")
     }
@@ -223,6 +227,37 @@ def test_autograde_end_to_end(tmp_path):
     while processes_in(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not processes_in(tmp_path), "autograde left processes behind"
+
+
+def by_check(results: dict, exercise: int) -> dict:
+    """A results.json's points of each check of one exercise."""
+    return {t["name"]: t["score"] for t in results["tests"] if t["name"].startswith(f"Exercise {exercise}:")}
+
+
+def same_grade_from_make_grade(tmp_path, out, students):
+    """One grade per submission: `python -m course grade` on a student's folder gives each exercise
+    the points that nbgrader's gradebook gave it (the written answers aside), check by check."""
+    with open(out / "grades.csv") as f:
+        rows = {(row["student_id"], row["assignment"]): row for row in csv.DictReader(f)}
+
+    def grade(student):
+        folder = tmp_path / f"make-grade-{student}"
+        folder.mkdir()
+        environ = dict(os.environ, COURSE_IMPL=str(tmp_path / "submissions" / "class" / student))
+        ex = [arg for n in CLASS_EXERCISES for arg in ("--ex", str(n))]
+        done = warm.run(["-m", "course", "grade", *ex], cwd=folder, env=environ, timeout=240)
+        assert done.returncode == 0, done.stdout + done.stderr
+        with open(folder / "results.json") as f:
+            return json.load(f)
+
+    for student in students:
+        results = grade(student)
+        with open(out / "feedback" / student / "results.json") as f:
+            notebooks = json.load(f)
+        for n in CLASS_EXERCISES:
+            graded, notebook = by_check(results, n), by_check(notebooks, n)
+            assert graded == notebook, f"{student}, exercise {n}: make grade gave {graded}, nbgrader {notebook}"
+            assert sum(graded.values()) == float(rows[student, f"ex{n}"]["score"]), (student, n)
 
 
 def check_class_report(out, said):
