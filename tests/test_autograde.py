@@ -185,6 +185,7 @@ def test_autograde_end_to_end(tmp_path):
     )
     page = (out / "feedback" / "perfect" / "feedback.html").read_text()
     assert "<h2" in page and f"Exercise {exercises[-1]}" in page, "a section per exercise"
+    grade_written_answers_by_hand(out, "perfect", "ex4")
 
     out = tmp_path / "class"
     done = autograde(tmp_path / "submissions" / "class", out, *CLASS_EXERCISES)
@@ -227,6 +228,29 @@ def test_autograde_end_to_end(tmp_path):
     while processes_in(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not processes_in(tmp_path), "autograde left processes behind"
+
+
+def grade_written_answers_by_hand(out, student, assignment):
+    """The written answers, graded as docs/instructors.md says: in formgrader, whose manual grading
+    stores each answer's points in gradebook.db (done here through nbgrader's own Gradebook API, as
+    formgrader's server does), then `nbgrader export` in the grading folder: the total then holds
+    the checks' and the answers' points."""
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{out / 'gradebook.db'}") as gradebook:
+        submission = gradebook.find_submission(assignment, student)
+        answers = [g for nb in submission.notebooks for g in nb.grades if g.cell.cell_type == "markdown"]
+        assert [g.max_score for g in answers] == [2], "exercise 4's one written answer, 2 points"
+        for g in answers:
+            g.manual_score = g.max_score
+        gradebook.db.commit()
+    (out / "grades.csv").unlink()
+    nbgrader = os.path.join(os.path.dirname(sys.executable), "nbgrader")
+    done = subprocess.run([nbgrader, "export"], cwd=out, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(out / "grades.csv") as f:
+        row = next(r for r in csv.DictReader(f) if (r["student_id"], r["assignment"]) == (student, assignment))
+    assert float(row["score"]) == float(row["max_score"]) == 32, row
 
 
 def by_check(results: dict, exercise: int) -> dict:
