@@ -20,7 +20,7 @@ def grade(args) -> int:
 
     No plugins but the grader's: pytest-xdist's processes each import torch and the checks anew,
     which costs more than the few checks of one exercise take; the grader forks a copy of itself
-    instead where it can (course.grade.processes_here; README, Benchmarks).
+    instead where it can (course.grade.processes_here; docs/design.md, "Grading, `make grade`").
     """
     import gc
     import importlib.util

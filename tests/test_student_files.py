@@ -1,5 +1,6 @@
 """The student files: generated from solutions/, importable, and stopping at the first TODO."""
 
+import glob
 import os
 import re
 
@@ -107,13 +108,24 @@ def test_cli_stops_at_first_stub_with_one_line(command, message):
 
 
 def test_readme_path_lists_every_exercise_with_its_points():
+    """Each exercise's row: its handout, the points of its written answers (the notebook's answer
+    cells, graded by hand) and of its checks (course/checks.py); the last row, their totals."""
     with open(os.path.join(ROOT, "README.md")) as f:
-        rows = re.findall(r"^\| (\d+) \|.*\]\((exercises/\S+)\).*\| (\d+) \|$", f.read(), re.M)
-    assert {int(n): int(points) for n, _, points in rows} == checks.points(), (
+        readme = f.read()
+    rows = re.findall(r"^\| (\d+) \|.*\]\((exercises/\S+)\).*\| (\d+) \| (\d+) \|$", readme, re.M)
+    written = {}
+    for path in glob.glob(os.path.join(SOLUTIONS, "notebooks", "*.md")):
+        with open(path) as f:
+            points = re.findall(r"^```answer id=\S+ points=(\d+)", f.read(), re.M)
+        written[int(os.path.basename(path)[:2])] = sum(map(int, points))
+    assert {int(n): int(p) for n, _, _, p in rows} == checks.points(), (
         "the README's path table should list every exercise with its checks' points (course/checks.py)"
     )
-    for _, handout, _ in rows:
+    assert {int(n): int(w) for n, _, w, _ in rows} == written, "and its written answers' points (the notebooks)"
+    for _, handout, _, _ in rows:
         assert os.path.exists(os.path.join(ROOT, handout)), f"the README links {handout}, which does not exist"
+    a, b = sum(checks.points().values()), sum(written.values())
+    assert f"| | total: {a} + {b} = {a + b} points | | | {b} | {a} |" in readme, "the totals row"
 
 
 SMALL_RUN = [
