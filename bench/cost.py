@@ -27,6 +27,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from overlap import slowest_rank  # bench/, where this script runs from
+from plots import pyplot
 
 from course import impl, timeline
 from course.launch import bench, run
@@ -133,12 +134,8 @@ def predict(cost, figures: dict, allreduces: dict) -> dict:
 
 
 def plot(results: dict, path: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     names = list(results["measured"])
     fig, ax = plt.subplots(figsize=(6, 3.5))

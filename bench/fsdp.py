@@ -25,6 +25,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.distributed as dist
 from overlap import interleaved  # bench/, where this script runs from
+from plots import pyplot
 
 from course import impl
 from course.launch import bench, run
@@ -156,12 +157,8 @@ def verdicts(results):
 
 def plot(results, path) -> bool:
     """Per model: the largest rank's bytes (measured, and the formula dashed) and the fastest step, against W."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     names = list(results[WORLD_SIZES[0]])
     fig, axes = plt.subplots(2, len(names), figsize=(5.5 * len(names), 7), squeeze=False)

@@ -25,6 +25,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from plots import pyplot
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course import impl
@@ -178,14 +179,9 @@ def tables(results, ratios):
 
 
 def plot(results, path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
-
     model_names = list(results[WORLD_SIZES[0]]["steps"])
     fig, axes = plt.subplots(1, len(model_names) + 1, figsize=(6 * (len(model_names) + 1), 4.5))
     for ax, model_name in zip(axes, model_names):

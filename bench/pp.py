@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from overlap import slowest_rank  # bench/, where this script runs from
+from plots import pyplot
 
 from course import impl, timeline
 from course.launch import bench, run
@@ -190,12 +191,8 @@ def tables(results):
 
 
 def plot(results, path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, len(STAGES), figsize=(6 * len(STAGES), 4), squeeze=False)
     for ax, p in zip(axes[0], STAGES):

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from overlap import slowest_rank  # bench/, where this script runs from
+from plots import pyplot
 
 from course import impl
 from course.launch import bench, run
@@ -193,12 +194,8 @@ def summary(results):
 
 
 def plot(results, path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
     for ax, (w, got) in zip(axes[0], results.items()):

@@ -26,6 +26,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.distributed as dist
 from overlap import slowest_rank  # bench/, where this script runs from
+from plots import pyplot
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -115,12 +116,8 @@ def tables(results):
 
 def plot(results, path) -> bool:
     """Per model: the largest rank's optimizer state, and the fastest step, against W, per variant."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     names = list(results[WORLD_SIZES[0]])
     fig, axes = plt.subplots(2, len(names), figsize=(5 * len(names), 6), squeeze=False)
