@@ -1,4 +1,5 @@
-"""What a worker sends and which collectives it starts, in order, and when it waits for them.
+"""What a worker sends and which collectives it starts, in order, and when it waits for them; and
+how much arithmetic its matrix products do (ProductFlops, exercise 2's work split).
 
 The checks of exercises 5 to 7 need more than final numbers: that a ring used point-to-point
 messages only, and how many bytes it sent; that an all-reduce was still running when the
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed import ProcessGroup
+from torch.utils._python_dispatch import TorchDispatchMode
 
 POINT_TO_POINT = ("send", "recv", "recv_anysource")
 COLLECTIVES = (
@@ -144,3 +146,34 @@ class CommLog:
             "receive_peers": sorted({e.peer for e in received}),
             "not_waited": self.in_flight(),
         }
+
+
+_aten = torch.ops.aten
+
+
+class ProductFlops(TorchDispatchMode):
+    """The floating-point operations of the matrix and vector products run under it, 2 per
+    multiply-add, whatever function or operator called them (they all reach these aten ops).
+    torch's FlopCounterMode counts the same for matrices, but its first use imports sympy and
+    torch._dynamo: 3 s in each rank of a new world."""
+
+    @classmethod
+    def _should_skip_dynamo(cls):
+        # Otherwise torch wraps __torch_dispatch__ in torch._disable_dynamo, whose first call
+        # imports torch._dynamo (1.2 s a rank); nothing here is compiled.
+        return False
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = func.overloadpacket
+        if packet in (_aten.mm, _aten.bmm, _aten.mv, _aten.dot):
+            a, b = args[0], args[1]
+        elif packet in (_aten.addmm, _aten.baddbmm, _aten.addmv):
+            a, b = args[1], args[2]
+        else:
+            return func(*args, **(kwargs or {}))
+        self.flops += 2 * a.numel() * (b.shape[-1] if b.dim() > 1 else 1)
+        return func(*args, **(kwargs or {}))

@@ -32,7 +32,8 @@ def impl_dir():
 
 
 def pytest_collection_finish(session):
-    """Checks whose worlds build optimizers: the parent imports once what every rank would import on its
-    first optimizer (course/workers.py). A module whose worlds build none says BUILDS_OPTIMIZERS = False."""
-    if any(getattr(getattr(item, "module", None), "BUILDS_OPTIMIZERS", True) for item in session.items):
+    """Checks whose worlds import torch._dynamo (a rank's first optimizer does, and its first
+    TorchDispatchMode): the parent imports it once instead of every rank (course/workers.py). A
+    module whose worlds do neither says IMPORTS_DYNAMO = False."""
+    if any(getattr(getattr(item, "module", None), "IMPORTS_DYNAMO", True) for item in session.items):
         workers.expect_many_worlds()

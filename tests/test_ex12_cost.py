@@ -9,7 +9,7 @@ import torch
 from tests.helpers import alone, load
 
 # No world of these checks builds an optimizer (tests/conftest.py).
-BUILDS_OPTIMIZERS = False
+IMPORTS_DYNAMO = False
 
 ALPHA, BETA = 50e-6, 2e9  # 50 us and 2 GB/s: a loopback link of the order this machine has
 SIZES = [4e3 * 4**k for k in range(8)]  # 4 kB to 65 MB

@@ -5,14 +5,14 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.flop_counter import FlopCounterMode
 
 from course.checks import said
+from tests.comm_log import ProductFlops
 from tests.helpers import load, world
 
 # No world of these checks builds an optimizer: grading them alone need not import torch._dynamo
 # (tests/conftest.py).
-BUILDS_OPTIMIZERS = False
+IMPORTS_DYNAMO = False
 
 # (m, k, n): square, rectangular, divisible by the world sizes or not, and smaller than them.
 SHAPES = [(8, 8, 8), (12, 6, 5), (7, 5, 3), (5, 11, 2), (2, 3, 4), (1, 1, 1)]
@@ -26,15 +26,15 @@ def operands(i):
 
 def multiply_everything(folder, method):
     """Probe, on every rank: dist.py's `method` on every shape; A and B exist on rank 0 only. With
-    each result, the floating-point operations of the products this rank computed (torch's own
-    count, whatever function or operator the code used)."""
+    each result, the floating-point operations of the products this rank computed (counted at
+    torch's dispatcher, whatever function or operator the code used)."""
     multiply = getattr(load(folder).dist, method)
     rank = dist.get_rank()
     out = []
     for i in range(len(SHAPES)):
-        with FlopCounterMode(display=False) as counted:
+        with ProductFlops() as counted:
             result = multiply(*(operands(i) if rank == 0 else (None, None)))
-        out.append((result, counted.get_total_flops()))
+        out.append((result, counted.flops))
     return out
 
 

@@ -11,7 +11,7 @@ from tests.helpers import load, world
 
 # No world of these checks builds an optimizer: grading them alone need not import torch._dynamo
 # (tests/conftest.py).
-BUILDS_OPTIMIZERS = False
+IMPORTS_DYNAMO = False
 
 # Shapes from empty to long, shorter than the world and not divisible by it; floats and integers.
 CASES = [
