@@ -27,7 +27,8 @@ Only the students' own work is graded, and only by the instructor's checks:
 DIR receives nbgrader's course folder (gradebook.db, source/, release/, submitted/, autograded/),
 grades.csv (nbgrader's CSV export) and, per student, in feedback/STUDENT/: feedback.txt (the table
 `make grade` prints), feedback.html (each check with its points and what it found, and the
-written answers) and results.json (Gradescope's format); and the class report, report.html and
+written answers), results.json (Gradescope's format) and output.txt (what the student's code
+printed while its checks ran: it never reaches the terminal); and the class report, report.html and
 report.json (course/report.py), from every failed check's facts: each check that fails in a
 notebook shows them as an output of type course.grade.CASES_MIME, which collect() reads.
 """
@@ -204,6 +205,11 @@ def take_in(submission: str, student: str, out: str, assignments: dict) -> tuple
 _PROBE = "import json, os\nfrom course.in_notebook import submission_modules\nprint(json.dumps(submission_modules(os.environ['COURSE_IMPL'])))"
 
 
+def output_file(out: str, student: str) -> str:
+    """What a student's code printed while its checks ran, and the library lines it caused."""
+    return os.path.join(out, "feedback", student, "output.txt")
+
+
 async def execute(out: str, student: str, assignments: dict, code: str, cell_timeout: int) -> float:
     """Run the code cells of a student's notebooks in `assignments`, all in one kernel; save their outputs in place.
 
@@ -235,7 +241,8 @@ async def execute(out: str, student: str, assignments: dict, code: str, cell_tim
             resources={"metadata": {"path": code}},
         )
         try:
-            await client.async_execute(env=dict(os.environ, COURSE_IMPL=code))
+            output = {env.KERNEL_OUTPUT: output_file(out, student)}
+            await client.async_execute(env=dict(os.environ, COURSE_IMPL=code, **output))
         except Exception as error:  # noqa: BLE001 - the kernel died: the cells it did not run fail, with the reason
             # A kernel that died before its first cell ran nothing of the student's: a second one
             # grades the notebooks. (Seen once in a fresh clone's test suite, "Kernel died before
@@ -278,9 +285,12 @@ async def execute_all(
     finished(student, seconds, students done so far) once all of a student's have.
     """
     slots = asyncio.Semaphore(jobs)
-    kernels = max(1, min(len(assignments), jobs))
+    per_student = max(1, min(len(assignments), jobs))
     names = list(assignments)
-    parts = [(student, names[k::kernels]) for student in codes for k in range(kernels)]
+    parts = [(student, names[k::per_student]) for student in codes for k in range(per_student)]
+    for student in codes:  # this run's output only: its kernels append to it
+        os.makedirs(os.path.dirname(output_file(out, student)), exist_ok=True)
+        open(output_file(out, student), "w").close()
     left = {student: sum(1 for s, _ in parts if s == student) for student in codes}
     total = dict.fromkeys(codes, 0.0)
 

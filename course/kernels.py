@@ -20,7 +20,7 @@ import os
 
 from jupyter_client.provisioning import LocalProvisioner
 
-from course import sandbox
+from course import env, sandbox
 
 # A process's first optimizer or DDP imports torch._dynamo: 2 s of CPU, paid once here instead
 # of in every kernel and every worker. (Each kernel imports course.in_notebook itself: that sets
@@ -48,6 +48,11 @@ def start_server() -> None:
 def _kernel(argv: list, environ: dict, cwd: str) -> None:
     os.setsid()
     sandbox.protect()  # its memory and descriptors (the checks process's connection) are no one's to take
+    if environ.get(env.KERNEL_OUTPUT):  # the student's output: their feedback, not the instructor's terminal
+        output = os.open(environ[env.KERNEL_OUTPUT], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.close(output)
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)

@@ -181,6 +181,7 @@ def test_autograde_end_to_end(tmp_path):
     exercises = sorted(exercise_of(path) for path in sources())
     rows = check_scores(out, done, "perfect", exercises, {})
     assert "a warning, as gloo prints" not in done.stdout + done.stderr, "a student's output reached the terminal"
+    assert "a warning, as gloo prints" in (out / "feedback" / "perfect" / "output.txt").read_text(), "and its feedback"
     assert float(rows["perfect", "ex4"]["max_score"]) == 32, (
         "exercise 4's notebook: 30 autograded points and 2 for the written answer"
     )
