@@ -28,7 +28,7 @@ DIR receives nbgrader's course folder (gradebook.db, source/, release/, submitte
 grades.csv (nbgrader's CSV export) and, per student, in feedback/STUDENT/: feedback.txt (the table
 `make grade` prints), feedback.html (each check with its points and what it found, and the
 written answers), results.json (Gradescope's format) and output.txt (what the student's code
-printed while its checks ran: it never reaches the terminal); and the class report, report.html and
+printed while its checks ran; on Linux, where kernels are forked, none of it reaches the terminal); and the class report, report.html and
 report.json (course/report.py), from every failed check's facts: each check that fails in a
 notebook shows them as an output of type course.grade.CASES_MIME, which collect() reads.
 """
