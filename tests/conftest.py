@@ -7,6 +7,13 @@ from course import env
 
 # Before torch is imported (course/env.py says why).
 os.environ.update(env.check_settings())
+# pytest-xdist's processes each on cores of their own, with what they start: two worlds of several
+# ranks on the same 2 cores made each other's collectives wait for the scheduler.
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _worker.startswith("gw") and hasattr(os, "sched_setaffinity"):
+    _cores, _workers = sorted(os.sched_getaffinity(0)), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if len(_cores) >= _workers > 1:
+        os.sched_setaffinity(0, _cores[int(_worker[2:]) :: _workers])
 # The suite starts its own worlds. Under srun or mpiexec (a CI job on a cluster) the launcher's
 # variables would make every script the tests start join the launcher's world instead.
 for name in env.LAUNCHER_VARIABLES:
