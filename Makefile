@@ -7,7 +7,7 @@ SETUP := $(PYTHON) -m course setup
 # Workers share the cores: see course/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help setup notebooks demo test lint grade student release autograde gradescope classroom bench bench-launch bench-grade bench-cost bench-zero bench-fsdp bench-tp bench-pp gpu-check non-iid
+.PHONY: help setup notebooks test grade non-iid bench bench-launch bench-cost bench-zero bench-fsdp bench-tp bench-pp
 
 # The students' part of `make help`; the instructors' repository (with solutions/) adds its own below.
 help::
@@ -67,6 +67,8 @@ bench-pp: $(VENV)/.installed
 # Targets that need solutions/. The students' copy (make release) has none: there `make test` is
 # `make grade`, and the others are not defined.
 ifneq ($(wildcard solutions/.),)
+.PHONY: demo lint student release gradescope classroom autograde bench-grade gpu-check
+
 help::
 	@echo ""
 	@echo "Instructors (this repository, with solutions/):"

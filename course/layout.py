@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOLUTIONS = os.path.join(ROOT, "solutions")
 TESTS = os.path.join(ROOT, "tests")
 
-# The files students write, made from solutions/ by `make student`.
+# The files students write; the instructors' repository generates them from solutions/ (course/student.py).
 STUDENT_FILES = (
     "mlp.py",
     "dist.py",
