@@ -26,8 +26,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from overlap import slowest_rank  # bench/, where this script runs from
-from plots import pyplot
+from common import pyplot, slowest_rank
 
 from course import impl, timeline
 from course.launch import bench, run

@@ -19,13 +19,12 @@ Writes bench/fsdp.json and bench/fsdp.png (with matplotlib), and prints the tabl
 import json
 import os
 import sys
-import time
 from dataclasses import asdict, replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
-from overlap import interleaved  # bench/, where this script runs from
-from plots import pyplot
+from common import Record, interleaved, pyplot
 
 from course import impl
 from course.launch import bench, run
@@ -187,32 +186,14 @@ def plot(results, path) -> bool:
 
 def main(rounds=3, per_round=4):
     folder = impl.selected()
-    start = time.perf_counter()
-    load_before = os.getloadavg()[0]
+    record = Record("fsdp")
     # No collective fingerprints: they add a check to every collective, and DDP cannot run with them.
     results = {w: run(measure, w, folder, rounds, per_round, debug=False)[0] for w in WORLD_SIZES}
-    load = (
-        f"load average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end,"
-        f" on {os.cpu_count()} cores"
-    )
     met = verdicts(results)
-    print(f"{tables(results)}\n{json.dumps(met, indent=1)}\n{load}")
-    with open(os.path.join(HERE, "fsdp.json"), "w") as f:
-        json.dump(
-            {
-                "implementation": os.path.relpath(folder),
-                "models": {name: asdict(c) for name, c in models(impl.load(folder).mlp).items()},
-                "results": results,
-                "targets": TARGETS,
-                "verdicts": met,
-                "machine_load": load,
-                "seconds": time.perf_counter() - start,
-            },
-            f,
-            indent=1,
-        )
-    drawn = plot(results, os.path.join(HERE, "fsdp.png"))
-    print(f"wrote bench/fsdp.json{' and bench/fsdp.png' if drawn else ''} in {time.perf_counter() - start:.0f} s")
+    config = {name: asdict(c) for name, c in models(impl.load(folder).mlp).items()}
+    figures = {"implementation": os.path.relpath(folder), "models": config, "results": results}
+    figures |= {"targets": TARGETS, "verdicts": met}
+    record.write(f"{tables(results)}\n{json.dumps(met, indent=1)}", figures, partial(plot, results))
 
 
 if __name__ == "__main__":

@@ -15,23 +15,19 @@ Tables and ratios use the fastest of several steps (see interleaved); the JSON h
 Writes bench/overlap.json (every figure) and bench/overlap.png, and prints the tables.
 """
 
-import json
 import os
-import statistics
 import sys
-import time
 from dataclasses import asdict, replace
 from functools import partial
 
 import torch
 import torch.distributed as dist
-from plots import pyplot
+from common import Record, interleaved, pyplot
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course import impl
 from course.launch import bench, run
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD_SIZES = (1, 2, 4)
 BUCKET_MB = (1, 4, 25)  # 25 MiB is DDP's default
 RING_MB = (1, 4, 16, 64)
@@ -60,13 +56,6 @@ def variants(mydp):
     return out
 
 
-def slowest_rank(seconds):
-    """The largest of the ranks' figures: a step is over when the last rank is done."""
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def training_step(mlp, config, wrap):
     """A function that runs one training step of a fresh, wrapped model on a fixed batch."""
     torch.manual_seed(0)
@@ -82,27 +71,6 @@ def training_step(mlp, config, wrap):
         optimizer.step()
 
     return step
-
-
-def interleaved(functions, rounds, per_round):
-    """Seconds of each function, slowest rank: the fastest run, and the median run.
-
-    Other programs on the machine only ever add time, so the fastest run is the best estimate of
-    the cost itself; rounds take turns through the functions, so that a change in the machine's
-    load falls on all of them alike. The first round warms up and is not counted.
-    """
-    times = {name: [] for name in functions}
-    for r in range(rounds + 1):
-        for name, fn in functions.items():
-            dist.barrier()
-            for _ in range(per_round):
-                start = time.perf_counter()
-                fn()
-                if r:
-                    times[name].append(time.perf_counter() - start)
-    return {name: slowest_rank(min(t)) for name, t in times.items()}, {
-        name: slowest_rank(statistics.median(t)) for name, t in times.items()
-    }
 
 
 def measure(folder, rounds):
@@ -213,32 +181,13 @@ def plot(results, path) -> bool:
 
 def main(rounds=4):
     folder = impl.selected()
-    start = time.perf_counter()
-    load_before = os.getloadavg()[0]
+    record = Record("overlap")
     # No collective fingerprints: they add a check to every collective, and DDP cannot run with them.
     results = {w: run(measure, w, folder, rounds, debug=False)[0] for w in WORLD_SIZES}
     ratios = derived(results)
     config = {name: asdict(c) for name, (c, _) in models(impl.load(folder).mlp).items()}
-    text = tables(results, ratios)
-    # Other programs on the machine slow some steps down: say how busy it was.
-    load = f"load average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores"
-    print(f"{text}\n{load}")
-    with open(os.path.join(HERE, "overlap.json"), "w") as f:
-        json.dump(
-            {
-                "implementation": os.path.relpath(folder),
-                "models": config,
-                "ratios": ratios,
-                "results": results,
-                "machine_load": load,
-                "seconds": time.perf_counter() - start,
-            },
-            f,
-            indent=1,
-        )
-    drawn = plot(results, os.path.join(HERE, "overlap.png"))
-    also = " and bench/overlap.png" if drawn else " (no matplotlib: no plot)"
-    print(f"wrote bench/overlap.json{also} in {time.perf_counter() - start:.0f} s")
+    figures = {"implementation": os.path.relpath(folder), "models": config, "ratios": ratios, "results": results}
+    record.write(tables(results, ratios), figures, partial(plot, results))
 
 
 if __name__ == "__main__":

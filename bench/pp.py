@@ -21,7 +21,6 @@ medians of the step times too). Writes bench/pp.json and bench/pp.png (with matp
 tables; about a minute and a half.
 """
 
-import json
 import os
 import statistics
 import sys
@@ -32,8 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from overlap import slowest_rank  # bench/, where this script runs from
-from plots import pyplot
+from common import Record, pyplot, slowest_rank
 
 from course import impl, timeline
 from course.launch import bench, run
@@ -221,8 +219,7 @@ def plot(results, path) -> bool:
 
 def main():
     folder = impl.selected()
-    start = time.perf_counter()
-    load_before = os.getloadavg()[0]
+    record = Record("pp")
     # No collective checks: timing, not grading.
     idle = {kind: {} for kind in ("fixed", "compute")}
     for kind, per_p in idle.items():
@@ -231,23 +228,9 @@ def main():
             per_p[p] = {m: idle_by_stage(per_rank, m) for m in MICRO_BATCHES}
     steps = {p: run(step_times, p, folder, debug=False)[0] for p in STAGES}
     results = {"idle": idle, "steps": steps}
-    load = f"load average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores"
-    print(f"{tables(results)}\n{load}")
-    with open(os.path.join(HERE, "pp.json"), "w") as f:
-        settings = dict(rows=ROWS, width=WIDTH, layers=LAYERS, fixed_forward_s=FORWARD, repeats=REPEATS)
-        json.dump(
-            {
-                "implementation": os.path.relpath(folder),
-                "settings": settings,
-                "results": results,
-                "machine_load": load,
-                "seconds": time.perf_counter() - start,
-            },
-            f,
-            indent=1,
-        )
-    drawn = plot(results, os.path.join(HERE, "pp.png"))
-    print(f"wrote bench/pp.json{' and bench/pp.png' if drawn else ''} in {time.perf_counter() - start:.0f} s")
+    settings = dict(rows=ROWS, width=WIDTH, layers=LAYERS, fixed_forward_s=FORWARD, repeats=REPEATS)
+    figures = {"implementation": os.path.relpath(folder), "settings": settings, "results": results}
+    record.write(tables(results), figures, partial(plot, results))
 
 
 if __name__ == "__main__":

@@ -28,18 +28,15 @@ before it). Also printed: where the bytes alone are equal. Writes bench/tp.json 
 matplotlib, bench/tp.png.
 """
 
-import json
 import math
 import os
-import statistics
-import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from overlap import slowest_rank  # bench/, where this script runs from
-from plots import pyplot
+from common import Record, interleaved, pyplot
 
 from course import impl
 from course.launch import bench, run
@@ -114,20 +111,8 @@ def measure(folder, rounds, per_round):
     config = ex.mlp.ModelConfig()
     out = {"message": [ex.cost.message_seconds(n) for n in SIZES], "batches": {}}
     for rows in BATCHES:
-        timed = steps(ex, config, rows)
-        times = {name: [] for name in timed}
-        for r in range(rounds + 1):  # the first round warms up
-            for name, step in timed.items():
-                dist.barrier()
-                for _ in range(per_round):
-                    start = time.perf_counter()
-                    step()
-                    if r:
-                        times[name].append(time.perf_counter() - start)
-        out["batches"][rows] = {
-            name: {"fastest": slowest_rank(min(t)), "median": slowest_rank(statistics.median(t))}
-            for name, t in times.items()
-        }
+        fastest, median = interleaved(steps(ex, config, rows), rounds, per_round)
+        out["batches"][rows] = {name: {"fastest": fastest[name], "median": median[name]} for name in fastest}
     model = ex.mlp.MLP(config)
     out["grad_bytes"] = [p.numel() * p.element_size() for p in model.parameters()]
     # What tensor parallelism all-reduces per row: both blocks' outputs, and the second block's input gradient.
@@ -226,7 +211,7 @@ def plot(results, path) -> bool:
 def main(rounds=8, per_round=2):
     folder = impl.selected()
     cost = impl.load(folder).cost
-    start, load_before = time.perf_counter(), os.getloadavg()[0]
+    record = Record("tp")
     results = {}
     for w in WORLD_SIZES:
         figures = run(measure, w, folder, rounds, per_round, debug=False)[0]
@@ -236,20 +221,9 @@ def main(rounds=8, per_round=2):
             "predicted": crossover(BATCHES, *([figures["predicted"][r][v] for r in BATCHES] for v in VARIANTS)),
         }
         results[w] = figures
-    load = (
-        f"load average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end,"
-        f" on {os.cpu_count()} cores"
+    record.write(
+        summary(results), {"implementation": os.path.relpath(folder), "results": results}, partial(plot, results)
     )
-    print(f"{summary(results)}\n{load}")
-    with open(os.path.join(HERE, "tp.json"), "w") as f:
-        json.dump(
-            {"implementation": os.path.relpath(folder), "results": results, "machine_load": load}
-            | {"seconds": time.perf_counter() - start},
-            f,
-            indent=1,
-        )
-    drawn = plot(results, os.path.join(HERE, "tp.png"))
-    print(f"wrote bench/tp.json{' and bench/tp.png' if drawn else ''} in {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -16,17 +16,14 @@ Step times are the fastest of several steps, taken in turns (bench/overlap.py sa
 has the medians too. Writes bench/zero.json and bench/zero.png (with matplotlib), and prints the tables.
 """
 
-import json
 import os
-import statistics
 import sys
-import time
 from dataclasses import asdict, replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
-from overlap import slowest_rank  # bench/, where this script runs from
-from plots import pyplot
+from common import Record, interleaved, pyplot
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -77,15 +74,7 @@ def measure(folder, rounds, per_round):
     out = {}
     for name, config in models(ex.mlp).items():
         steps = {variant: training(ex, config, variant) for variant in VARIANTS}
-        times = {variant: [] for variant in VARIANTS}
-        for r in range(rounds + 1):  # the first round warms up
-            for variant, (step, _) in steps.items():
-                dist.barrier()
-                for _ in range(per_round):
-                    start = time.perf_counter()
-                    step()
-                    if r:
-                        times[variant].append(time.perf_counter() - start)
+        fastest, median = interleaved({variant: step for variant, (step, _) in steps.items()}, rounds, per_round)
         out[name] = {}
         for variant, (_, held) in steps.items():
             mine = torch.tensor([held()])
@@ -93,8 +82,8 @@ def measure(folder, rounds, per_round):
             dist.all_gather(everyone, mine)
             out[name][variant] = {
                 "state_bytes": [int(b) for b in everyone],
-                "fastest_ms": slowest_rank(min(times[variant])) * 1000,
-                "median_ms": slowest_rank(statistics.median(times[variant])) * 1000,
+                "fastest_ms": fastest[variant] * 1000,
+                "median_ms": median[variant] * 1000,
             }
     return out
 
@@ -140,29 +129,12 @@ def plot(results, path) -> bool:
 
 def main(rounds=3, per_round=4):
     folder = impl.selected()
-    start = time.perf_counter()
-    load_before = os.getloadavg()[0]
+    record = Record("zero")
     # No collective fingerprints: they add a check to every collective, and DDP cannot run with them.
     results = {w: run(measure, w, folder, rounds, per_round, debug=False)[0] for w in WORLD_SIZES}
-    load = (
-        f"load average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end,"
-        f" on {os.cpu_count()} cores"
-    )
-    print(f"{tables(results)}\n{load}")
-    with open(os.path.join(HERE, "zero.json"), "w") as f:
-        json.dump(
-            {
-                "implementation": os.path.relpath(folder),
-                "models": {name: asdict(c) for name, c in models(impl.load(folder).mlp).items()},
-                "results": results,
-                "machine_load": load,
-                "seconds": time.perf_counter() - start,
-            },
-            f,
-            indent=1,
-        )
-    drawn = plot(results, os.path.join(HERE, "zero.png"))
-    print(f"wrote bench/zero.json{' and bench/zero.png' if drawn else ''} in {time.perf_counter() - start:.0f} s")
+    config = {name: asdict(c) for name, c in models(impl.load(folder).mlp).items()}
+    figures = {"implementation": os.path.relpath(folder), "models": config, "results": results}
+    record.write(tables(results), figures, partial(plot, results))
 
 
 if __name__ == "__main__":
