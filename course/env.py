@@ -235,14 +235,14 @@ def libuv_available(environ: Mapping[str, str] = os.environ) -> bool:
 WORKER_MODULES = ("torch", "torch.distributed", "numpy.random", "course.workers")
 ON_DEMAND_MODULES = ("torch._dynamo",)
 FORKSERVER_PRELOAD = [*WORKER_MODULES, *ON_DEMAND_MODULES]
-# What a process that starts worlds imports later of its own accord (reading a result, a judge's
-# first optimizer step, stopping a world): imported before its first world instead, so that nothing
-# it runs is read from disk once submission code has run (tests/import_audit.py finds any other).
 # A file named by this variable takes what an autograding kernel's processes print at the descriptor
 # level (course/kernels.py): the student's code in the workers, which inherit the kernel's
 # descriptors, and gloo's and torch's own lines. It is the student's feedback, not the terminal's.
 KERNEL_OUTPUT = "COURSE_KERNEL_OUTPUT"
 
+# What a process that starts worlds imports later of its own accord (reading a result, a judge's
+# first optimizer step, stopping a world): imported before its first world instead, so that nothing
+# it runs is read from disk once submission code has run (tests/import_audit.py finds any other).
 PARENT_MODULES = (
     "torch.utils.serialization",
     "torch.profiler._cupti_monitor",

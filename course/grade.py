@@ -425,6 +425,9 @@ def pytest_configure(config):
     config.option.tbstyle = "no"
     config.option.reportchars = ""
     config.option.verbose = min(config.option.verbose, -2)
+    from course import workers
+
+    workers.sandbox_every_world()
     if not hasattr(config, "workerinput"):  # under pytest-xdist the controller keeps the score
         from course import sandbox
 

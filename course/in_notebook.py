@@ -105,6 +105,7 @@ def _serve(conn) -> None:
     check to the next (course/workers.py): they start once, not once per check."""
     workers.die_with_parent()
     sandbox.protect()
+    workers.sandbox_every_world()
     if hasattr(os, "setpgid"):
         # A group of its own: a shutting-down ipykernel signals the children in its group and waits
         # until none is left, reaping none (2.6 s a kernel). This process ends when its pipe closes.

@@ -489,7 +489,8 @@ def run(
     is "cpu" or "cuda" (rank r on cuda:r); course.device.current_device() tells each rank its own.
     Results must be data: tensors, numbers, strings, None, and lists, tuples and dicts of those.
     With ``keep``, a world kept by an earlier call with the same settings runs it (module docstring).
-    With ``sandbox`` (the checks), the workers are confined before they run anything (course/sandbox.py).
+    With ``sandbox`` (the checks), the workers are confined before they run anything (course/sandbox.py);
+    after sandbox_every_world() (the grader, the notebooks' checks process) every world is.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -511,7 +512,7 @@ def run(
     child_env = env.loopback_settings(sys.platform)
     if debug:
         child_env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    confinement = sandbox_level().name if sandbox else "none"
+    confinement = sandbox_level().name if sandbox or _every_world_sandboxed else "none"
     keep = keep and port is None and _PASS_STREAMS
     key = (world_size, threads, backend, device, collective_timeout, method, tuple(sorted(child_env.items())))
     key += (confinement,)
@@ -542,6 +543,17 @@ def run(
     finally:
         if world is not None:
             world.stop()
+
+
+_every_world_sandboxed = False
+
+
+def sandbox_every_world() -> None:
+    """From now on, in this process and those it forks, every world is sandboxed, whatever its
+    caller asked: where grades are made, a check that starts a world its own way runs submission
+    code confined all the same."""
+    global _every_world_sandboxed
+    _every_world_sandboxed = True
 
 
 def sandbox_level() -> sandbox.Level:

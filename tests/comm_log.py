@@ -25,13 +25,11 @@ COLLECTIVES = (
     "allgather_coalesced",
     "all_gather_single_coalesced",
     "allgather_into_tensor_coalesced",
-    "all_gather_single_coalesced",
     "reduce_scatter",
     "reduce_scatter_single",  # torch 2.13's reduce_scatter_single and reduce_scatter_tensor
     "_reduce_scatter_base",
     "reduce_scatter_single_coalesced",
     "reduce_scatter_tensor_coalesced",
-    "reduce_scatter_single_coalesced",
     "broadcast",
     "reduce",
     "gather",

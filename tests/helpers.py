@@ -60,11 +60,12 @@ def forward_from(weights, x):
     return x
 
 
-def world(fn, world_size, *args):
+def world(fn, world_size, *args, keep=True, **options):
     """Run the probe fn on every rank of a gloo world, collectives checked; what it returned, by rank.
-    The workers are sandboxed (course/sandbox.py). The world is kept for the next probe of its size
-    (course/workers.py says what each call gets afresh)."""
-    return run(fn, world_size, *args, keep=True, sandbox=True)
+    The workers are sandboxed (course/sandbox.py): every world that runs submission code comes from
+    here or alone(). The world is kept for the next probe of its size and options (course/workers.py
+    says what each call gets afresh) unless keep is False; options go to run() (timeout, ...)."""
+    return run(fn, world_size, *args, keep=keep, sandbox=True, **options)
 
 
 def _without_process_group(fn, args):

@@ -15,9 +15,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course.launch import WorldFailed, run
+from course.launch import WorldFailed
 from tests.comm_log import CommLog
-from tests.helpers import forward_from, load
+from tests.helpers import forward_from, load, world
 
 WIDTHS = [12, 10, 10, 10, 10, 10, 4]  # six layers: 4 stages hold 2, 2, 1 and 1 of them
 HIDDEN = 10  # the width of every activation that travels between stages
@@ -205,7 +205,7 @@ def on_pipeline(fn, p, *args):
     COURSE_COLLECTIVE_TIMEOUT, so a hang is reported at once); a failure that shows a known
     mistake is said as that mistake, any other as the launcher reports it."""
     try:
-        return run(fn, p, *args, keep=True)
+        return world(fn, p, *args)
     except WorldFailed as failed:
         first = failed.failure.fact(failed.failure.first) if failed.failure.first is not None else None
         if first is None:

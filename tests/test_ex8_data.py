@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from course.launch import WorldFailed, run
+from course.launch import WorldFailed
 from tests.comm_log import CommLog
 from tests.helpers import CONFIG, SmallMLP, load, world
 
@@ -293,7 +293,7 @@ def check_unbalanced_hang(folder):
     """Shards of 112 and 48 samples in batches of 8: rank 1 is done after 6 steps, rank 0 all-reduces a 7th."""
     try:
         # A short collective timeout: with the collectives unchecked, the waiting rank is named after 3 s.
-        steps = run(train_as_is, 2, folder, timeout=30, collective_timeout=3)
+        steps = world(train_as_is, 2, folder, keep=False, timeout=30, collective_timeout=3)
     except WorldFailed as failed:
         failure = failed.failure
         if failure.kind == "stub":
@@ -420,7 +420,7 @@ def _join_failure(folder, failure, world_size):
     out of batches early, so it ends) and what that run started; the failure's facts when nothing known fits."""
     facts = f"({failure.sentence()})"
     try:
-        ranks = run(joined_training, world_size, folder, True, timeout=30, collective_timeout=3)
+        ranks = world(joined_training, world_size, folder, True, keep=False, timeout=30, collective_timeout=3)
     except WorldFailed:
         return f"train_joined failed on shards of 112 and 48 samples in batches of {BATCH} {facts}"
     own = ranks[0]["own"]
@@ -442,7 +442,7 @@ def _join_failure(folder, failure, world_size):
 def check_join(folder, world_size=2):
     try:
         # A short collective timeout: a rank left waiting in DDP's all-reduce is named after 3 s.
-        results = run(joined_training, world_size, folder, timeout=30, collective_timeout=3)
+        results = world(joined_training, world_size, folder, keep=False, timeout=30, collective_timeout=3)
     except WorldFailed as failed:
         if failed.failure.kind not in UNMATCHED:
             raise

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course.launch import WorldFailed, run
+from course.launch import WorldFailed
 from tests.comm_log import CommLog
 from tests.helpers import CONFIG, WIDTHS, SmallMLP, forward_from, global_batch, load, world
 
@@ -195,7 +195,9 @@ def check_eval_alone(folder, world_size=2):
     """In eval mode the layer communicates nothing: rank 0 evaluating alone does not wait for the others."""
     try:
         # A short collective timeout: where the ranks' collectives are not compared, rank 0 is named after 3 s.
-        (got, *_) = run(eval_alone_in_world, world_size, folder, ROWS[world_size], timeout=30, collective_timeout=3)
+        (got, *_) = world(
+            eval_alone_in_world, world_size, folder, ROWS[world_size], keep=False, timeout=30, collective_timeout=3
+        )
     except WorldFailed as failed:
         first = failed.failure.fact(0)
         if failed.failure.kind not in ("mismatch", "wait", "timeout") or first is None:
@@ -651,7 +653,7 @@ def check_non_iid_claims(folder):
     ones; averaged every 16 steps, the ranks' own models drift away from a good model."""
     # Hundreds of all-reduces: without the per-call comparison of collectives, which would triple
     # this check's time; test_local_sgd has already compared the ranks' collectives of local_sgd.
-    result = run(non_iid_in_world, 2, folder, debug=False)[0]
+    result = world(non_iid_in_world, 2, folder, keep=False, debug=False)[0]
     period = NON_IID["period"]
     sync_iid, sync_non = held_out_loss(result["False-1"]["final"]), held_out_loss(result["True-1"]["final"])
     assert abs(sync_non / sync_iid - 1) < SYNC_MARGIN, (

@@ -698,3 +698,21 @@ def test_a_rank_missing_the_checked_barrier_reads_as_a_wait():
     f = diagnose([report], [], 2)
     assert f.kind == "wait" and (f.ranks[0].file, f.ranks[0].line) == ("dist.py", 9)
     assert f.report().startswith("Ranks [0] waited in a collective that not every rank joined")
+
+
+def whoami():
+    """What a sandbox changes for a worker: its user, and its user and pid namespaces."""
+    return os.getuid(), os.readlink("/proc/self/ns/user"), os.readlink("/proc/self/ns/pid")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox is Linux's")
+def test_where_grades_are_made_every_world_is_sandboxed(monkeypatch):
+    """After sandbox_every_world() (the grader, the notebooks' checks process), a world asked for
+    without a sandbox is sandboxed all the same."""
+    if workers.sandbox_level().name == "none":
+        pytest.skip("no sandbox on this machine")
+    monkeypatch.setattr(workers, "_every_world_sandboxed", False)  # restored after the test
+    assert run(whoami, 1) == [whoami()], "without it, a world is what its caller asked: bare"
+    workers.sandbox_every_world()
+    (confined,) = run(whoami, 1)
+    assert confined != whoami(), f"a world asked for bare ran bare: {confined}"
