@@ -1,7 +1,7 @@
 """What the benchmarks share: timing across ranks, the record of a run, and pyplot for its figure.
 
-Each benchmark runs as a script from bench/ (`python bench/NAME.py`), which is why the others
-import this module by its bare name.
+Each benchmark runs as a script from bench/ (`python bench/zero.py`, say), which is why the
+others import this module by its bare name.
 """
 
 import json

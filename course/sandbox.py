@@ -397,6 +397,7 @@ def confine(level_name: str, handle: int | None, folder: str) -> None:
     """
     if level_name == "uid":
         _take_uid(handle)
+        die_with_parent()  # again: the kernel clears it when the process changes its user
         _no_unix_sockets()
     elif level_name == "namespaces":
         _enter_namespaces(handle, folder, fork=True)

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 
 import pytest
@@ -514,14 +515,44 @@ def test_an_attack_through_the_system_gains_nothing(attacked, attack):
     assert " done" not in said or attack in ("outruns_the_reaper",), f"the system let the payload do:\n{said}"
 
 
-@pytest.mark.parametrize("attacked", ATTACKERS[:1], indirect=True)
+# A submission that spins for ever under a name of its own, so that the test can look for it.
+SPIN = """
+import ctypes as _ctypes
+_ctypes.CDLL(None).prctl(15, {name!r}.encode(), 0, 0, 0)  # PR_SET_NAME
+while True:
+    pass
+"""
+
+
+@pytest.mark.parametrize("attacked", ATTACKERS, indirect=True)
 def test_a_grader_killed_from_outside_leaves_a_failing_results_json(attacked):
-    """Gradescope's time limit, say: the results.json written before any check says 0, and why."""
+    """Gradescope's time limit, say: the results.json written before any check says 0, and why; and
+    the workers spinning in submission code die with the grader (a worker that changed its user
+    lost the parent-death signal until the sandbox set it again)."""
     base, who = attacked
-    with pytest.raises(subprocess.TimeoutExpired):  # warm.run kills it then
-        grade_as(base, who, {"mlp.py": "import time as _t\n_t.sleep(60)\n"}, timeout=2)
+    spinner = f"spin-{os.urandom(4).hex()}"
+    seen, grading = [], threading.Event()
+
+    def watch():  # the spinners must have run before the kill, or the last assert proves nothing
+        while not grading.is_set() and not seen:
+            seen.extend(_daemons(spinner))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):  # warm.run kills it then
+            grade_as(base, who, {"mlp.py": SPIN.format(name=spinner)}, timeout=8)
+    finally:
+        grading.set()
+        watcher.join()
     found = results(pathlib.Path(base) / "grader" / "results.json")
     assert found["score"] == 0 and "did not finish" in found["output"], found
+    assert seen, "no worker reached the submission's loop before the grader was killed"
+    deadline = time.monotonic() + 5
+    while _daemons(spinner) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _daemons(spinner), f"workers outlived the grader that was killed: {_daemons(spinner)}"
 
 
 # The kernel's side of a notebook's check (course/in_notebook.py): its checks process holds a
