@@ -25,6 +25,7 @@ import pathlib
 import pwd
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -552,7 +553,10 @@ def test_a_grader_killed_from_outside_leaves_a_failing_results_json(attacked):
     deadline = time.monotonic() + 5
     while _daemons(spinner) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _daemons(spinner), f"workers outlived the grader that was killed: {_daemons(spinner)}"
+    survivors = _daemons(spinner)
+    for pid in survivors:  # a failed test leaves no spinning process behind
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"workers outlived the grader that was killed: {survivors}"
 
 
 # The kernel's side of a notebook's check (course/in_notebook.py): its checks process holds a
