@@ -3,9 +3,9 @@
     python -m course.gpu_check                      # the defaults of mlp.py, 300 steps
     python -m course.gpu_check --dim-hidden 2048    # any flag of mlp.py
 
-Exercises 1 to 6 (7 adds no device-specific code to 6), 14 and 15: each case runs on the CPU with
-gloo and on the GPUs with nccl, from the same seeds, in a world of one rank per GPU (one GPU is
-enough; exercise 15's pipeline has at most one stage per layer).
+Exercises 1 to 6 (7 adds no device-specific code to 6), 13, 14 and 15: each case runs on the CPU
+with gloo and on the GPUs with nccl, from the same seeds, in a world of one rank per GPU (one GPU
+is enough; exercise 15's pipeline has at most one stage per layer).
 The report gives the largest difference between the two and the median step times; a case that
 fails shows why below the table, and the others still run. The exit status says whether every
 case agreed. Without a GPU it says so and exits 0.
@@ -18,7 +18,7 @@ import io
 import math
 import sys
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cache, partial
 
 import torch
@@ -110,6 +110,17 @@ def tp_on_rank(folder: str, fields: dict):
     return results if dist.get_rank() == 0 else None
 
 
+def fsdp_on_rank(folder: str, fields: dict):
+    """Worker: exercise 13's ZeRO-2 and ZeRO-3 training, then ZeRO-3 with bfloat16 gathers, silenced;
+    rank 0 returns each one's figures (final test loss, step time)."""
+    fsdp = impl.load(folder).fsdp
+    config = fsdp.ModelConfig(**fields)
+    with contextlib.redirect_stdout(io.StringIO()), ieee_float32():
+        runs = [fsdp.train(config, "zero2"), fsdp.train(config, "zero3")]
+        runs.append(fsdp.train(replace(config, amp=True), "zero3"))
+    return [{"test_loss": r["test_loss"], "step_ms": r["step_ms"]} for r in runs] if dist.get_rank() == 0 else None
+
+
 def matmul_on_rank(folder: str, m: int, k: int, n: int):
     """Worker: both distributed matrix products of exercise 2; rank 0 returns them."""
     ex = impl.load(folder)
@@ -180,6 +191,20 @@ def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> li
         lambda: [run(tp_on_rank, world_size, folder, even, **where)[0] for where in (on_cpu, on_device)]
     )
 
+    fsdp_runs = cache(
+        lambda: [run(fsdp_on_rank, world_size, folder, fields, **where)[0] for where in (on_cpu, on_device)]
+    )
+
+    def sharded(*which):
+        """The largest difference of the final test loss over the runs `which` of fsdp_on_rank."""
+
+        def measure():
+            cpu, other = fsdp_runs()
+            difference = max(abs(other[i]["test_loss"] - cpu[i]["test_loss"]) for i in which)
+            return difference, (cpu[which[-1]]["step_ms"], other[which[-1]]["step_ms"])
+
+        return measure
+
     def tensor_parallel(sequence_parallel):
         def measure():
             cpu, other = (both[sequence_parallel] for both in tensor_parallel_runs())
@@ -200,6 +225,8 @@ def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> li
         ("4 MyDP --amp", world_size, TOLERANCE[True], data_parallel("mydp", amp=True)),
         ("5 ring all-reduce", world_size, 0.0, ring),
         ("6 OverlappedDP, 1 MiB buckets", world_size, TOLERANCE[False], data_parallel("overlapped")),
+        ("13 ZeRO-2 and ZeRO-3 (final test loss)", world_size, TOLERANCE[False], sharded(0, 1)),
+        ("13 ZeRO-3, bfloat16 gathers (final test loss)", world_size, TOLERANCE[True], sharded(2)),
         ("14 tensor parallel (final loss)", world_size, TOLERANCE[False], tensor_parallel(False)),
         ("14 sequence parallel (final loss)", world_size, TOLERANCE[False], tensor_parallel(True)),
         ("15 pipeline, 1F1B", stages, TOLERANCE[False], pipeline),
