@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course.checks import said
 from course.launch import WorldFailed
 from tests.comm_log import CommLog
 from tests.helpers import CONFIG, WIDTHS, SmallMLP, forward_from, global_batch, load, world
@@ -40,8 +41,25 @@ def affine():
     return torch.rand(FEATURES, generator=g) + 0.5, torch.randn(FEATURES, generator=g)
 
 
+def update_running_stats(layer, count, mean, var):
+    """The tests' own update of the running statistics, nn.BatchNorm1d's (the solution's)."""
+    with torch.no_grad():
+        layer.num_batches_tracked += 1
+        layer.running_mean.lerp_(mean, MOMENTUM)
+        layer.running_var.lerp_(var * count / (count - 1), MOMENTUM)
+
+
+def sync_module(folder):
+    """sync.py under test, its SyncBatchNorm1d updating the running statistics with the tests' own
+    update_running_stats: the checks of forward judge forward alone, whatever update_running_stats does
+    (test_running_stats judges that)."""
+    sync = load(folder).sync
+    sync.SyncBatchNorm1d.update_running_stats = update_running_stats
+    return sync
+
+
 def _layer(folder):
-    layer = load(folder).sync.SyncBatchNorm1d(FEATURES)
+    layer = sync_module(folder).SyncBatchNorm1d(FEATURES)
     weight, bias = affine()
     with torch.no_grad():
         layer.weight.copy_(weight)
@@ -84,51 +102,112 @@ def close(a, b):
     return a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-def _output_mistake(got, x, everything, rank_count, world_size):
-    """What a wrong training output fits, in the student's terms; '' when nothing known does."""
+def _output_mistake(sentence, got, x, everything, rank_count, world_size):
+    """sentence, about a wrong training output, with the mistake it fits in the student's terms."""
     if close(got, normalised(x, x.mean(0), x.var(0, unbiased=False))):
-        return (
-            ": it normalised with the rank's own rows' mean and variance; all-reduce count, sum and sum of squares"
-            " so that every rank uses the statistics of all the rows"
+        return said(
+            "each rank normalised with its own rows' statistics",
+            f"{sentence}: it normalised with the rank's own rows' mean and variance; all-reduce count, sum and sum"
+            " of squares so that every rank uses the statistics of all the rows",
         )
     n = len(everything)
     if close(got, normalised(x, everything.mean(0), everything.var(0, unbiased=True))):
-        return ": it divided the variance by count - 1; normalise with the biased variance (divided by count)"
+        return said(
+            "normalised with the unbiased variance",
+            f"{sentence}: it divided the variance by count - 1; normalise with the biased variance (divided by count)",
+        )
     guessed = rank_count * world_size
     if guessed != n:
         mean = everything.sum(0) / guessed
         if close(got, normalised(x, mean, (everything * everything).sum(0) / guessed - mean * mean)):
-            return (
-                f": it took the count to be {rank_count} rows x {world_size} ranks, but the ranks hold {n} rows:"
-                " all-reduce the count with the sums"
+            return said(
+                "the count taken as rows x ranks, not all-reduced",
+                f"{sentence}: it took the count to be {rank_count} rows x {world_size} ranks, but the ranks hold"
+                f" {n} rows: all-reduce the count with the sums",
             )
-    return ""
+    return said("the training output not BatchNorm's over the rows of all ranks", sentence)
 
 
-def _running_mistake(name, got, previous, everything, x):
-    """What wrong running statistics fit, in the student's terms; '' when nothing known does."""
-    n = len(everything)
-    mean, biased = everything.mean(0), everything.var(0, unbiased=False)
-    statistic = mean if name == "running_mean" else biased * n / (n - 1)
+def _running_mistake(sentence, name, got, previous, x):
+    """sentence, about running statistics that forward left wrong, with the mistake they fit in the student's terms."""
     if close(got, previous):
-        return ": it did not change; update it in training mode"
-    if close(got, previous.lerp(statistic, 1 - MOMENTUM)):
-        return (
-            ": momentum is the weight of the new statistic: running = (1 - momentum) * running + momentum * statistic"
+        return said(
+            "running statistics not updated in training mode",
+            f"{sentence}: it did not change; update it in training mode",
         )
     local = x.mean(0) if name == "running_mean" else x.var(0, unbiased=True)
     if close(got, previous.lerp(local, MOMENTUM)):
-        return ": it was updated from this rank's own rows; update it from the all-reduced mean and variance"
-    if name == "running_var" and close(got, previous.lerp(biased, MOMENTUM)):
-        return (
-            ": it was updated with the biased variance; running_var takes the unbiased one, var * count / (count - 1)"
+        return said(
+            "running statistics updated from the rank's own rows",
+            f"{sentence}: it was updated from this rank's own rows; update it from the all-reduced mean and variance",
         )
-    return ""
+    return said("running statistics not one process's on all the rows", sentence)
+
+
+def moments(x):
+    """What global_moments gives update_running_stats for the rows x: (count, mean, biased variance)."""
+    return torch.tensor(float(len(x))), x.mean(0), x.var(0, unbiased=False)
+
+
+def running_stats_in_world(folder, given):
+    """Probe: update_running_stats with each of the given moments in turn; the running statistics after each."""
+    layer = load(folder).sync.SyncBatchNorm1d(FEATURES)
+    out = []
+    for count, mean, var in given:
+        layer.update_running_stats(count, mean, var)
+        out.append({"running_mean": layer.running_mean.clone(), "running_var": layer.running_var.clone()})
+    return out
+
+
+def _update_mistake(sentence, name, got, previous, x):
+    """sentence, about running statistics that update_running_stats left wrong, with the mistake they fit."""
+    n = len(x)
+    statistic = x.mean(0) if name == "running_mean" else x.var(0, unbiased=True)
+    if close(got, previous):
+        return said("update_running_stats changed nothing", f"{sentence}: it did not change")
+    if close(got, previous.lerp(statistic, 1 - MOMENTUM)):
+        return said(
+            "momentum taken as the weight of the old running value",
+            f"{sentence}: momentum is the weight of the new statistic: running = (1 - momentum) * running + momentum"
+            " * statistic",
+        )
+    if name == "running_var" and close(got, previous.lerp(x.var(0, unbiased=False), MOMENTUM)):
+        return said(
+            "running_var updated with the biased variance",
+            f"{sentence}: it was updated with the biased variance; running_var takes the unbiased one,"
+            f" var * count / (count - 1), here var * {n} / {n - 1}",
+        )
+    return said("running statistics not nn.BatchNorm1d's moving average", sentence)
+
+
+def check_running_stats(folder):
+    """update_running_stats moves running_mean towards the mean and running_var towards the unbiased
+    variance by momentum, as nn.BatchNorm1d does."""
+    batches = [all_rows(step, ROWS[3]) for step in range(TRAIN_STEPS)]
+    (got,) = world(running_stats_in_world, 1, folder, [moments(x) for x in batches])
+    reference = torch_layer()
+    for step, (x, found) in enumerate(zip(batches, got)):
+        previous = {"running_mean": reference.running_mean.clone(), "running_var": reference.running_var.clone()}
+        reference(x)
+        for name in ("running_mean", "running_var"):
+            sentence = (
+                f"after update_running_stats with the moments of {len(x)} rows (call {step + 1}), {name} is not"
+                f" nn.BatchNorm1d's after the same rows"
+            )
+            assert close(found[name], getattr(reference, name)), _update_mistake(
+                sentence, name, found[name], previous[name], x
+            )
+
+
+@pytest.mark.points(1)
+def test_running_stats(impl_dir):
+    check_running_stats(impl_dir)
 
 
 def check_forward(folder, world_size):
     """Training mode: every rank's output and running statistics are those of one process on all
-    the ranks' rows, step after step; eval mode: normalised with the running statistics."""
+    the ranks' rows, step after step; eval mode: normalised with the running statistics. The layer
+    updates them with the tests' update_running_stats (sync_module)."""
     rows = ROWS[world_size]
     results = world(forward_in_world, world_size, folder, rows)
     reference = torch_layer()
@@ -146,30 +225,45 @@ def check_forward(folder, world_size):
             what = f"with {world_size} ranks of {rows} rows, step {step + 1}, rank {rank}"
             everything, x = all_rows(step, rows), rank_rows(step, rows, rank)
             output = got["train"][step]["y"]
-            assert close(output, y[mine]), (
-                f"{what}: the training output is not BatchNorm's over the rows of all ranks"
-                + _output_mistake(output, x, everything, rows[rank], world_size)
+            assert close(output, y[mine]), _output_mistake(
+                f"{what}: the training output is not BatchNorm's over the rows of all ranks",
+                output,
+                x,
+                everything,
+                rows[rank],
+                world_size,
             )
             for name, value in (("running_mean", running_mean), ("running_var", running_var)):
                 found = got["train"][step][name]
-                assert close(found, value), (
-                    f"{what}: {name} is not what one process gets on all the rows"
-                    + _running_mistake(name, found, previous[name], everything, x)
+                assert close(found, value), _running_mistake(
+                    f"{what}: {name} is not what one process gets on all the rows", name, found, previous[name], x
                 )
         what = f"with {world_size} ranks, rank {rank}, in eval mode"
         for name in ("running_mean", "running_var"):
-            assert close(got["after_eval"][name], got["train"][-1][name]), (
-                f"{what}: a forward pass changed {name}; in eval mode the running statistics stay as they are"
+            assert close(got["after_eval"][name], got["train"][-1][name]), said(
+                "running statistics changed in eval mode",
+                f"{what}: a forward pass changed {name}; in eval mode the running statistics stay as they are",
             )
         assert close(got["eval"], eval_expected[mine]), (
-            f"{what}: the output is not the rows normalised with running_mean and running_var"
-            + (": it normalised with the batch's statistics" if _batch_stats_fit(got["eval"], rows, rank) else "")
+            said(
+                "eval mode normalised with the batch's statistics",
+                f"{what}: the output is not the rows normalised with running_mean and running_var: it normalised"
+                " with the batch's statistics",
+            )
+            if _batch_stats_fit(got["eval"], rows, rank)
+            else said(
+                "eval mode not normalised with the running statistics",
+                f"{what}: the output is not the rows normalised with running_mean and running_var",
+            )
         )
         try:
             nn.BatchNorm1d(FEATURES).load_state_dict(got["state"])
         except RuntimeError as error:
             raise AssertionError(
-                f"rank {rank}: SyncBatchNorm1d's state_dict does not load into nn.BatchNorm1d: {error}"
+                said(
+                    "a state_dict that nn.BatchNorm1d cannot load",
+                    f"rank {rank}: SyncBatchNorm1d's state_dict does not load into nn.BatchNorm1d: {error}",
+                )
             ) from None
 
 
@@ -211,8 +305,9 @@ def check_eval_alone(folder, world_size=2):
     assert got is not None, "rank 0's eval-mode output did not come back"
 
 
+# On one rank the layer is nn.BatchNorm1d: that case is worth 1 point, the others 2.
 @pytest.mark.points(2)
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.points(1)), 2, 3])
 def test_forward(impl_dir, world_size):
     check_forward(impl_dir, world_size)
 
@@ -311,7 +406,7 @@ def train_in_world(folder, steps):
     """Probe, on every rank: steps of data-parallel SGD (the test averages the gradients), then eval."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(100)
-    model = NormMLP(load(folder).sync.SyncBatchNorm1d(WIDTHS[1]))
+    model = NormMLP(sync_module(folder).SyncBatchNorm1d(WIDTHS[1]))
     optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
     out = {"grads": [], "states": []}
     for step in range(steps):

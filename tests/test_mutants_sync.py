@@ -28,6 +28,8 @@ from tests.test_ex9_sync import (
     check_forward,
     check_local_sgd,
     check_period_one_is_synchronous,
+    check_running_stats,
+    check_train_steps,
     local_batches,
     simulate,
 )
@@ -36,6 +38,7 @@ ALL_REDUCE = 'total = funcol.all_reduce(local, "sum", dist.group.WORLD)'
 EVAL_BRANCH = (
     "        if not self.training:\n            return self.normalise(x, self.running_mean, self.running_var)\n"
 )
+UNBIASED = "self.running_var.lerp_(var * count / (count - 1), self.momentum)"
 AVERAGE = "            dist.all_reduce(param)\n            param.div_(dist.get_world_size())"
 AVERAGE_WHEN = "if step % period == 0 or step == len(batches):"
 CALL_THEN_AVERAGE = """            if before_average is not None:
@@ -100,17 +103,24 @@ MUTANTS = {
     ),
     "biased variance in the running variance": (
         "sync.py",
-        "self.running_var.lerp_(var * count / (count - 1), self.momentum)",
+        UNBIASED,
         "self.running_var.lerp_(var, self.momentum)",
-        forward(2),
+        check_running_stats,
         "running_var takes the unbiased one",
     ),
     "momentum the weight of the old value": (
         "sync.py",
         "self.running_mean.lerp_(mean, self.momentum)",
         "self.running_mean.lerp_(mean, 1 - self.momentum)",
-        forward(2),
+        check_running_stats,
         "momentum is the weight of the new statistic",
+    ),
+    "running statistics left as they were": (
+        "sync.py",
+        "        self.running_mean.lerp_(mean, self.momentum)\n        " + UNBIASED + "\n",
+        "        pass\n",
+        check_running_stats,
+        "it did not change",
     ),
     # Right outputs; the running statistics differ from rank to rank, and eval mode then too.
     "running statistics updated from the rank's own rows": (
@@ -317,6 +327,15 @@ def test_parameters_data_replaced_is_right(tmp_path):
     _, expected, _, _ = simulate(2, 7, {3, 6, 7})
     for rank, params in enumerate(got):
         assert all(torch.allclose(params[n], p, rtol=1e-4, atol=1e-5) for n, p in expected[rank].items())
+
+
+def test_forward_is_judged_apart_from_update_running_stats(tmp_path):
+    """A wrong update_running_stats costs its own check, not those of forward, which calls it."""
+    folder = make_mutant(tmp_path / "mutant", "sync.py", UNBIASED, "self.running_var.lerp_(var, self.momentum)")
+    with pytest.raises(AssertionError, match="running_var takes the unbiased one"):
+        check_running_stats(folder)
+    check_forward(folder, 2)
+    check_train_steps(folder, 2)
 
 
 def test_local_sgd_is_judged_apart_from_average_parameters(tmp_path):
