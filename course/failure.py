@@ -41,15 +41,18 @@ _WAITED = ("Timed out", "failed to pass monitoredBarrier")
 _STACK_FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')
 # A root's name, by the collective's OpType: the argument of torch.distributed's function.
 _ROOT_NAME = {"BROADCAST": "src", "SCATTER": "src", "REDUCE": "dst", "GATHER": "dst"}
+# What the ranks compare of a collective (course/instrument.py's Agreement), each with its key in
+# ArgumentsDiffer's facts.
+_ARGUMENTS = (("root", "roots"), ("reduce op", "ops"), ("shape", "shapes"), ("dtype", "dtypes"))
 
 
 class ArgumentsDiffer(RuntimeError):
     """Raised on every rank when the ranks' collective, compared before it starts
     (course/instrument.py's Agreement), differs: each field is a list by rank."""
 
-    def __init__(self, calls: list, roots: list, ops: list, shapes: list):
-        super().__init__(f"ranks called collectives that differ: {calls} {roots} {ops} {shapes}")
-        self.facts = {"calls": calls, "roots": roots, "ops": ops, "shapes": shapes}
+    def __init__(self, calls: list, roots: list, ops: list, dtypes: list, shapes: list):
+        super().__init__(f"ranks called collectives that differ: {calls} {roots} {ops} {dtypes} {shapes}")
+        self.facts = {"calls": calls, "roots": roots, "ops": ops, "dtypes": dtypes, "shapes": shapes}
 
 
 @dataclass
@@ -71,15 +74,20 @@ class RankFact:
     pieces: int | None = None  # a scatter/gather given a list of this many tensors for world_size ranks
     root: int | None = None  # with collectives checked: the root of its collective (src, dst), if it has one
     reduce_op: str = ""  # and its reduce op ("SUM")
-    differs: str = ""  # what of the collective differs between the ranks: "root", "reduce op", "shape"
+    dtype: str = ""  # and its tensor's dtype ("float32")
+    differs: tuple = ()  # what of the collective differs between the ranks: of _ARGUMENTS's names
 
     def argument(self) -> str:
-        """What differs of its collective, as its function names it: 'with src=1', 'with op=MAX'."""
-        if self.differs == "root":
-            return f"with {_ROOT_NAME.get(self.op, 'root')}={self.root}"
-        if self.differs == "reduce op":
-            return f"with op={self.reduce_op}"
-        return f"of shape {self.shape}"
+        """What differs of its collective, as its function names it: 'with src=1', 'with op=MAX',
+        'with a float64 tensor of shape [2]'."""
+        said = []
+        if "root" in self.differs:
+            said.append(f"{_ROOT_NAME.get(self.op, 'root')}={self.root}")
+        if "reduce op" in self.differs:
+            said.append(f"op={self.reduce_op}")
+        if "shape" in self.differs or "dtype" in self.differs:
+            said.append(f"a {self.dtype} tensor of shape {self.shape}" if self.shape else "no tensor")
+        return "with " + ", ".join(said)
 
     def where(self) -> str:
         if self.file:
@@ -149,7 +157,8 @@ class Failure:
             return f"Ranks called different collectives (world of {w}):"
         if self.kind == "arguments":
             first = self.ranks[0]
-            name = {"root": _ROOT_NAME.get(first.op, "root"), "reduce op": "op"}.get(first.differs, first.differs)
+            names = [{"root": _ROOT_NAME.get(first.op, "root"), "reduce op": "op"}.get(d, d) for d in first.differs]
+            name = " and ".join(names)
             return (
                 f"Ranks called {first.collective or first.op} with a different {name} (world of {w}):"
                 f" every rank must pass the same {name}:"
@@ -347,16 +356,9 @@ def _fact(report: dict) -> RankFact:
     agreed = report.get("agreement")
     if agreed:  # every rank's collective, as the ranks compared them: this rank's own
         fact.op, fact.root, fact.reduce_op = (agreed[k][fact.rank] for k in ("calls", "roots", "ops"))
-        shape = agreed["shapes"][fact.rank]
+        shape, fact.dtype = agreed["shapes"][fact.rank], agreed["dtypes"][fact.rank] or ""
         fact.shape = str(shape) if shape is not None else ""
-        fact.differs = next(
-            (
-                name
-                for name, key in (("root", "roots"), ("reduce op", "ops"), ("shape", "shapes"))
-                if len(set(map(str, agreed[key]))) > 1
-            ),
-            "",
-        )
+        fact.differs = tuple(name for name, key in _ARGUMENTS if len(set(map(str, agreed[key]))) > 1)
         fact.state = "raised"
     fact = _fill_place(fact, [tuple(f) for f in report.get("frames", [])])
     pieces = _LIST_SIZE.search(full)  # torch's own words, read in one place

@@ -8,9 +8,10 @@
   different numbers of messages (the middle stages of a pipeline send twice as many as the ends)
   were reported as calling different collectives at their next one.
 - ``Agreement``: with collectives checked, the ranks compare each collective of the default group
-  before they start it, on the unchecked twin: which one (torch's check compares that too), its root
-  (src, dst) and its reduce op, which torch's check does not compare. A broadcast whose src differs
-  between ranks then fails at once, saying so, instead of waiting for the collective timeout.
+  before they start it, on the unchecked twin: which one, its root (src, dst), its reduce op, and
+  its tensor's shape and dtype. torch's check compares neither root nor reduce op, and reports a
+  shape or dtype that differs as different collectives. A broadcast whose src differs between ranks
+  then fails at once, naming the src, instead of waiting for the collective timeout.
 - ``check_ddp_on_an_unchecked_group``: built-in DistributedDataParallel segfaults in its
   constructor on the process group that TORCH_DISTRIBUTED_DEBUG=DETAIL wraps around the default
   one (torch 2.13, CPU, seen here). A group made with the check off works, so DDP gets one, and
@@ -113,6 +114,8 @@ _CALLS = {
 }
 _REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
 _DIMENSIONS = 4  # of a shape compared (a tensor of more compares its first four and its size)
+# Every dtype of torch, in an order that every rank shares: a collective's dtype travels as its index.
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 
 
 def _first_tensor(value):
@@ -124,7 +127,8 @@ def _first_tensor(value):
 
 
 def _record(method: str, args: tuple) -> list:
-    """[which call, its root or -1, its reduce op or -1, dimensions, shape...]: what the ranks compare."""
+    """[which call, its root or -1, its reduce op or -1, its dtype or -1, dimensions, shape...]: what the
+    ranks compare."""
     _, tensors = _CALLS[method]
     options = next((a for a in args if type(a).__name__.endswith("Options")), None)
     root = getattr(options, "rootRank", -1)
@@ -133,7 +137,8 @@ def _record(method: str, args: tuple) -> list:
     tensor = _first_tensor(args[tensors]) if tensors is not None and len(args) > tensors else None
     shape = list(tensor.shape) if tensor is not None else []
     dims = shape[:_DIMENSIONS] + [-1] * (_DIMENSIONS - len(shape[:_DIMENSIONS]))
-    return [list(_CALLS).index(method), root, op, len(shape) if tensor is not None else -1, *dims]
+    dtype = _DTYPES.index(tensor.dtype) if tensor is not None else -1
+    return [list(_CALLS).index(method), root, op, dtype, len(shape) if tensor is not None else -1, *dims]
 
 
 class Agreement:
@@ -166,7 +171,8 @@ class Agreement:
                 calls=[_CALLS[names[r[0]]][0] for r in records],
                 roots=[r[1] if r[1] >= 0 else None for r in records],
                 ops=[_REDUCE_OPS[r[2]] if r[2] >= 0 else "" for r in records],
-                shapes=[r[4 : 4 + min(r[3], _DIMENSIONS)] if r[3] >= 0 else None for r in records],
+                dtypes=[str(_DTYPES[r[3]]).removeprefix("torch.") if r[3] >= 0 else None for r in records],
+                shapes=[r[5 : 5 + min(r[4], _DIMENSIONS)] if r[4] >= 0 else None for r in records],
             )
 
 

@@ -50,6 +50,15 @@ def op_differs():
     dist.all_reduce(torch.ones(2), op=dist.ReduceOp.SUM if dist.get_rank() == 0 else dist.ReduceOp.MAX)
 
 
+def dtype_differs():
+    """torch's check saw these as different collectives, "ALLREDUCE of shape [2]" on both ranks."""
+    dist.all_reduce(torch.ones(2, dtype=torch.float32 if dist.get_rank() == 0 else torch.float64))
+
+
+def shape_differs():
+    dist.all_reduce(torch.ones(2 + dist.get_rank()))
+
+
 def skipped():
     if dist.get_rank() == 0:
         dist.all_reduce(torch.ones(3))
@@ -190,6 +199,24 @@ def test_a_collective_whose_ranks_give_different_arguments_is_named_at_once():
         "rank 0 with op=SUM in all_reduce" in failed.failure.sentence()
         and "rank 1 with op=MAX" in failed.failure.sentence()
     )
+
+
+@pytest.mark.parametrize(
+    "fn, differs, tensors",
+    [(dtype_differs, "dtype", ["float32 tensor of shape [2]", "float64 tensor of shape [2]"])]
+    + [(shape_differs, "shape", ["float32 tensor of shape [2]", "float32 tensor of shape [3]"])],
+)
+def test_a_collective_whose_tensors_differ_names_what_differs(fn, differs, tensors):
+    """Issue 29: a dtype that differs between ranks read "Ranks called different collectives", each
+    rank's line the same ALLREDUCE of shape [2]: which argument differs, and each rank's, at once."""
+    failed, seconds = timed_failure(fn, debug=True, collective_timeout=30)
+    assert seconds < 5, "found when the ranks compare their collectives, not at the collective timeout"
+    line = line_with(fn, "all_reduce")
+    assert failed.failure.kind == "arguments" and failed.failure.report().splitlines() == [
+        f"Ranks called all_reduce with a different {differs} (world of 2): every rank must pass the same {differs}:",
+        f"  rank 0 with a {tensors[0]} in all_reduce at test_launch.py:{line} in {fn.__name__}",
+        f"  rank 1 with a {tensors[1]} in all_reduce at test_launch.py:{line} in {fn.__name__}",
+    ]
 
 
 def test_mismatch_without_fingerprints_ends_at_the_collective_timeout():
