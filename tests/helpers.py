@@ -90,16 +90,19 @@ def printed(fn, *args):
     return result, out.getvalue()
 
 
-def describe_ratio(name, got, expected, rank):
-    """A sentence about how a gradient differs from the expected one, with its concept (course/checks.py)."""
+def describe_ratio(name, got, expected, rank, before="", after=""):
+    """A sentence about how a gradient differs from the expected one, with its concept (course/checks.py);
+    before and after are the check's own words around it (a str added to a Said is a plain str again)."""
     ratio = (got * expected).sum() / (expected * expected).sum().clamp_min(1e-30)
     if torch.allclose(got, expected * ratio, rtol=1e-3, atol=1e-6) and abs(ratio - 1) > 1e-3:
         hint = " did you divide by the world size?" if ratio > 1 else ""
         concept = "gradients summed over the ranks, not averaged" if ratio > 1 else "gradients scaled down"
-        return said(concept, f"rank {rank}'s gradient of {name} is {ratio:.1f}x the expected average:{hint}")
+        return said(
+            concept, f"{before}rank {rank}'s gradient of {name} is {ratio:.1f}x the expected average:{hint}{after}"
+        )
     return said(
         "gradients not the average over the ranks",
-        f"rank {rank}'s gradient of {name} is not the average of the ranks' gradients",
+        f"{before}rank {rank}'s gradient of {name} is not the average of the ranks' gradients{after}",
     )
 
 

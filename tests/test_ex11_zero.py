@@ -8,10 +8,16 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from course.checks import said
 from tests.comm_log import CommLog
 from tests.helpers import CONFIG, SMALL_BUCKET_MB, SmallMLP, describe_ratio, global_batch, load, one_process, world
 
 LR = 0.01  # Adam's
+# ShardedOptimizer wraps any torch optimizer: Adam (two tensors of state per parameter) and SGD with momentum (one).
+OPTIMIZERS = {
+    "adam": ("Adam", torch.optim.Adam, dict(lr=LR)),
+    "sgd_momentum": ("SGD with momentum", torch.optim.SGD, dict(lr=CONFIG.lr, momentum=0.9)),
+}
 
 
 class Ragged(nn.Module):
@@ -64,20 +70,27 @@ def owners(folder):
 
 
 def check_owners(folder):
+    """assign_owners gives each parameter a rank by the rule: largest first, to the least-loaded rank, ties low."""
     got = world(owners, 1, folder)[0]
     for (sizes, world_size), mine in zip(OWNER_CASES, got):
         expected = owners_by_rule(sizes, world_size)
         where = f"assign_owners({sizes}, world_size={world_size}) returned {mine}"
-        assert len(mine) == len(sizes), f"{where}: one owner per parameter, {len(sizes)} of them"
-        assert all(o in range(world_size) for o in mine), f"{where}: every owner is a rank in range({world_size})"
-        worst, best = max(loads(sizes, mine, world_size)), max(loads(sizes, expected, world_size))
-        assert worst <= best, (
-            f"{where}: a rank owns {worst} elements where the rule gives at most {best}: balance the ranks"
-            " by size, the parameters largest first, each to the rank that owns the fewest elements so far"
+        assert len(mine) == len(sizes), said(
+            "not one owner per parameter", f"{where}: one owner per parameter, {len(sizes)} of them"
         )
-        assert mine == expected, (
+        assert all(o in range(world_size) for o in mine), said(
+            "an owner that is no rank", f"{where}: every owner is a rank in range({world_size})"
+        )
+        worst, best = max(loads(sizes, mine, world_size)), max(loads(sizes, expected, world_size))
+        assert worst <= best, said(
+            "owners that do not balance the ranks by size",
+            f"{where}: a rank owns {worst} elements where the rule gives at most {best}: balance the ranks"
+            " by size, the parameters largest first, each to the rank that owns the fewest elements so far",
+        )
+        assert mine == expected, said(
+            "owners balanced, but not by the rule's order and ties",
             f"{where}, expected {expected}: take the parameters largest first (equal sizes in their order),"
-            " each to the rank owning the fewest elements so far, a tie to the lower rank"
+            " each to the rank owning the fewest elements so far, a tie to the lower rank",
         )
 
 
@@ -89,16 +102,18 @@ def zero_module(folder):
     return zero
 
 
-# k steps of the sharded Adam.
+# k steps of the sharded optimizer.
 
 
-def sharded_steps(folder, steps):
-    """Probe: the same Ragged on every rank, ShardedOptimizer(Adam); each rank steps on its share of each batch."""
+def sharded_steps(folder, steps, optimizer="adam"):
+    """Probe: the same Ragged on every rank, ShardedOptimizer of one of OPTIMIZERS; each rank steps on its share
+    of each batch."""
     zero = zero_module(folder)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Ragged()
-    optimizer = zero.ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=LR)
+    _, kind, defaults = OPTIMIZERS[optimizer]
+    optimizer = zero.ShardedOptimizer(model.parameters(), kind, **defaults)
     history, grads = [], None
     for step in range(steps):
         x, y = global_batch(CONFIG, step, world_size)
@@ -112,27 +127,31 @@ def sharded_steps(folder, steps):
     return {"history": history, "grads": grads, "state_bytes": state_bytes(optimizer.state)}
 
 
-def unsharded(steps, world_size):
-    """The judge's run: one process, plain Adam on the whole batch; the ranks' gradients of step 0; its history."""
+def unsharded(steps, world_size, optimizer):
+    """The judge's run: one process, the plain optimizer on the whole batch; the ranks' gradients of step 0; its
+    history."""
     torch.manual_seed(0)
     model = Ragged()
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    _, kind, defaults = OPTIMIZERS[optimizer]
+    optimizer = kind(model.parameters(), **defaults)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     local, history = one_process(model, optimizer, steps, world_size)
     return local, [start, *history]
 
 
-def check_steps(folder, world_size, steps=3):
-    """k steps of the sharded Adam on W ranks equal k steps of Adam in one process on the whole batch."""
-    got = world(sharded_steps, world_size, folder, steps)
-    local, expected = unsharded(steps, world_size)
+def check_steps(folder, world_size, optimizer="adam", steps=3):
+    """k steps of the sharded optimizer (Adam, SGD with momentum) on W ranks equal k steps of it in one process
+    on the whole batch."""
+    got = world(sharded_steps, world_size, folder, steps, optimizer)
+    local, expected = unsharded(steps, world_size, optimizer)
+    plain = OPTIMIZERS[optimizer][0]
     names = list(expected[0])
     owner = dict(zip(names, owners_by_rule([expected[0][n].numel() for n in names], world_size)))
     for rank, result in enumerate(got):
         for name, grad in result["grads"].items():
             mean = sum(g[name] for g in local) / world_size
-            assert torch.allclose(grad, mean, rtol=1e-4, atol=1e-6), "after step(), " + describe_ratio(
-                name, grad, mean, rank
+            assert torch.allclose(grad, mean, rtol=1e-4, atol=1e-6), describe_ratio(
+                name, grad, mean, rank, "after step(), "
             )
     for step in range(steps):
         for name in names:
@@ -149,7 +168,7 @@ def check_steps(folder, world_size, steps=3):
                 " the step on every rank: send each parameter from its owner, the rank that stepped it"
             )
             assert torch.allclose(mine, after, rtol=1e-4, atol=1e-6), (
-                f"after step {step} on {world_size} ranks, {name} differs from Adam in one process on the whole batch"
+                f"after step {step} on {world_size} ranks, {name} differs from {plain} in one process on the whole batch"
             )
 
 
@@ -351,9 +370,9 @@ def test_owners(impl_dir):
 
 
 @pytest.mark.points(4)
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_steps(impl_dir, world_size):
-    check_steps(impl_dir, world_size)
+@pytest.mark.parametrize("world_size, optimizer", [(2, "sgd_momentum"), (3, "adam")])
+def test_steps(impl_dir, world_size, optimizer):
+    check_steps(impl_dir, world_size, optimizer)
 
 
 @pytest.mark.points(2)

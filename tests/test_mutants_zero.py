@@ -75,6 +75,14 @@ MUTANTS = {
         lambda folder: check_steps(folder, 2, steps=1),
         "differs from Adam in one process",
     ),
+    # Right for the Adam of train(); ShardedOptimizer wraps whichever optimizer it is given.
+    "the wrapped optimizer always Adam": (
+        "zero.py",
+        "        self.optimizer = optimizer_class(mine, **defaults)",
+        '        self.optimizer = torch.optim.Adam(mine, lr=defaults["lr"])',
+        lambda folder: check_steps(folder, 2, "sgd_momentum", steps=1),
+        "differs from SGD with momentum in one process",
+    ),
     # Only the owner needs the average to step, but after step() every rank's gradients are the averages.
     "gradients reduced to their owner only": (
         "zero.py",
