@@ -41,16 +41,17 @@ def grade(args) -> int:
     from course import grade as plugin
     from course.layout import ROOT, graded_exercises
 
-    exercises = graded_exercises()
-    unknown = [n for n in args.ex or [] if n not in exercises]
-    if unknown:
-        problem = f"no exercise {', '.join(map(str, unknown))}; exercises are {min(exercises)}–{max(exercises)}"
+    problem = plugin.no_such_exercise(args.ex)
+    if problem:
         print(problem, file=sys.stderr)
-        plugin.write_json("results.json", plugin.not_graded([problem]))
+        # Where the grader would have written results.json: an autograder reads it there.
+        given = argparse.ArgumentParser(add_help=False)
+        given.add_argument("--grade-results", default="results.json")
+        plugin.write_json(given.parse_known_args(args.pytest)[0].grade_results, plugin.not_graded([problem]))
         if args.github_classroom:
             plugin.give_github_output(plugin.not_graded([problem]))
         return 2
-    chosen = sorted(set(args.ex)) if args.ex else exercises
+    chosen = sorted(set(args.ex)) if args.ex else graded_exercises()
     checks = [path for n in chosen for path in sorted(glob.glob(os.path.join(ROOT, "tests", f"test_ex{n}_*.py")))]
     os.environ.setdefault("COURSE_IMPL", "student")
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"

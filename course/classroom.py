@@ -61,7 +61,9 @@ jobs:
         id: grade
         working-directory: course
         run: COURSE_IMPL="$GITHUB_WORKSPACE/submission" .venv/bin/python -m course grade --github-classroom@EXERCISES@
+      # Also when the grade step failed: a grader that could not grade says why (its result is an error).
       - name: Report
+        if: always()
         uses: classroom-resources/autograding-grading-reporter@v1
         env:
           GRADE_RESULTS: "${{ steps.grade.outputs.result }}"
@@ -72,8 +74,13 @@ jobs:
 
 def workflow(template: str, ref: str = "", exercises: list | None = None) -> str:
     """The workflow's text for the template repository ``template`` (OWNER/NAME) at ``ref``."""
+    from course.grade import no_such_exercise
+
     if template.count("/") != 1 or not all(template.split("/")):
         raise ValueError(f"--template is the template repository as OWNER/NAME, not {template!r}")
+    problem = no_such_exercise(exercises)
+    if problem:
+        raise ValueError(problem)
     chosen = "".join(f" --ex {n}" for n in exercises or [])
     text = WORKFLOW.replace("@TEMPLATE@", template).replace("@EXERCISES@", chosen)
     if ref:
@@ -83,10 +90,11 @@ def workflow(template: str, ref: str = "", exercises: list | None = None) -> str
 
 def write(dest: str, template: str, ref: str = "", exercises: list | None = None) -> str:
     """Write the workflow into the copy at dest; return its path."""
+    text = workflow(template, ref, exercises)
     path = os.path.join(dest, ".github", "workflows", "classroom.yml")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        f.write(workflow(template, ref, exercises))
+        f.write(text)
     return path
 
 
@@ -99,7 +107,11 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--ex", type=int, action="append", help="grade only this exercise (again for more)")
     args = parser.parse_args(argv)
-    print(f"wrote {write(args.dest, args.template, args.ref, args.ex)}")
+    try:
+        print(f"wrote {write(args.dest, args.template, args.ref, args.ex)}")
+    except ValueError as refused:
+        print(refused, file=sys.stderr)
+        return 2
     return 0
 
 

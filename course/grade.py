@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import pytest
 
 from course.checks import concept_of, points_of
-from course.layout import ROOT, STUDENT_FILES
+from course.layout import ROOT, STUDENT_FILES, graded_exercises
 
 _MODULE = re.compile(r"test_ex(\d+)_\w*\.py")
 
@@ -286,6 +286,15 @@ def give_github_output(results: dict) -> None:
     encoded = base64.b64encode(json.dumps(classroom(results)).encode()).decode()
     with open(os.environ["GITHUB_OUTPUT"], "a") as f:
         f.write(f"result={encoded}\n")
+
+
+def no_such_exercise(chosen: list | None) -> str:
+    """The sentence that refuses the numbers of chosen that are not exercises ("" when all are)."""
+    exercises = graded_exercises()
+    unknown = [n for n in chosen or [] if n not in exercises]
+    if not unknown:
+        return ""
+    return f"no exercise {', '.join(map(str, unknown))}; exercises are {min(exercises)}–{max(exercises)}"
 
 
 def not_graded(problems: list) -> dict:

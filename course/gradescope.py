@@ -56,8 +56,14 @@ _SKIPPED = {"__MACOSX", "__pycache__", ".git", ".ipynb_checkpoints", ".venv", "v
 
 
 def build(out: str, exercises: list | None = None) -> str:
-    """Write the autograder zip to out; return its path."""
+    """Write the autograder zip to out; return its path. Raises ValueError for a number that is
+    not an exercise: every submission would be refused."""
+    from course.grade import no_such_exercise
     from course.release import release
+
+    problem = no_such_exercise(exercises)
+    if problem:
+        raise ValueError(problem)
 
     with tempfile.TemporaryDirectory() as folder:
         source = os.path.join(folder, "source")
@@ -129,13 +135,16 @@ def run(root: str, exercises: list | None = None) -> int:
     env = dict(os.environ, COURSE_IMPL=graded, COURSE_SANDBOX=os.environ.get("COURSE_SANDBOX", "required"))
     done = subprocess.run(command, cwd=ROOT, env=env)
     shutil.rmtree(graded, ignore_errors=True)
-    if notes:
+    from course.grade import not_graded, write_json
+
+    try:
         with open(results) as f:
             found = json.load(f)
+    except (OSError, ValueError) as error:  # the grader ended before it wrote any: still no plausible 0
+        found = not_graded([f"the grader ended (exit status {done.returncode}) without a results.json: {error}"])
+    if notes:
         found["output"] = "\n".join(notes) + "\n\n" + found.get("output", "")
-        from course.grade import write_json
-
-        write_json(results, found)
+    write_json(results, found)
     return done.returncode
 
 
@@ -150,7 +159,11 @@ def main(argv=None) -> int:
         command.add_argument("--ex", type=int, action="append", help="only this exercise (again for more)")
     args = parser.parse_args(argv)
     if args.command == "build":
-        print(f"wrote {build(args.out, args.ex)}: upload it as the assignment's autograder on Gradescope")
+        try:
+            print(f"wrote {build(args.out, args.ex)}: upload it as the assignment's autograder on Gradescope")
+        except ValueError as refused:
+            print(refused, file=sys.stderr)
+            return 2
         return 0
     return run(args.root, args.ex)
 
