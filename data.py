@@ -56,10 +56,11 @@ def average_gradients_weighted(model: nn.Module, rows: int) -> None:
 
     This rank's loss is the mean over its own `rows` rows (m_k), so its gradient g_k is a mean
     over m_k rows. The union batch of n = m_0 + m_1 + ... rows has the gradient sum_k (m_k / n) g_k,
-    not the plain mean of the g_k when the batches differ in size. No rank knows n: all-reduce
-    the row counts first (dist.all_reduce), then the weighted gradients.
+    not the plain mean of the g_k when the batches differ in size. No rank knows n: the ranks'
+    row counts must travel first, by a collective (one all-reduce of them is enough), then the
+    weighted gradients are summed over the ranks.
     """
-    # TODO(exercise 8): n from an all-reduce of the counts; then every gradient times m_k / n, summed.
+    # TODO(exercise 8): n, the sum of the ranks' counts; then every gradient times m_k / n, summed over the ranks.
     raise NotImplementedError("Exercise 8: average_gradients_weighted is not written yet, see exercises/08_data.md")
 
 
@@ -93,9 +94,10 @@ def train_shard(
 def common_steps(steps: int) -> int:
     """Fix (a): the number of steps every rank can take, the smallest of the ranks' `steps`.
 
-    A collective before the training loop (dist.all_reduce); every rank returns the same number.
+    A collective before the training loop (an all-reduce with ReduceOp.MIN, for one); every rank
+    returns the same number.
     """
-    # TODO(exercise 8): the smallest steps over all ranks, with one all-reduce.
+    # TODO(exercise 8): the smallest steps over all ranks, the same on every rank.
     raise NotImplementedError("Exercise 8: common_steps is not written yet, see exercises/08_data.md")
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
+from course.checks import said
 from course.launch import WorldFailed
 from tests.comm_log import CommLog
 from tests.helpers import CONFIG, SmallMLP, load, world
@@ -104,19 +105,26 @@ def sizes_in_world(folder):
 
 
 def check_shard_sizes(folder):
+    """shard_sizes gives whole sizes by the largest-remainder rule, one per fraction, adding up to n."""
     (got,) = world(sizes_in_world, 1, folder)
     for (n, fractions, expected), sizes in zip(SIZES, got):
         what = f"shard_sizes({n}, {[round(f, 3) for f in fractions]}) returned {sizes}"
-        assert isinstance(sizes, list) and all(isinstance(s, int) for s in sizes), f"{what}: return a list of ints"
-        assert len(sizes) == len(fractions), f"{what}: one size per fraction"
-        assert sum(sizes) == n, f"{what}, which adds up to {sum(sizes)}: the sizes must add up to n = {n}"
+        assert isinstance(sizes, list) and all(isinstance(s, int) for s in sizes), said(
+            "sizes not a list of ints", f"{what}: return a list of ints"
+        )
+        assert len(sizes) == len(fractions), said("not one size per fraction", f"{what}: one size per fraction")
+        assert sum(sizes) == n, said(
+            "sizes that do not add up to n", f"{what}, which adds up to {sum(sizes)}: the sizes must add up to n = {n}"
+        )
         for k, (size, f) in enumerate(zip(sizes, fractions)):
-            assert math.floor(n * f - 1e-9) <= size <= math.ceil(n * f + 1e-9), (
-                f"{what}: size {k} should be n * fractions[{k}] = {n * f:.3g} rounded down or up"
+            assert math.floor(n * f - 1e-9) <= size <= math.ceil(n * f + 1e-9), said(
+                "a size not n * fraction rounded down or up",
+                f"{what}: size {k} should be n * fractions[{k}] = {n * f:.3g} rounded down or up",
             )
-        assert sizes == expected, (
+        assert sizes == expected, said(
+            "left-over samples not by the largest fractional parts",
             f"{what}, expected {expected}: the left-over samples go one each to the shards with the largest"
-            " fractional parts, the lower rank first among equal ones"
+            " fractional parts, the lower rank first among equal ones",
         )
 
 
@@ -140,46 +148,57 @@ def partitions_in_world(folder):
 
 
 def check_partition(folder, world_size=3):
+    """partition cuts the seeded shuffle into disjoint covering shards of shard_sizes, the same on every rank,
+    with no communication and the global random generator left alone."""
     results = world(partitions_in_world, world_size, folder)
     for (n, fractions, seed), *per_rank in zip(PARTITIONS, *results):
         what = f"partition({n}, {[round(f, 3) for f in fractions]}, seed={seed})"
         for rank, got in enumerate(per_rank):
-            assert not got["collectives"], (
+            assert not got["collectives"], said(
+                "a collective in partition",
                 f"{what} called {got['collectives'][0]} on rank {rank}: every rank computes the same shards from"
-                " the seed, with no communication"
+                " the seed, with no communication",
             )
             shards = got["shards"]
-            assert len(shards) == len(fractions), f"{what} returned {len(shards)} shards for {len(fractions)} fractions"
+            assert len(shards) == len(fractions), said(
+                "not one shard per fraction", f"{what} returned {len(shards)} shards for {len(fractions)} fractions"
+            )
             sizes = [len(s) for s in shards]
-            assert sizes == expected_sizes(n, fractions), (
+            assert sizes == expected_sizes(n, fractions), said(
+                "shards not of shard_sizes",
                 f"{what} made shards of {sizes} samples, expected {expected_sizes(n, fractions)}: cut pieces of"
-                " shard_sizes(n, fractions) (this check gives partition a shard_sizes that follows the rule)"
+                " shard_sizes(n, fractions) (this check gives partition a shard_sizes that follows the rule)",
             )
             every = torch.cat(shards).long() if shards else torch.zeros(0, dtype=torch.long)
             counts = torch.bincount(every, minlength=n) if n else torch.zeros(0)
-            assert len(counts) == n and bool((counts == 1).all()), (
+            assert len(counts) == n and bool((counts == 1).all()), said(
+                "shards that overlap or miss samples",
                 f"{what}: every index 0 .. {n - 1} must be in exactly one shard"
                 f" (missing: {(counts == 0).nonzero().flatten().tolist()[:5]},"
-                f" in two shards: {(counts > 1).nonzero().flatten().tolist()[:5]})"
+                f" in two shards: {(counts > 1).nonzero().flatten().tolist()[:5]})",
             )
             if rank > 0:
-                assert all(torch.equal(a, b) for a, b in zip(shards, per_rank[0]["shards"])), (
+                assert all(torch.equal(a, b) for a, b in zip(shards, per_rank[0]["shards"])), said(
+                    "shards that differ between ranks",
                     f"{what}: rank {rank}'s shards differ from rank 0's: draw the order from a generator seeded"
-                    " with seed, torch.Generator().manual_seed(seed), not from the global one"
+                    " with seed, torch.Generator().manual_seed(seed), not from the global one",
                 )
         for rank, got in enumerate(per_rank):
-            assert got["global_generator_kept"], (
+            assert got["global_generator_kept"], said(
+                "the global random generator changed",
                 f"{what} changed rank {rank}'s global random generator (torch.manual_seed, or a draw from it): every"
                 " later random draw of the rank (initial weights, dropout masks) then depends on partition. Draw the"
-                " order from a generator of its own, torch.Generator().manual_seed(seed)"
+                " order from a generator of its own, torch.Generator().manual_seed(seed)",
             )
         drawn = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-        assert not torch.equal(every, torch.arange(n)) or n < 2, (
-            f"{what} did not shuffle: cut the shuffled order, torch.randperm(n, generator=...), not 0 .. n-1"
+        assert not torch.equal(every, torch.arange(n)) or n < 2, said(
+            "shards not shuffled",
+            f"{what} did not shuffle: cut the shuffled order, torch.randperm(n, generator=...), not 0 .. n-1",
         )
-        assert torch.equal(every, drawn), (
+        assert torch.equal(every, drawn), said(
+            "shards not the seeded shuffle cut in rank order",
             f"{what}: the shards, one after the other, should be torch.randperm(n,"
-            " generator=torch.Generator().manual_seed(seed)) cut into consecutive pieces in rank order"
+            " generator=torch.Generator().manual_seed(seed)) cut into consecutive pieces in rank order",
         )
 
 
@@ -243,6 +262,7 @@ def weighted_step(folder):
 
 
 def check_weighted_average(folder, world_size):
+    """average_gradients_weighted gives every rank the gradient of the union batch, the sum of (m_k / n) g_k."""
     results = world(weighted_step, world_size, folder)
     X, Y, sizes = union_batch(world_size)
     model = fresh_model()
@@ -261,9 +281,12 @@ def check_weighted_average(folder, world_size):
             plain = sum(g[name] for g in local) / world_size
             if torch.allclose(got, plain, rtol=1e-4, atol=1e-6):
                 raise AssertionError(
-                    f"on {world_size} ranks with batches of {sizes} rows, rank {rank}'s gradient of {name} is the"
-                    f" plain mean of the ranks' gradients: weight rank k's gradient by m_k / n (its rows over all"
-                    f" {sum(sizes)} rows), as the gradient of the union batch does"
+                    said(
+                        "the plain mean of the ranks' gradients, not weighted by rows",
+                        f"on {world_size} ranks with batches of {sizes} rows, rank {rank}'s gradient of {name} is the"
+                        f" plain mean of the ranks' gradients: weight rank k's gradient by m_k / n (its rows over all"
+                        f" {sum(sizes)} rows), as the gradient of the union batch does",
+                    )
                 )
             assert torch.allclose(got, expected, rtol=1e-4, atol=1e-6), (
                 f"on {world_size} ranks with batches of {sizes} rows, rank {rank}'s gradient of {name} is not the"
@@ -365,28 +388,35 @@ def expected_training(world_size, joined, by_active=False):
 UNMATCHED = ("mismatch", "wait", "timeout", "crash")
 
 
-def stopped(failed, advice):
+def stopped(failed, concept, advice):
     """A world of uneven ranks that failed: where ranks stopped in collectives that did not match, the advice,
-    then where the harness saw the ranks; otherwise (code not written, an error at a line) the failure itself."""
+    then where the harness saw the ranks, with its concept; otherwise (code not written, an error at a line) the
+    failure itself."""
     if failed.failure.kind not in UNMATCHED:
         raise failed
-    return AssertionError(f"{advice} ({failed.failure.sentence()})")
+    return AssertionError(said(concept, f"{advice} ({failed.failure.sentence()})"))
 
 
 def check_agreed_steps(folder, world_size):
+    """common_steps gives every rank the smallest number of steps, as an int, and training on them is one
+    process's on the same batches."""
     try:
         results = world(agreed_training, world_size, folder)
     except WorldFailed as failed:
         raise stopped(
             failed,
+            "the ranks took different numbers of steps",
             "the ranks took different numbers of steps: common_steps should return the same number on every rank",
         ) from None
     expected, counts = expected_training(world_size, joined=False)
     agreed = [r["agreed"] for r in results]
-    assert all(type(a) is int for a in agreed), f"common_steps returned {agreed}: return the number of steps as an int"
-    assert agreed == [min(counts)] * world_size, (
+    assert all(type(a) is int for a in agreed), said(
+        "steps not returned as an int", f"common_steps returned {agreed}: return the number of steps as an int"
+    )
+    assert agreed == [min(counts)] * world_size, said(
+        "the ranks agree on another number than the smallest",
         f"common_steps returned {agreed} on ranks with {counts} batches: every rank should take the smallest"
-        f" number, {min(counts)}, since a rank with fewer batches has no data for more"
+        f" number, {min(counts)}, since a rank with fewer batches has no data for more",
     )
     for rank, result in enumerate(results):
         for name, param in expected.items():
@@ -417,29 +447,38 @@ def joined_training(folder, same_shard=False):
 
 def _join_failure(folder, failure, world_size):
     """Why train_joined failed on uneven shards, from a run where every rank has the same shard (no rank runs
-    out of batches early, so it ends) and what that run started; the failure's facts when nothing known fits."""
+    out of batches early, so it ends) and what that run started, with its concept; the failure's facts when
+    nothing known fits."""
     facts = f"({failure.sentence()})"
+    unknown = said(
+        "train_joined failed on uneven shards",
+        f"train_joined failed on shards of 112 and 48 samples in batches of {BATCH} {facts}",
+    )
     try:
         ranks = world(joined_training, world_size, folder, True, keep=False, timeout=30, collective_timeout=3)
     except WorldFailed:
-        return f"train_joined failed on shards of 112 and 48 samples in batches of {BATCH} {facts}"
+        return unknown
     own = ranks[0]["own"]
     if own:
         names = ", ".join(sorted(set(own)))
-        return (
+        return said(
+            "collectives of its own under Join",
             f"train_joined started collectives of its own ({len(own)} in {ranks[0]['steps']} steps: {names}): DDP"
             " averages the gradients already, and under Join a rank that has run out of batches answers DDP's"
-            f" all-reduces only, and yours on a rank with batches left finds no partner: leave the averaging to DDP {facts}"
+            f" all-reduces only, and yours on a rank with batches left finds no partner: leave the averaging to DDP {facts}",
         )
     if not any(r["join_all_reduces"] for r in ranks):
-        return (
+        return said(
+            "DDP on uneven shards without Join",
             "a rank ran out of batches while another waited in DDP's all-reduce, and Join did not step in: run the"
-            f" training loop inside `with Join([ddp_model]):`, the DDP model as its joinable {facts}"
+            f" training loop inside `with Join([ddp_model]):`, the DDP model as its joinable {facts}",
         )
-    return f"train_joined failed on shards of 112 and 48 samples in batches of {BATCH} {facts}"
+    return unknown
 
 
 def check_join(folder, world_size=2):
+    """train_joined takes every whole batch of each rank's shard through the DDP model under Join, and ends
+    with DDP's averages, the ranks out of batches counting as zero gradients."""
     try:
         # A short collective timeout: a rank left waiting in DDP's all-reduce is named after 3 s.
         results = world(joined_training, world_size, folder, keep=False, timeout=30, collective_timeout=3)
@@ -449,21 +488,26 @@ def check_join(folder, world_size=2):
         raise AssertionError(_join_failure(folder, failed.failure, world_size)) from None
     expected, counts = expected_training(world_size, joined=True)
     steps = [r["steps"] for r in results]
-    assert steps == counts, f"train_joined took {steps} steps on ranks with {counts} whole batches: take all of them"
+    assert steps == counts, said(
+        "train_joined left whole batches out",
+        f"train_joined took {steps} steps on ranks with {counts} whole batches: take all of them",
+    )
     for rank, result in enumerate(results):
         # Under Join, every forward pass of the DDP model starts one all-reduce of Join's.
-        assert result["join_all_reduces"] >= result["steps"], (
+        assert result["join_all_reduces"] >= result["steps"], said(
+            "the loop calls the model, not the DDP model",
             f"rank {rank} took {result['steps']} steps under Join, and not every one ran the DDP model's forward"
             " pass: call the DDP model in the loop, not `model`: its forward pass makes DDP average the gradients"
-            " in the backward pass, and tells Join that this rank still trains"
+            " in the backward pass, and tells Join that this rank still trains",
         )
     by_active, _ = expected_training(world_size, joined=True, by_active=True)
     for rank, result in enumerate(results):
         for name, param in expected.items():
             got = result["state"][name]
-            assert not torch.allclose(got, by_active[name], rtol=1e-4, atol=1e-5), (
+            assert not torch.allclose(got, by_active[name], rtol=1e-4, atol=1e-5), said(
+                "late steps divided by the ranks still training",
                 f"after training under Join, rank {rank}'s {name} took the steps that only some ranks had a batch"
-                " for with the gradient divided by the ranks still training: DDP under Join divides by the world size"
+                " for with the gradient divided by the ranks still training: DDP under Join divides by the world size",
             )
             assert torch.allclose(got, param, rtol=1e-4, atol=1e-5), (
                 f"after training under Join, rank {rank}'s {name} differs from DDP's averages over the ranks"
