@@ -1,6 +1,6 @@
 """`python -m course COMMAND`: the course's commands, for those who have no `make` (Windows).
 
-    python3 -m course setup [--notebooks | --instructors]   what `make setup` does
+    python3 -m course setup [--notebooks]                   what `make setup` does
     .venv/bin/python -m course grade [--ex N]               what `make grade [EX=N]` does
     .venv/bin/python -m course grade --fail-under 100       exit status 1 unless every check passed
 

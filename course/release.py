@@ -2,11 +2,12 @@
 
 The copy holds what students need and may see: their files, the handouts and notebooks, the
 exercise checks with the test helpers, the course package less its instructors' modules, the
-benchmarks' scripts, the Makefile, the README less its instructors' parts, the documents it links,
-and the packaging files. It leaves out solutions/, the instructors' tests (the mutant tests need
-solutions/, the others test this repository), their modules and documents, CI, and any gradebook
-or grades. Without solutions/ the Makefile's `make test` is `make grade`, and `make help` lists
-what a student can run; every command the copy names works in it (tests/test_release.py).
+benchmarks' scripts and measurements, the Makefile, the README and the documents it links, each
+less its instructors' parts, and the packaging files. It leaves out solutions/, the instructors'
+tests (the mutant tests need solutions/, the others test this repository), their modules and
+documents, CI, and any gradebook or grades. Without solutions/ the Makefile's `make test` is
+`make grade`, and `make help` lists what a student can run; every command, link and file the copy
+names works or is there in it (tests/test_release.py).
 
 ``leaks(dest)`` proves nothing of a solution made it into the copy, in any file: code, handouts
 and notebooks alike. A solution line is any line written inside a solution region of solutions/
@@ -44,7 +45,8 @@ RELEASED = (
     ".gitignore",
     "course/*.py",
     "bench/*.py",
-    "bench/*.png",  # the measurements of docs/benchmarks.md
+    "bench/*.json",  # the measurements of docs/benchmarks.md, and their figures
+    "bench/*.png",
     "exercises/*.md",
     "exercises/*.ipynb",
     "exercises/*.svg",
@@ -74,7 +76,8 @@ INSTRUCTORS_ONLY = (
     "docs/classroom.md",
 )
 
-# A README's parts for instructors stand between these two lines; the copy's README has none of them.
+# A markdown file's parts for instructors (what only their repository has) stand between these two
+# lines; the copy's markdown files have none of them.
 INSTRUCTORS_BEGIN, INSTRUCTORS_END = "<!-- instructors -->", "<!-- /instructors -->"
 
 
@@ -98,30 +101,32 @@ def release(dest: str) -> list:
     files = released_files()
     for path in files:
         os.makedirs(os.path.dirname(os.path.join(dest, path)), exist_ok=True)
-        shutil.copyfile(os.path.join(ROOT, path), os.path.join(dest, path))
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        readme = for_students(f.read())
-    with open(os.path.join(dest, "README.md"), "w", encoding="utf-8") as f:
-        f.write(readme)
+        if path.endswith(".md"):
+            with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+                text = for_students(f.read(), path)
+            with open(os.path.join(dest, path), "w", encoding="utf-8") as f:
+                f.write(text)
+        else:
+            shutil.copyfile(os.path.join(ROOT, path), os.path.join(dest, path))
     return files
 
 
-def for_students(readme: str) -> str:
-    """The README without its instructors' parts (each between INSTRUCTORS_BEGIN and _END lines)."""
+def for_students(text: str, name: str = "README.md") -> str:
+    """A markdown file without its instructors' parts (each between INSTRUCTORS_BEGIN and _END lines)."""
     kept, inside = [], False
-    for number, line in enumerate(readme.splitlines(keepends=True), 1):
+    for number, line in enumerate(text.splitlines(keepends=True), 1):
         if line.strip() == INSTRUCTORS_BEGIN:
             if inside:
-                raise ValueError(f"README.md:{number}: {INSTRUCTORS_BEGIN} inside an instructors' part")
+                raise ValueError(f"{name}:{number}: {INSTRUCTORS_BEGIN} inside an instructors' part")
             inside = True
         elif line.strip() == INSTRUCTORS_END:
             if not inside:
-                raise ValueError(f"README.md:{number}: {INSTRUCTORS_END} without {INSTRUCTORS_BEGIN}")
+                raise ValueError(f"{name}:{number}: {INSTRUCTORS_END} without {INSTRUCTORS_BEGIN}")
             inside = False
         elif not inside:
             kept.append(line)
     if inside:
-        raise ValueError(f"README.md: {INSTRUCTORS_BEGIN} without {INSTRUCTORS_END}")
+        raise ValueError(f"{name}: {INSTRUCTORS_BEGIN} without {INSTRUCTORS_END}")
     return re.sub(r"\n{3,}", "\n\n", "".join(kept))
 
 

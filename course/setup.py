@@ -2,7 +2,8 @@
 
     python3 -m course setup                 # the .py exercises and grading: torch, numpy, pytest
     python3 -m course setup --notebooks     # and JupyterLab (exercises/*.ipynb), matplotlib (plots)
-    python3 -m course setup --instructors   # everything: nbgrader and ruff too
+
+The instructors' repository offers a third level, --instructors: everything, nbgrader and ruff too.
 
 `make setup` and `make notebooks` call it; Windows has no make. It runs on whatever Python the
 student has, before anything is installed, so it imports only the standard library and keeps to
@@ -81,11 +82,23 @@ def pip_install(python, *args):
         sys.exit("Set-up stopped: pip could not install {} (its message is above).".format(" ".join(args)))
 
 
+def offered(level):
+    """Whether this copy of the course has the level's requirements: the students' copy (make release)
+    has no instructors' ones."""
+    return os.path.isfile(os.path.join(ROOT, REQUIREMENTS[level]))
+
+
 def setup(level="students", venv_dir=VENV):
     """Make venv_dir if needed and install `level` into it, with the course package itself."""
     problem = version_problem()
     if problem:
         sys.exit(problem)
+    if not offered(level):
+        sys.exit(
+            "--{} is for the instructors' repository: this copy of the course has no {}".format(
+                level, REQUIREMENTS[level]
+            )
+        )
     python = venv_python(venv_dir)
     if not os.path.exists(python):
         print("Making {} with Python {}.{}".format(venv_dir, *sys.version_info[:2]), flush=True)
@@ -114,7 +127,7 @@ def add_arguments(parser):
         dest="level",
         action="store_const",
         const="instructors",
-        help="everything: nbgrader and ruff too",
+        help="everything: nbgrader and ruff too" if offered("instructors") else argparse.SUPPRESS,
     )
     parser.set_defaults(level="students")
 

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -18,6 +19,7 @@ from course.release import (
     squeeze,
     text_lines,
 )
+from course.setup import REQUIREMENTS, ROOT
 
 HOOK = "param.register_post_accumulate_grad_hook(partial(self._gradient_ready, bucket))"  # solutions/mydp.py
 
@@ -58,6 +60,11 @@ MAKE = re.compile(r"\bmake ([a-z][\w-]*)")
 SCRIPT = re.compile(r"\bpython3? ((?:[\w./-]+/)?\w+\.py)\b")
 MODULE = re.compile(r"\bpython3? -m ([\w.]+)")
 LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+# A file named by its path in the repository (`tests/test_ex1_mlp.py`, bench/pp.json); not a
+# pattern (exercises/*.ipynb) or a placeholder in capitals (bench/NAME.json).
+CITED = re.compile(r"(?<![\w./*-])((?:[\w-]+/)+[\w.-]*\w\.[a-z]+)\b(?![/*])")
+# The flags that set-up is told to run with, as far as a backtick or a comment.
+SETUP = re.compile(r"\bpython3? -m course setup([^`#\n]*)")
 # Modules of Python or of requirements.txt, not of the course.
 INSTALLED = {"pytest", "pip", "venv", "jupyter", "torch.distributed.run", "nbgrader"}
 
@@ -78,13 +85,15 @@ def commands_of(text: str, markdown: bool) -> list:
 
 
 def test_every_command_and_link_in_the_students_copy_works_there(tmp_path):
-    """What the copy's README, handouts, notebooks, docs and code tell a student to run is there."""
+    """What the copy's README, handouts, notebooks, docs and code tell a student to run or read is there."""
     dest = tmp_path / "release"
     release(str(dest))
-    targets, missing = set(), []
+    targets, flags, missing = set(), set(), []
+    folders = {p.name for p in dest.iterdir() if p.is_dir()} | {p.name for p in os.scandir(ROOT) if p.is_dir()}
     for path in sorted(p for p in dest.rglob("*") if p.is_file() and p.suffix in (".md", ".ipynb", ".py", "")):
         text = "\n".join(text_lines(str(path)))
         where = path.relative_to(dest)
+        flags.update(flag for found in SETUP.findall(text) for flag in re.findall(r"--[\w-]+", found))
         for snippet in commands_of(text, path.suffix in (".md", ".ipynb")):
             targets.update(MAKE.findall(snippet))
             for script in SCRIPT.findall(snippet):
@@ -101,6 +110,22 @@ def test_every_command_and_link_in_the_students_copy_works_there(tmp_path):
             for link in LINK.findall(text):
                 if "://" not in link and not link.startswith("mailto:") and not (path.parent / link).exists():
                     missing.append(f"{where}: link {link}")
+            for cited in CITED.findall(text):
+                parts = cited.split("/")
+                placeholder = any(part.split(".")[0].isupper() for part in parts)
+                if parts[0] in folders and not placeholder and not (dest / cited).exists():
+                    missing.append(f"{where}: {cited}")
+    offered = subprocess.run(
+        [sys.executable, "-m", "course", "setup", "--help"], cwd=dest, capture_output=True, text=True, timeout=60
+    )
+    offered = set(re.findall(r"--[\w-]+", offered.stdout)) - {"--help"}
+    assert "--notebooks" in offered, offered
+    for flag in sorted(flags | offered):
+        requirements = REQUIREMENTS.get(flag[2:], "")
+        if flag not in offered:
+            missing.append(f"python -m course setup {flag}: not a flag of this copy's set-up")
+        elif requirements and not (dest / requirements).exists():
+            missing.append(f"python -m course setup {flag}: this copy has no {requirements}")
     assert {"grade", "setup", "bench-zero", "test"} <= targets
     for target in sorted(targets):
         dry = subprocess.run(
@@ -114,6 +139,13 @@ def test_every_command_and_link_in_the_students_copy_works_there(tmp_path):
     helped = subprocess.run(["make", "help"], cwd=dest, env=NOT_NESTED, capture_output=True, text=True, timeout=60)
     assert "make grade" in helped.stdout and "make release" not in helped.stdout, helped.stdout
     assert "autograde" not in helped.stdout, helped.stdout
+    refused = subprocess.run(
+        [sys.executable, "-m", "course", "setup", "--instructors"], cwd=dest, capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode != 0 and refused.stderr.strip() == (
+        "--instructors is for the instructors' repository: this copy of the course has no requirements-instructors.txt"
+    ), refused.stdout + refused.stderr
+    assert not (dest / ".venv").exists(), "refused before anything was made"
 
 
 def test_the_readme_loses_only_its_instructors_parts():
