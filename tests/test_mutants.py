@@ -4,10 +4,14 @@ Instructors only: these need solutions/. Each case makes a mutant of the referen
 known mistake and shows that the check for it fails, with a message that points at the mistake.
 """
 
+import json
+import os
+
 import pytest
 
+from tests import warm
 from tests.helpers import check_equivalence
-from tests.mutants import assert_caught
+from tests.mutants import assert_caught, make_mutant
 from tests.test_ex1_mlp import check_forward, check_training
 from tests.test_ex2_dist import check_by_reduction, check_by_row
 from tests.test_ex3_ddp import check_train_shares_batches
@@ -155,3 +159,21 @@ MUTANTS = {
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])
+
+
+def test_one_mistake_costs_only_the_checks_of_its_own_promise(tmp_path):
+    """Issue 28: each check judges its own promise from its own start. MyDP without its start
+    broadcast fails the start checks, and no check downstream of them (the steps, frozen
+    parameters, the hook): their judges start the ranks from the same parameters themselves."""
+    file, old, new, _, hint = MUTANTS["no initial broadcast"]
+    folder = make_mutant(tmp_path / "mutant", file, old, new)
+    done = warm.run(
+        ["-m", "course", "grade", "--ex", "4"], cwd=tmp_path, env=dict(os.environ, COURSE_IMPL=folder), timeout=240
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(tmp_path / "results.json") as f:
+        tests = json.load(f)["tests"]
+    failed = sorted(t["name"] for t in tests if t["status"] == "failed")
+    assert failed == ["Exercise 4: test_start_sync[2]", "Exercise 4: test_start_sync[3]"], failed
+    assert len(tests) > len(failed) and all(hint in t["output"] for t in tests if t["status"] == "failed")
+    assert done.stdout.count(hint) == 1, f"the table names the mistake once: {done.stdout}"
