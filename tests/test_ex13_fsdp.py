@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course.checks import said
 from course.memory import Gathered
 from tests.comm_log import CommLog
 from tests.helpers import CONFIG, WIDTHS, describe_ratio, global_batch, load, world
@@ -110,43 +111,55 @@ def flat_shards(folder):
     return out
 
 
-def describe_shard(got, flat, rank, world_size):
-    """Why a shard differs from piece `rank` of the padded flat tensor, from what it does hold."""
+def describe_shard(where, got, flat, rank, world_size):
+    """Why a shard differs from piece `rank` of the padded flat tensor, from what it does hold, after `where`."""
     padding = -flat.numel() % world_size
     pieces = F.pad(flat, (0, padding)).chunk(world_size)
     size = pieces[0].numel()
     if got.numel() != size:
-        return (
-            f"holds {got.numel()} elements; {flat.numel()} elements padded to a multiple of {world_size} make"
-            f" {world_size} pieces of {size}"
+        return said(
+            "a shard of the wrong size",
+            f"{where} holds {got.numel()} elements; {flat.numel()} elements padded to a multiple of {world_size}"
+            f" make {world_size} pieces of {size}",
         )
     for other, piece in enumerate(pieces):
         if torch.equal(got, piece):
-            return (
-                f"holds piece {other}: rank {rank} keeps piece {rank}, so that an all-gather, which puts the"
-                " pieces in rank order, rebuilds the flat tensor"
+            return said(
+                "another rank's piece",
+                f"{where} holds piece {other}: rank {rank} keeps piece {rank}, so that an all-gather, which puts"
+                " the pieces in rank order, rebuilds the flat tensor",
             )
     if torch.equal(got, F.pad(flat, (0, padding))[rank::world_size]):
-        return (
-            f"holds the elements {rank}, {rank + world_size}, {rank + 2 * world_size}, ... of the padded flat tensor:"
-            " a shard is one contiguous piece"
+        return said(
+            "a shard interleaved, not one contiguous piece",
+            f"{where} holds the elements {rank}, {rank + world_size}, {rank + 2 * world_size}, ... of the padded"
+            " flat tensor: a shard is one contiguous piece",
         )
     if torch.equal(got, F.pad(flat, (padding, 0)).chunk(world_size)[rank]):
-        return "is cut from the flat tensor padded at its front: the padding goes at the end, after the last tensor"
-    return f"holds other values than piece {rank} of the flat tensor padded with zeros at its end"
+        return said(
+            "the padding at the front of the flat tensor",
+            f"{where} is cut from the flat tensor padded at its front: the padding goes at the end, after the last"
+            " tensor",
+        )
+    return said(
+        "a shard not its piece of the padded flat tensor",
+        f"{where} holds other values than piece {rank} of the flat tensor padded with zeros at its end",
+    )
 
 
 def check_flat_shard(folder):
+    """flat_shard gives rank r piece r of the flat tensors padded at the end, as a tensor of its own."""
     got = world(flat_shards, 1, folder)[0]
     for (shapes, world_size), shards in zip(FLAT_CASES, got):
         flat = flat_of(case_tensors(shapes))
         expected = F.pad(flat, (0, -flat.numel() % world_size)).chunk(world_size)
         for rank, ((shard, nbytes), piece) in enumerate(zip(shards, expected)):
             where = f"flat_shard of tensors of shapes {shapes} ({flat.numel()} elements), rank {rank} of {world_size}"
-            assert torch.equal(shard, piece), f"{where} " + describe_shard(shard, flat, rank, world_size)
-            assert nbytes == piece.numel() * piece.element_size(), (
+            assert torch.equal(shard, piece), describe_shard(where, shard, flat, rank, world_size)
+            assert nbytes == piece.numel() * piece.element_size(), said(
+                "a shard that is a view of the whole flat tensor",
                 f"{where}: the shard's storage holds {nbytes} bytes, the shard {piece.numel() * 4}: a view of the"
-                " whole flat tensor keeps all of it alive; return a tensor of its own (.clone())"
+                " whole flat tensor keeps all of it alive; return a tensor of its own (.clone())",
             )
 
 
@@ -165,20 +178,34 @@ def flat_views(folder):
 
 
 def check_views(folder):
+    """views gives views of flat's first elements in the given shapes, one after the other, the padding left out."""
     got = world(flat_views, 2, folder)[0]  # a pure function: rank 0's answer, in a world other checks use too
     where = f"views(torch.arange(20.), {VIEW_SHAPES})"
-    assert len(got) == len(VIEW_SHAPES), f"{where} returned {len(got)} tensors: one per shape"
+    assert len(got) == len(VIEW_SHAPES), said(
+        "not one view per shape", f"{where} returned {len(got)} tensors: one per shape"
+    )
+    used = sum(value.numel() for value, _, _ in got)
+    held = torch.cat([value.reshape(-1) for value, _, _ in got])
+    assert not torch.equal(held, torch.arange(20 - used, 20, dtype=torch.float32)) or used == 20, said(
+        "views that take the padding",
+        f"{where}: the tensors hold flat's last {used} elements, the {20 - used} of padding among them: the"
+        " padding is after the last tensor; view flat's first elements and leave the padding out",
+    )
     offset = 0
     for (value, start, shares), shape in zip(got, VIEW_SHAPES):
         expected = torch.arange(offset, offset + value.numel(), dtype=torch.float32)
-        assert tuple(value.shape) == shape, f"{where}: a tensor of shape {tuple(value.shape)} where {shape} belongs"
-        assert torch.equal(value.reshape(-1), expected), (
-            f"{where}: the tensor of shape {shape} holds elements from {value.reshape(-1)[0].item():.0f}, expected"
-            f" from {offset}: each view starts where the one before ends, the first at 0"
+        assert tuple(value.shape) == shape, said(
+            "a view of the wrong shape", f"{where}: a tensor of shape {tuple(value.shape)} where {shape} belongs"
         )
-        assert shares and start == offset, (
+        assert torch.equal(value.reshape(-1), expected), said(
+            "views that do not follow one another from element 0",
+            f"{where}: the tensor of shape {shape} holds elements from {value.reshape(-1)[0].item():.0f}, expected"
+            f" from {offset}: each view starts where the one before ends, the first at 0",
+        )
+        assert shares and start == offset, said(
+            "views that are copies",
             f"{where}: the tensor of shape {shape} is a copy: the module must compute with the gathered memory"
-            " itself (view, split), so that freeing it frees what the module used"
+            " itself (view, split), so that freeing it frees what the module used",
         )
         offset += value.numel()
 
@@ -207,35 +234,46 @@ def collectives(folder):
 
 
 def check_gather(folder, world_size=3):
+    """free leaves full's storage empty; gather_into fills full with the ranks' shards in rank order, in full's
+    dtype, with one all-gather."""
     got = world(collectives, world_size, folder)
     shards = [torch.arange(SHARD_LENGTH, dtype=torch.float32) + 10 * r + 0.5 for r in range(world_size)]
     for rank, result in enumerate(got):
         for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-            assert result[f"freed_{name}"] == 0, (
+            assert result[f"freed_{name}"] == 0, said(
+                "free does not release the storage",
                 f"after free(full), full's storage still holds {result[f'freed_{name}']} bytes: resize the storage"
-                " to 0 (full.untyped_storage()), so that the memory goes even while views of full live on"
+                " to 0 (full.untyped_storage()), so that the memory goes even while views of full live on",
             )
             log, full = result[f"gather_log_{name}"], result[f"gathered_{name}"]
             expected = torch.cat(shards).to(dtype)
             if full.shape == expected.shape and not torch.equal(full, expected):
                 order = [int(full[i * SHARD_LENGTH].item() // 10) for i in range(world_size)]
-                assert sorted(order) != list(range(world_size)), (
-                    f"on rank {rank}, gather_into put the ranks' shards in the order {order}: rank order"
+                assert sorted(order) != list(range(world_size)), said(
+                    "shards gathered out of rank order",
+                    f"on rank {rank}, gather_into put the ranks' shards in the order {order}: rank order",
                 )
                 raise AssertionError(
-                    f"on rank {rank}, gather_into filled full with {full.tolist()}, not the shards of ranks 0 to"
-                    f" {world_size - 1} one after the other"
+                    said(
+                        "full not the ranks' shards one after the other",
+                        f"on rank {rank}, gather_into filled full with {full.tolist()}, not the shards of ranks 0 to"
+                        f" {world_size - 1} one after the other",
+                    )
                 )
-            assert log["collectives"] == ["all_gather_single"], (
-                f"gather_into started {log['collectives'] or 'no collective'}: one dist.all_gather_single into full"
+            assert log["collectives"] == ["all_gather_single"], said(
+                "not one all_gather_single",
+                f"gather_into started {log['collectives'] or 'no collective'}: one dist.all_gather_single into full",
             )
-            assert full.dtype == dtype and log["collective_dtypes"] == [name], (
+            assert full.dtype == dtype and log["collective_dtypes"] == [name], said(
+                "shards sent in another dtype than full's",
                 f"gather_into a {name} full sent {log['collective_dtypes']}: cast the shard to full's dtype first,"
-                " so that the wire carries the dtype the module computes in"
+                " so that the wire carries the dtype the module computes in",
             )
 
 
 def check_reduce_scatter(folder, world_size=3):
+    """reduce_scatter_mean gives each rank its piece of the ranks' average, in float32, by one reduce-scatter
+    in float32."""
     got = world(collectives, world_size, folder)
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         fulls = [torch.randn(3 * world_size, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
@@ -245,20 +283,26 @@ def check_reduce_scatter(folder, world_size=3):
             expected = mean.chunk(world_size)[rank]
             if "allreduce" in log["collectives"]:
                 raise AssertionError(
-                    f"reduce_scatter_mean started {log['collectives']}: an all-reduce gives every rank the whole"
-                    f" average ({world_size} times the piece it keeps) and sends twice the bytes; one"
-                    " dist.reduce_scatter_single leaves each rank its piece"
+                    said(
+                        "an all-reduce where a reduce-scatter belongs",
+                        f"reduce_scatter_mean started {log['collectives']}: an all-reduce gives every rank the whole"
+                        f" average ({world_size} times the piece it keeps) and sends twice the bytes; one"
+                        " dist.reduce_scatter_single leaves each rank its piece",
+                    )
                 )
-            assert log["collectives"] == ["reduce_scatter_single"], (
-                f"reduce_scatter_mean started {log['collectives'] or 'no collective'}: one dist.reduce_scatter_single"
+            assert log["collectives"] == ["reduce_scatter_single"], said(
+                "not one reduce_scatter_single",
+                f"reduce_scatter_mean started {log['collectives'] or 'no collective'}: one dist.reduce_scatter_single",
             )
-            assert log["collective_dtypes"] == ["float32"], (
+            assert log["collective_dtypes"] == ["float32"], said(
+                "gradients reduced in bfloat16",
                 f"reduce_scatter_mean of a {name} tensor reduced in {log['collective_dtypes'][0]}: reduce in float32"
-                " (cast first): a sum of W bfloat16 gradients loses precision"
+                " (cast first): a sum of W bfloat16 gradients loses precision",
             )
-            assert piece.dtype == torch.float32 and piece.shape == expected.shape, (
+            assert piece.dtype == torch.float32 and piece.shape == expected.shape, said(
+                "a piece of the wrong dtype or size",
                 f"reduce_scatter_mean returned {piece.dtype} of shape {tuple(piece.shape)}, expected float32 of"
-                f" shape {tuple(expected.shape)}: 1/{world_size} of the elements"
+                f" shape {tuple(expected.shape)}: 1/{world_size} of the elements",
             )
             assert torch.allclose(piece, expected, rtol=1e-5, atol=1e-6), describe_ratio(
                 f"its piece (reduce_scatter_mean of a {name} full gradient)", piece, expected, rank
@@ -391,36 +435,42 @@ def whole(results, step, k, sizes=SIZES):
 
 
 def refuse_unsharded(results):
-    """The facts that stop every check of a run before its numbers: the structure after shard_layers."""
+    """shard_layers wraps exactly the children that train, and ZeRO-3's backward runs: the facts that stop
+    every check of a run before its numbers."""
     for rank, result in enumerate(results):
-        assert result["alone"] == "Tanh", (
+        assert result["alone"] == "Tanh", said(
+            "a module without parameters wrapped",
             f"shard_layers(nn.Sequential(nn.Tanh())) made its child {result['alone']}: a module without parameters"
-            " is passed through as it is"
+            " is passed through as it is",
         )
         children = result["children"]
-        assert children[1] == children[3] == "Tanh", (
+        assert children[1] == children[3] == "Tanh", said(
+            "a module without parameters wrapped",
             f"after shard_layers the Stack's children are {children}: a module without parameters (Tanh) is"
-            " passed through as it is"
+            " passed through as it is",
         )
-        assert len(result["shapes"]) == len(UNITS), (
+        assert len(result["shapes"]) == len(UNITS), said(
+            "not one flat shard per unit in model.parameters()",
             f"after shard_layers, model.parameters() on rank {rank} holds {len(result['shapes'])} tensors that"
             f" train, of shapes {result['shapes']}: one flat shard per unit, {len(UNITS)} units (the module's own"
-            " parameters must go, and the gathered full tensor is no parameter)"
+            " parameters must go, and the gathered full tensor is no parameter)",
         )
         error = result.get("error", "")
-        assert SYMPTOMS["freed"] not in error, (
+        assert SYMPTOMS["freed"] not in error, said(
+            "freed parameters read in the backward",
             f"the backward pass read a unit's freed parameters (torch: {error[:100]}...): gather them again before"
-            " the unit's backward (pre_backward, a hook on the output of the unit's forward)"
+            " the unit's backward (pre_backward, a hook on the output of the unit's forward)",
         )
-        assert not any(symptom in error for symptom in (SYMPTOMS["written"], SYMPTOMS["changed"])), (
+        assert not any(symptom in error for symptom in (SYMPTOMS["written"], SYMPTOMS["changed"])), said(
+            "the gather's write seen by autograd",
             f"autograd refused gather_into's write into the gathered parameters (torch: {error[:100]}...): it"
-            " sees full and the views of it it saved in the forward; write through full.data"
+            " sees full and the views of it it saved in the forward; write through full.data",
         )
 
 
 def check_seen(results, step, bf16=False, sizes=SIZES):
-    """What the layers computed with in the forward of `step`: the shards after the step before, gathered
-    (the ranks' own, sent by the probe), the padding left out; exactly, as gathering computes nothing."""
+    """Each unit computes the forward of `step` with its shards after the step before, gathered (the ranks' own,
+    sent by the probe), the padding left out; exactly, as gathering computes nothing."""
     start = unit_flats(stack())
 
     def after(s, k):  # unit k's parameters after step s; s = -1: the start
@@ -430,29 +480,45 @@ def check_seen(results, step, bf16=False, sizes=SIZES):
         for rank, result in enumerate(results):
             got, expected = flat_of(result["seen"][step][k]), after(step - 1, k)
             if bf16:
-                assert got.dtype == torch.bfloat16, (
+                assert got.dtype == torch.bfloat16, said(
+                    "param_dtype=torch.bfloat16 not computed in bfloat16",
                     f"in the forward of step {step}, {unit_name(k)} computed with {got.dtype} weights: with"
-                    " param_dtype=torch.bfloat16 it computes from gathered bfloat16 copies"
+                    " param_dtype=torch.bfloat16 it computes from gathered bfloat16 copies",
                 )
                 expected = expected.to(torch.bfloat16)
             if torch.equal(got, expected):
                 continue
-            assert not (step > 0 and torch.equal(got, after(step - 2, k).to(got.dtype))), (
+            assert not (step > 0 and torch.equal(got, after(step - 2, k).to(got.dtype))), said(
+                "parameters not gathered again after a step",
                 f"in the forward of step {step}, {unit_name(k)} computed with its parameters from before step"
-                f" {step - 1}: gather the updated shards before every forward"
+                f" {step - 1}: gather the updated shards before every forward",
             )
             pad = -SIZES[k] % len(results)
-            assert not (pad and torch.equal(got.reshape(-1)[pad:], expected.reshape(-1)[:-pad])), (
+            flat = expected.reshape(-1)
+            assert not (pad and torch.equal(got.reshape(-1)[pad:], flat[:-pad])), said(
+                "the padding at the front of the flat tensor",
                 f"in the forward of step {step}, {unit_name(k)} computed with its parameters shifted by {pad}"
-                " element(s), zeros first: the padding goes at the end, after the last parameter"
+                " element(s), zeros first: the padding goes at the end, after the last parameter",
+            )
+            assert not (pad and torch.equal(got.reshape(-1), F.pad(flat[pad:], (0, pad)))), said(
+                "views that take the padding",
+                f"in the forward of step {step}, {unit_name(k)} computed with its parameters from element {pad} on"
+                f" and {pad} element(s) of padding: its views take the gathered tensor's first elements, the"
+                " padding after them left out",
             )
             assert not (got.numel() == expected.numel() and torch.equal(got.sort().values, expected.sort().values)), (
-                f"in the forward of step {step}, {unit_name(k)} on rank {rank} computed with its parameters in"
-                " another order: do the shards come back in rank order, the padding at the end?"
+                said(
+                    "parameters gathered out of order",
+                    f"in the forward of step {step}, {unit_name(k)} on rank {rank} computed with its parameters in"
+                    " another order: do the shards come back in rank order, the padding at the end?",
+                )
             )
             raise AssertionError(
-                f"in the forward of step {step}, {unit_name(k)} on rank {rank} did not compute with its parameters"
-                " (gathered from the shards, the padding left out)"
+                said(
+                    "a unit's forward not on its gathered parameters",
+                    f"in the forward of step {step}, {unit_name(k)} on rank {rank} did not compute with its"
+                    " parameters (gathered from the shards, the padding left out)",
+                )
             )
 
 
@@ -534,7 +600,7 @@ def check_gradient_shards(folder, world_size=2, steps=2):
                         f"rank {rank}'s {what} holds the second pass's gradient only: add to shard.grad when it is"
                         " there already, as autograd does for a parameter"
                     )
-                raise AssertionError(f"in step {step}, " + describe_ratio(f"its {what}", grad, expected, rank))
+                raise AssertionError(describe_ratio(f"its {what}", grad, expected, rank, f"in step {step}, "))
         scatters = [b for c, b in zip(done["collectives"], done["collective_bytes"]) if c == "reduce_scatter_single"]
         assert sorted(scatters) == sorted(shard_bytes), (
             f"rank {rank}'s backward reduce-scattered {scatters} bytes, one float32 shard per unit is"
@@ -714,6 +780,7 @@ def torch_steps(folder, steps, bf16):
 
 
 def check_against_fully_shard(folder, bf16, world_size=2, steps=2):
+    """ZeRO-3 by hand trains as torch's fully_shard, in float32 and in bfloat16."""
     mine = world(sharded_steps, world_size, folder, True, steps, bf16)
     refuse_unsharded(mine)
     theirs = world(torch_steps, world_size, folder, steps, bf16)[0]

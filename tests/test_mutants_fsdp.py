@@ -33,6 +33,7 @@ NEW_SHARD = "    shard = full.new_empty(full.numel() // world_size, dtype=torch.
 FORWARD_FREE = "            free(self.full)\n            if output.requires_grad:"
 AFTER_BACKWARD = "        full.grad = None\n        if self.reshard_after_forward:\n            free(full)\n"
 GATHER = "    dist.all_gather_single(full.data, shard.detach().to(full.dtype))\n"
+VIEWS = "    return [piece.view(shape) for piece, shape in zip(flat[: sum(sizes)].split(sizes), shapes)]\n"
 VALID = "    valid = shard.detach()[: max(0, min(shard.numel(), numel - start))]\n"
 
 MUTANTS = {
@@ -66,6 +67,19 @@ MUTANTS = {
         "    return padded.chunk(world_size)[rank]\n",
         check_flat_shard,
         "return a tensor of its own",
+    ),
+    # The padding taken to be in front: the views cut from flat's last elements, the padding in the last one.
+    "views that take the padding": (
+        VIEWS,
+        VIEWS.replace("flat[: sum(sizes)]", "flat[flat.numel() - sum(sizes) :]"),
+        check_views,
+        "the padding is after the last tensor",
+    ),
+    "views that take the padding, seen in training": (
+        VIEWS,
+        VIEWS.replace("flat[: sum(sizes)]", "flat[flat.numel() - sum(sizes) :]"),
+        lambda folder: check_steps(folder, 2, zero3=True, steps=1),
+        "its views take the gathered tensor's first elements",
     ),
     "views that are copies": (
         "    return [piece.view(shape) for piece, shape",
