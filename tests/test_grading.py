@@ -381,3 +381,78 @@ def test_a_syntax_error_is_said_once_and_no_pytest_summary_follows_the_table(tmp
     assert re.search(r"\d+ (failed|passed)", done.stdout) is None, done.stdout
     with open(tmp_path / "results.json") as f:
         assert all("mlp.py does not import: SyntaxError" in t["output"] for t in json.load(f)["tests"])
+
+
+def grading_plugin(folder, name, text):
+    """A module of folder that the grader loads with `-p NAME` (PYTHONPATH): it sets what the test needs."""
+    (folder / f"{name}.py").write_text(text)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
+def test_an_endless_loop_costs_its_exercise_one_world_limit_not_one_per_check(tmp_path):
+    """Issue 28: once a world of an exercise has run out of time, the exercise's later checks (in the
+    same grading process) get worlds of env.HANG_WORLD_LIMIT seconds; another exercise graded in the
+    same run, of the same file here, keeps its points. Here the worlds' limit is 4 s and the short
+    one 1 s, so each world's sentence says which it got."""
+    from course.grade import processes_here
+
+    folder = make_mutant(
+        tmp_path / "loops",
+        "dist.py",
+        '    """Rank 0 tells every rank the shapes (m, k, n) and the dtype; returns them on every rank."""\n',
+        '    """Rank 0 tells every rank the shapes (m, k, n) and the dtype; returns them on every rank."""\n'
+        "    while True:\n        pass\n",
+    )
+    environ = {"COURSE_TIMEOUT": "4"} | grading_plugin(
+        tmp_path, "short_hang", "from course import env\n\nenv.HANG_WORLD_LIMIT = 1\n"
+    )
+    done = course_grade("--ex", "2", "--ex", "5", "--", "-p", "short_hang", impl=folder, cwd=tmp_path, env=environ)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(tmp_path / "results.json") as f:
+        tests = json.load(f)["tests"]
+    ring = [t for t in tests if t["name"].startswith("Exercise 5:")]
+    assert all(t["status"] == "passed" for t in ring) and sum(t["score"] for t in ring) == checks.points()[5]
+    limits = sorted(re.match(r"Timed out after (\d+) s", t["output"])[1] for t in tests if t not in ring)
+    processes = processes_here()  # each grading process meets the loop once at the full limit
+    assert limits == ["1"] * (8 - processes) + ["4"] * processes, limits
+
+
+def test_the_short_limit_never_lengthens_a_world(monkeypatch):
+    """With COURSE_TIMEOUT under env.HANG_WORLD_LIMIT, an exercise that ran out of time keeps it."""
+    from types import SimpleNamespace
+
+    from course import env, grade
+
+    monkeypatch.setattr(grade, "_out_of_time", {2})
+    for usual, short in (("600", f"{env.HANG_WORLD_LIMIT}"), ("4", "4"), (None, f"{env.HANG_WORLD_LIMIT}")):
+        if usual is None:
+            monkeypatch.delenv("COURSE_TIMEOUT", raising=False)
+        else:
+            monkeypatch.setenv("COURSE_TIMEOUT", usual)
+        for nodeid, limit in (("tests/test_ex2_dist.py::test_by_row[2]", short), ("tests/test_ex1_mlp.py::t", usual)):
+            hook = grade.pytest_runtest_call(SimpleNamespace(nodeid=nodeid))
+            next(hook)
+            assert os.environ.get("COURSE_TIMEOUT") == limit, (usual, nodeid)
+            with pytest.raises(StopIteration):
+                hook.send(None)
+            assert os.environ.get("COURSE_TIMEOUT") == usual, "and the usual limit comes back"
+
+
+def test_a_required_sandbox_that_this_machine_cannot_give_is_a_grader_error(tmp_path):
+    """COURSE_SANDBOX=required where no sandbox can be had (each level's probe fails, as on a
+    machine without user namespaces, not root): exit status 1, the sentence, no check run, no score."""
+    probes = (
+        "from course import sandbox\n\n"
+        "sandbox._PROBES.update(uid=lambda readable: 'no user here', namespaces=lambda readable: 'no namespaces here')\n"
+    )
+    environ = {"COURSE_SANDBOX": "required"} | grading_plugin(tmp_path, "no_sandbox", probes)
+    done = course_grade("--ex", "2", "--", "-p", "no_sandbox", impl=ROOT, cwd=tmp_path, env=environ)
+    said = re.search(
+        r"GRADER ERROR \(not your code\): (COURSE_SANDBOX=required, and it is not possible here: .*)", done.stdout
+    )
+    assert done.returncode == 1 and said, done.stdout + done.stderr
+    assert sys.platform != "linux" or said[1].endswith("namespaces: no namespaces here"), said[1]  # uid: as root only
+    with open(tmp_path / "results.json") as f:
+        found = json.load(f)
+    assert "could not be graded, so 0 is not its score" in found["output"] and said[1] in found["output"], found
+    assert [(t["name"], t["max_score"]) for t in found["tests"]] == [("The grader", 0)], found
