@@ -6,6 +6,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from course.checks import said
 from tests.comm_log import CommLog
 from tests.helpers import CONFIG, SmallMLP, describe_ratio, global_batch, load, model_with_buffers, one_process, world
 
@@ -47,19 +48,22 @@ def start_state(folder):
 
 
 def check_broadcast_parameters(folder, world_size):
+    """broadcast_parameters gives every rank rank 0's parameters and buffers, in the model's own Parameter objects."""
     results = world(start_state, world_size, folder)
     expected = model_with_buffers(0).state_dict()
     for rank, result in enumerate(results):
-        assert result["same_parameters"], (
+        assert result["same_parameters"], said(
+            "new Parameter objects put in the model",
             f"rank {rank}: broadcast_parameters put new Parameter objects in the model; an optimizer built before"
-            " it holds the old ones and would step those: give the model's own parameters rank 0's values"
+            " it holds the old ones and would step those: give the model's own parameters rank 0's values",
         )
         state = result["state"]
         for name, value in expected.items():
             what = "buffer" if "running" in name or "num_batches" in name else "parameter"
-            assert torch.equal(state[name], value), (
+            assert torch.equal(state[name], value), said(
+                f"a {what} not broadcast from rank 0",
                 f"after broadcast_parameters, rank {rank}'s {what} {name} is not rank 0's:"
-                " every parameter and every buffer comes from rank 0"
+                " every parameter and every buffer comes from rank 0",
             )
 
 
@@ -74,22 +78,28 @@ def optimizer_state(folder, kind):
 
 
 def check_optimizer_state(folder, world_size, kind="adamw"):
+    """broadcast_optimizer_state gives every rank rank 0's optimizer state and hyper-parameters."""
     got = world(optimizer_state, world_size, folder, kind)
     expected = got[0]["state"]
-    assert expected, "rank 0's resumed optimizer state was lost in broadcast_optimizer_state"
+    assert expected, said(
+        "rank 0's optimizer state lost", "rank 0's resumed optimizer state was lost in broadcast_optimizer_state"
+    )
     for rank, mine in enumerate(got):
         for index, values in expected.items():
-            assert index in mine["state"], (
+            assert index in mine["state"], said(
+                "no optimizer state on a rank that had none",
                 f"after broadcast_optimizer_state, rank {rank} holds no optimizer state for parameter {index}:"
-                " rank 0's state must reach every rank, also a rank that has none yet"
+                " rank 0's state must reach every rank, also a rank that has none yet",
             )
             for key, value in values.items():
-                assert torch.equal(torch.as_tensor(mine["state"][index][key]), torch.as_tensor(value)), (
-                    f"after broadcast_optimizer_state, rank {rank}'s {key} of parameter {index} is not rank 0's"
+                assert torch.equal(torch.as_tensor(mine["state"][index][key]), torch.as_tensor(value)), said(
+                    "optimizer state not rank 0's",
+                    f"after broadcast_optimizer_state, rank {rank}'s {key} of parameter {index} is not rank 0's",
                 )
-        assert mine["lr"] == [RESUMED_LR] * len(mine["lr"]), (
+        assert mine["lr"] == [RESUMED_LR] * len(mine["lr"]), said(
+            "hyper-parameters not broadcast from rank 0",
             f"after broadcast_optimizer_state, rank {rank}'s learning rate is {mine['lr'][0]}, rank 0's is"
-            f" {RESUMED_LR}: the hyper-parameters of rank 0's state (its param_groups) come too"
+            f" {RESUMED_LR}: the hyper-parameters of rank 0's state (its param_groups) come too",
         )
 
 
@@ -126,8 +136,8 @@ def check_steps(folder, world_size, kind, steps=3):
     for rank, result in enumerate(got):
         for name, grad in result["grads"].items():
             mean = sum(g[name] for g in local) / world_size
-            assert torch.allclose(grad, mean, rtol=1e-4, atol=1e-6), "after synchronize(), " + describe_ratio(
-                name, grad, mean, rank
+            assert torch.allclose(grad, mean, rtol=1e-4, atol=1e-6), describe_ratio(
+                name, grad, mean, rank, "after synchronize(), "
             )
         for step, collectives in enumerate(result["collectives"]):
             assert set(collectives) <= {"allreduce"}, (
@@ -182,16 +192,20 @@ def mixed_dtypes(folder):
 
 
 def check_mixed_dtypes(folder, world_size=2):
+    """Gradients of two dtypes are averaged by one all-reduce per dtype, each keeping its dtype."""
     got = world(mixed_dtypes, world_size, folder)
     for rank, result in enumerate(got):
-        assert result["collectives"] == ["allreduce", "allreduce"], (
+        assert result["collectives"] == ["allreduce", "allreduce"], said(
+            "not one all-reduce per dtype",
             f"with float32 and float64 gradients, rank {rank} started {result['collectives']}:"
-            " one all-reduce per dtype, each of one flat buffer"
+            " one all-reduce per dtype, each of one flat buffer",
         )
         for name, grad in result["after"].items():
             mean = sum(r["before"][name] for r in got) / world_size
-            assert grad.dtype == mean.dtype, f"synchronize() changed the dtype of {name}'s gradient to {grad.dtype}"
-            assert torch.allclose(grad, mean), "with gradients of two dtypes, " + describe_ratio(name, grad, mean, rank)
+            assert grad.dtype == mean.dtype, said(
+                "a gradient's dtype changed", f"synchronize() changed the dtype of {name}'s gradient to {grad.dtype}"
+            )
+            assert torch.allclose(grad, mean), describe_ratio(name, grad, mean, rank, "with gradients of two dtypes, ")
 
 
 @pytest.mark.points(3)

@@ -309,8 +309,14 @@ def describe_bf16(name, got, expected, rank):
     ratio = ((got * expected).sum() / (expected * expected).sum().clamp_min(1e-30)).item()
     if bf16_close(got, expected * ratio) and abs(ratio - 1) > 2**-6:
         hint = " did you divide by the world size?" if ratio > 1 else ""
-        return f"with the hook, rank {rank}'s gradient of {name} is {ratio:.1f}x the expected average:{hint}"
-    return f"with the hook, rank {rank}'s gradient of {name} is not the average of the ranks' gradients"
+        concept = "the hook sums, not averages" if ratio > 1 else "the hook scales the gradients down"
+        return said(
+            concept, f"with the hook, rank {rank}'s gradient of {name} is {ratio:.1f}x the expected average:{hint}"
+        )
+    return said(
+        "the hook's gradients not the average over the ranks",
+        f"with the hook, rank {rank}'s gradient of {name} is not the average of the ranks' gradients",
+    )
 
 
 def check_hook(folder, world_size=2):

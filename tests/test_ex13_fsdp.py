@@ -616,15 +616,18 @@ def check_sharded_bytes(folder, world_size=3):
     whole_model = sum(SIZES) * 4
     for rank, result in enumerate(results):
         params, grads, state = result["param_bytes"], result["grad_bytes"], result["state_bytes"]
-        assert params == shard, (
-            f"rank {rank}'s shards sit on {params} bytes of storage, the shards are {shard} bytes (the whole model"
-            f" {whole_model}): "
-            + ("a shard that is a view of the whole flat tensor keeps all of it" if params > shard else "")
+        sits = f"rank {rank}'s shards sit on {params} bytes of storage, the shards are {shard} bytes (the whole model {whole_model})"
+        assert params <= shard, said(
+            "a shard that is a view of the whole flat tensor",
+            f"{sits}: a shard that is a view of the whole flat tensor keeps all of it",
         )
-        assert grads == shard, (
-            f"rank {rank}'s shards' gradients sit on {grads} bytes of storage, the shards are {shard} bytes: "
-            + ("a piece cut from a full gradient (an all-reduce's, say) keeps all of it" if grads > shard else "")
+        assert params == shard, said("shards smaller than 1/W of the model", sits)
+        sits = f"rank {rank}'s shards' gradients sit on {grads} bytes of storage, the shards are {shard} bytes"
+        assert grads <= shard, said(
+            "a gradient shard cut from a full gradient",
+            f"{sits}: a piece cut from a full gradient (an all-reduce's, say) keeps all of it",
         )
+        assert grads == shard, said("gradient shards smaller than 1/W of the model", sits)
         adam = 2 * shard + 4 * len(UNITS)  # exp_avg and exp_avg_sq of each shard, and its float32 step
         assert state == adam, (
             f"rank {rank}'s Adam state holds {state} bytes; over the shards it holds {adam} (2 x {shard} and a"
@@ -945,15 +948,16 @@ def check_setup(folder, world_size=2, steps=1):
     sizes = [p.numel() for p in model.parameters()]
     shards = [padded(n, world_size) // world_size for n in sizes]
     for rank, result in enumerate(results):
-        assert result["stepped"] == shards, (
+        stepped = (
             f"setup's Adam on rank {rank} steps tensors of {result['stepped']} elements; the layers' shards have"
             f" {shards}"
-            + (
-                f" and their full parameters, which no longer train, {sizes}: build the optimizer after shard_layers"
-                if result["stepped"] == sizes
-                else ""
-            )
         )
+        assert result["stepped"] != sizes, said(
+            "the optimizer built before shard_layers",
+            f"{stepped} and their full parameters, which no longer train, {sizes}: build the optimizer after"
+            " shard_layers",
+        )
+        assert result["stepped"] == shards, said("setup's optimizer not over the shards", stepped)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     for step in range(steps):
         x, y = global_batch(CONFIG, step, world_size)

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
+from course.checks import said
 from tests.comm_log import CommLog
 from tests.helpers import load, world
 
@@ -154,8 +155,8 @@ def function_in_world(folder, name):
 
 
 def judge_function(name, result, rank, world_size):
-    """One function's forward and backward on this rank against the sums and blocks computed here.
-    Each diagnosis is an assert of its own: the class report groups the mistakes by it."""
+    """A function's forward and backward give this rank the sums and blocks of its collectives.
+    Each diagnosis is an assert of its own, with its concept: the class report groups the mistakes by it."""
     xs, gs = zip(*(function_data(name, r) for r in range(world_size)))
     mine = block_of(world_size * N, rank, world_size)
     out, grad = result["out"], result["grad"]
@@ -167,64 +168,85 @@ def judge_function(name, result, rank, world_size):
     }[name]
     where = f"on rank {rank} of {world_size}, {name}'s"
     if not close(out, expected_out):
-        said = f"{where} forward returned a {shape(out)} tensor, expected {shape(expected_out)}"
+        said_shape = f"{where} forward returned a {shape(out)} tensor, expected {shape(expected_out)}"
         along_features = {"AllGatherRows": (N, world_size * D), "ReduceScatterRows": (world_size * N, D // world_size)}
-        assert tuple(out.shape) != along_features.get(name), (
-            f"{said}, as if split along the features (dim 1): sequence parallelism splits the rows (dim 0)"
+        assert tuple(out.shape) != along_features.get(name), said(
+            f"{name} split along the features, not the rows",
+            f"{said_shape}, as if split along the features (dim 1): sequence parallelism splits the rows (dim 0)",
         )
-        assert out.shape == expected_out.shape, said
-        assert not (name == "Copy" and close(out, world_size * xs[rank])), (
+        assert out.shape == expected_out.shape, said(f"{name}'s forward of the wrong shape", said_shape)
+        assert not (name == "Copy" and close(out, world_size * xs[rank])), said(
+            "Copy's forward sums over the ranks",
             f"{where} forward summed x over the ranks: it returns x unchanged (the sum is AllReduce's forward:"
-            " are the two swapped?)"
+            " are the two swapped?)",
         )
-        assert not (name == "AllReduce" and close(out, xs[rank])), (
+        assert not (name == "AllReduce" and close(out, xs[rank])), said(
+            "AllReduce's forward returns x unchanged",
             f"{where} forward returned this rank's x unchanged: it returns the sum over the ranks (returning x is"
-            " Copy's forward: are the two swapped?)"
+            " Copy's forward: are the two swapped?)",
         )
-        assert not (name == "ReduceScatterRows" and close(out, xs[rank][mine])), (
-            f"{where} forward returned this rank's own rows of x: rank {rank}'s block of the sum over the ranks"
+        assert not (name == "ReduceScatterRows" and close(out, xs[rank][mine])), said(
+            "ReduceScatterRows keeps its own rows, unsummed",
+            f"{where} forward returned this rank's own rows of x: rank {rank}'s block of the sum over the ranks",
         )
         others = [r for r in range(world_size) if r != rank]
         other = next((r for r in others if close(out, sum(xs)[block_of(world_size * N, r, world_size)])), None)
-        assert not (name == "ReduceScatterRows" and other is not None), (
-            f"{where} forward returned rank {other}'s block of the sum: rank {rank} keeps block {rank}"
+        assert not (name == "ReduceScatterRows" and other is not None), said(
+            "ReduceScatterRows keeps another rank's block",
+            f"{where} forward returned rank {other}'s block of the sum: rank {rank} keeps block {rank}",
         )
-        assert not (name == "AllGatherRows" and sorted(out.tolist()) == sorted(expected_out.tolist())), (
-            f"{where} forward has every rank's rows, in the wrong order: rank 0's first, then rank 1's, ..."
+        assert not (name == "AllGatherRows" and sorted(out.tolist()) == sorted(expected_out.tolist())), said(
+            "AllGatherRows puts the rows out of rank order",
+            f"{where} forward has every rank's rows, in the wrong order: rank 0's first, then rank 1's, ...",
         )
-        raise AssertionError(f"{where} forward is off by up to {(out - expected_out).abs().max():.3g}")
-    assert grad is not None, f"{where} backward gave x no gradient"
+        raise AssertionError(
+            said(f"{name}'s forward off", f"{where} forward is off by up to {(out - expected_out).abs().max():.3g}")
+        )
+    assert grad is not None, said(f"{name}'s backward gives no gradient", f"{where} backward gave x no gradient")
     if close(grad, expected_grad):
         return
-    assert grad.shape == expected_grad.shape, (
-        f"{where} backward returned a {shape(grad)} gradient for a {shape(expected_out)} input"
+    assert grad.shape == expected_grad.shape, said(
+        f"{name}'s backward of the wrong shape",
+        f"{where} backward returned a {shape(grad)} gradient for a {shape(expected_out)} input",
     )
-    assert not close(grad, world_size * expected_grad), (
-        f"{where} backward returned {world_size} times the sum over the ranks: an all-reduce too many"
+    assert not close(grad, world_size * expected_grad), said(
+        f"an all-reduce too many in {name}'s backward",
+        f"{where} backward returned {world_size} times the sum over the ranks: an all-reduce too many",
     )
-    assert not (name == "Copy" and close(grad, gs[rank])), (
+    assert not (name == "Copy" and close(grad, gs[rank])), said(
+        "Copy's backward does not sum over the ranks",
         f"{where} backward returned this rank's gradient unchanged, which is only its own part: the input gradient"
-        " is the sum over the ranks"
+        " is the sum over the ranks",
     )
-    assert not (name == "AllReduce" and close(grad, sum(gs))), (
+    assert not (name == "AllReduce" and close(grad, sum(gs))), said(
+        "AllReduce's backward sums again",
         f"{where} backward summed the gradient over the ranks: every rank holds the sum's whole gradient,"
-        " which passes to each term unchanged; a second all-reduce counts it W times"
+        " which passes to each term unchanged; a second all-reduce counts it W times",
     )
-    assert not (name == "AllGatherRows" and close(grad, gs[rank][mine])), (
+    assert not (name == "AllGatherRows" and close(grad, gs[rank][mine])), said(
+        "AllGatherRows' backward does not sum over the ranks",
         f"{where} backward returned this rank's block of its own gradient: every rank used these rows, so sum"
-        " their gradients over the ranks"
+        " their gradients over the ranks",
     )
-    raise AssertionError(f"{where} backward is off by up to {(grad - expected_grad).abs().max():.3g}")
+    raise AssertionError(
+        said(
+            f"{name}'s backward off",
+            f"{where} backward is off by up to {(grad - expected_grad).abs().max():.3g}",
+        )
+    )
 
 
 def check_function(folder, name, world_size=3):
+    """Each autograd function gives the sums and blocks of its collectives, and starts only its own collective
+    each way."""
     results = world(function_in_world, world_size, folder, name)
     _, _, forward, backward = FUNCTIONS[name]
     for rank, result in enumerate(results):
         judge_function(name, result, rank, world_size)
         for way, expected in (("forward", forward), ("backward", backward)):
-            assert result[way] == expected, (
-                f"{name}'s {way} started {said_list(result[way])}, expected {said_list(expected)}"
+            assert result[way] == expected, said(
+                f"{name}'s {way} starts other collectives than its own",
+                f"{name}'s {way} started {said_list(result[way])}, expected {said_list(expected)}",
             )
 
 
@@ -256,7 +278,7 @@ def _which_rows(got, full):
 
 
 def judge_slice(layer, got, full, rank, world_size):
-    """Rank r's weight of a column (layer 0) or row (layer 1) layer against its block of the full weight."""
+    """Rank r's weight of a column (layer 0) or row (layer 1) layer is its block of the full weight."""
     by_rows = layer == 0
     expected = part(f"layers.{layer}.weight", full, rank, world_size)
     if torch.equal(got, expected):
@@ -264,47 +286,61 @@ def judge_slice(layer, got, full, rank, world_size):
     kind = "ColumnParallelLinear" if by_rows else "RowParallelLinear"
     block = block_of(full.shape[0 if by_rows else 1], rank, world_size)
     wanted = f"{'rows' if by_rows else 'columns'} {block.start}-{block.stop - 1}"
-    assert got.shape == expected.shape, (
+    assert got.shape == expected.shape, said(
+        f"{kind}.weight of the wrong shape",
         f"rank {rank}'s {kind}.weight is {shape(got)}, expected {shape(expected)}: {wanted} of the full"
-        f" {shape(full)} weight"
+        f" {shape(full)} weight",
     )
     found = _which_rows(got, full) if by_rows else _which_rows(got.T, full.T)
-    assert None in found, (
+    assert None in found, said(
+        f"{kind}.weight holds another block than the rank's",
         f"rank {rank}'s {kind}.weight holds {'rows' if by_rows else 'columns'} {found} of the full {shape(full)}"
-        f" weight, expected {wanted}: rank r holds block r, all in one piece"
+        f" weight, expected {wanted}: rank r holds block r, all in one piece",
     )
-    raise AssertionError(f"rank {rank}'s {kind}.weight holds other numbers than {wanted} of the full weight")
+    raise AssertionError(
+        said(
+            f"{kind}.weight not a block of the full weight",
+            f"rank {rank}'s {kind}.weight holds other numbers than {wanted} of the full weight",
+        )
+    )
 
 
 def check_shards(folder, world_size):
+    """Each rank holds its part of every parameter: the column layer's block of rows and of the bias, the row
+    layer's block of columns and all of the bias, under the full model's names."""
     results = world(shards_in_world, world_size, folder)
     full = Blocks()
     names = [n for n, _ in full.named_parameters()]
     for rank, result in enumerate(results):
         for layer, kind in ((0, "column"), (1, "row")):
             held = result[kind]
-            assert sorted(held) == ["bias", "weight"], (
-                f"{kind} layer's parameters on rank {rank} are {sorted(held)}: expected weight and bias, as nn.Linear's"
+            assert sorted(held) == ["bias", "weight"], said(
+                "a layer's parameters not nn.Linear's weight and bias",
+                f"{kind} layer's parameters on rank {rank} are {sorted(held)}: expected weight and bias, as nn.Linear's",
             )
             judge_slice(layer, held["weight"], full.layers[layer].weight.detach(), rank, world_size)
         column_bias = part("layers.0.bias", full.layers[0].bias.detach(), rank, world_size)
-        assert close(result["column"]["bias"], column_bias), (
+        assert close(result["column"]["bias"], column_bias), said(
+            "ColumnParallelLinear.bias not the rank's block",
             f"rank {rank}'s ColumnParallelLinear.bias is {shape(result['column']['bias'])}, expected its block of"
-            f" the full bias, {shape(column_bias)}: the bias of the output features the rank computes"
+            f" the full bias, {shape(column_bias)}: the bias of the output features the rank computes",
         )
-        assert close(result["row"]["bias"], full.layers[1].bias.detach()), (
+        assert close(result["row"]["bias"], full.layers[1].bias.detach()), said(
+            "RowParallelLinear.bias not whole",
             f"rank {rank}'s RowParallelLinear.bias is {shape(result['row']['bias'])}, expected all of the full"
-            f" bias ({len(full.layers[1].bias)}): it is added once, to the sum of the ranks' partial products"
+            f" bias ({len(full.layers[1].bias)}): it is added once, to the sum of the ranks' partial products",
         )
-        assert sorted(result["model"]) == sorted(names), (
+        assert sorted(result["model"]) == sorted(names), said(
+            "ParallelMLP's parameters not named as the full model's",
             f"ParallelMLP's parameters on rank {rank} are named {sorted(result['model'])}: expected the full model's"
-            f" names, {sorted(names)} (self.layers and self.norms)"
+            f" names, {sorted(names)} (self.layers and self.norms)",
         )
         for name, p in full.named_parameters():
             expected = part(name, p.detach(), rank, world_size)
-            assert close(result["model"][name], expected), (
+            assert close(result["model"][name], expected), said(
+                "a ParallelMLP parameter not the rank's part",
                 f"ParallelMLP's {name} on rank {rank} is {shape(result['model'][name])}, expected rank {rank}'s"
-                f" part of the full model's {shape(p)}, {shape(expected)}"
+                f" part of the full model's {shape(p)}, {shape(expected)}",
             )
 
 
@@ -354,39 +390,50 @@ def _partial(full, x, rank, world_size, scale=1.0):
 
 
 def judge_output(full, x, got, expected, rank, world_size, sequence_parallel):
-    """Rank r's output of one block against one process's: its rows of it, sequence parallel."""
+    """Rank r's output of one block is one process's: its own block of the rows, sequence parallel."""
     what = f"{'sequence' if sequence_parallel else 'tensor'} parallel, one block on {world_size} ranks: rank {rank}'s"
     rows = rows_of(rank, world_size, sequence_parallel)
     if close(got, expected[rows]):
         return
-    said = f"{what} output is {shape(got)}, expected {shape(expected[rows])}"
-    assert not (sequence_parallel and got.shape == expected.shape), (
-        f"{said}: every row; sequence parallel, each rank ends with its own block of the rows"
+    said_shape = f"{what} output is {shape(got)}, expected {shape(expected[rows])}"
+    assert not (sequence_parallel and got.shape == expected.shape), said(
+        "every row on every rank, sequence parallel",
+        f"{said_shape}: every row; sequence parallel, each rank ends with its own block of the rows",
     )
-    assert got.shape == expected[rows].shape, said
+    assert got.shape == expected[rows].shape, said("a block's output of the wrong shape", said_shape)
     bias = full.layers[1].bias.detach()
-    assert not close(got, expected[rows] + (world_size - 1) * bias), (
+    assert not close(got, expected[rows] + (world_size - 1) * bias), said(
+        "the row layer's bias added on every rank",
         f"{what} output is one process's with the row layer's bias counted {world_size - 1} extra"
         f" time{'s' if world_size > 2 else ''}: every rank added it to its partial product before the sum; add the"
-        " bias once, after the sum"
+        " bias once, after the sum",
     )
     with torch.no_grad():
         partial, swapped = (_partial(full, x, rank, world_size, scale)[rows] for scale in (1, world_size))
-    assert not any(close(got, partial + plus * bias) for plus in (0, 1)), (
-        f"{what} output is its own partial product: the row layer must sum the ranks' partial products"
+    assert not any(close(got, partial + plus * bias) for plus in (0, 1)), said(
+        "the ranks' partial products not summed",
+        f"{what} output is its own partial product: the row layer must sum the ranks' partial products",
     )
-    assert not any(close(got, swapped + plus * bias) for plus in (0, 1)), (
+    assert not any(close(got, swapped + plus * bias) for plus in (0, 1)), said(
+        "Copy and AllReduce swapped in the layers",
         f"{what} output is the partial product of an input summed over the ranks: the column layer summed its"
-        " input and the row layer did not sum its output. Are Copy and AllReduce swapped?"
+        " input and the row layer did not sum its output. Are Copy and AllReduce swapped?",
     )
     other = next((r for r in range(world_size) if close(got, expected[rows_of(r, world_size, True)])), None)
-    assert not sequence_parallel or other is None, (
-        f"{what} output is that of rank {other}'s rows: rank r's block of the rows is block r"
+    assert not sequence_parallel or other is None, said(
+        "another rank's block of rows",
+        f"{what} output is that of rank {other}'s rows: rank r's block of the rows is block r",
     )
-    raise AssertionError(f"{what} output differs from one process's by up to {(got - expected[rows]).abs().max():.3g}")
+    raise AssertionError(
+        said(
+            "a block's output not one process's",
+            f"{what} output differs from one process's by up to {(got - expected[rows]).abs().max():.3g}",
+        )
+    )
 
 
 def check_forward(folder, world_size, sequence_parallel):
+    """One block, tensor or sequence parallel, gives every rank its part of one process's output."""
     results = world(model_in_world, world_size, folder, BLOCK, sequence_parallel)
     full, x, expected, _, _ = one_process(BLOCK)
     for rank, result in enumerate(results):
@@ -410,37 +457,52 @@ def test_forward(impl_dir, parallel, world_size):
 
 
 def judge_gradient(what, name, results, rank, expected, world_size, sequence_parallel, training=False):
-    """Rank r's gradient of `name` (None: of its input) against its part of one process's, `expected`."""
+    """Rank r's gradient of `name` (None: of its input) is its part of one process's, `expected`."""
     grads = [r["x_grad"] if name is None else r["grads"].get(name) for r in results]
     got = grads[rank]
-    said = f"{what}: rank {rank}'s {'input gradient' if name is None else f'gradient of {name}'}"
-    assert got is not None, f"{said} is missing"
+    whose = f"{what}: rank {rank}'s {'input gradient' if name is None else f'gradient of {name}'}"
+    assert got is not None, said("a gradient missing", f"{whose} is missing")
     if close(got, expected):
         return
-    assert got.shape == expected.shape, f"{said} is {shape(got)}, expected {shape(expected)}"
-    scaled = close(got, world_size * expected)
-    assert not (scaled and training and sequence_parallel), (
-        f"{said} is {world_size} times one process's: each rank's loss is the mean over its own rows, and one"
-        f" process's loss the mean over all of them, which is the sum of the ranks' means divided by {world_size}"
+    assert got.shape == expected.shape, said(
+        "a gradient of the wrong shape", f"{whose} is {shape(got)}, expected {shape(expected)}"
     )
-    assert not scaled, (
-        f"{said} is {world_size} times one process's: a gradient that every rank holds whole was summed over the"
-        " ranks again (an all-reduce too many in a backward)"
+    scaled = close(got, world_size * expected)
+    assert not (scaled and training and sequence_parallel), said(
+        "the ranks' mean losses not divided by the world size",
+        f"{whose} is {world_size} times one process's: each rank's loss is the mean over its own rows, and one"
+        f" process's loss the mean over all of them, which is the sum of the ranks' means divided by {world_size}",
+    )
+    assert not scaled, said(
+        "an all-reduce too many in a backward",
+        f"{whose} is {world_size} times one process's: a gradient that every rank holds whole was summed over the"
+        " ranks again (an all-reduce too many in a backward)",
     )
     parts = all(g is not None and g.shape == got.shape for g in grads) and close(sum(grads), expected)
-    assert not (parts and name is None), (
-        f"{said} is only its own part: the ranks' input gradients add up to one process's. The column layer's"
-        " input gradient is the sum over the ranks (Copy's backward)"
+    assert not (parts and name is None), said(
+        "the input gradient not summed over the ranks",
+        f"{whose} is only its own part: the ranks' input gradients add up to one process's. The column layer's"
+        " input gradient is the sum over the ranks (Copy's backward)",
     )
-    assert not (parts and whole_on_every_rank(name, sequence_parallel)), (
-        f"{said} is only its own rows' share: the ranks' gradients add up to one process's. Every rank holds all"
-        f" of {name} but uses it on its own rows: pass it through Copy, whose backward sums them"
+    assert not (parts and whole_on_every_rank(name, sequence_parallel)), said(
+        "a replicated parameter's gradient not summed over the ranks' rows",
+        f"{whose} is only its own rows' share: the ranks' gradients add up to one process's. Every rank holds all"
+        f" of {name} but uses it on its own rows: pass it through Copy, whose backward sums them",
     )
-    assert not parts, f"{said} is only its own part: the ranks' gradients add up to one process's"
-    raise AssertionError(f"{said} differs from one process's by up to {(got - expected).abs().max():.3g}")
+    assert not parts, said(
+        "a gradient only the rank's own part",
+        f"{whose} is only its own part: the ranks' gradients add up to one process's",
+    )
+    raise AssertionError(
+        said(
+            "a gradient not one process's",
+            f"{whose} differs from one process's by up to {(got - expected).abs().max():.3g}",
+        )
+    )
 
 
 def check_backward(folder, world_size, sequence_parallel):
+    """One block, tensor or sequence parallel, gives every rank its part of one process's gradients."""
     results = world(model_in_world, world_size, folder, BLOCK, sequence_parallel)
     _, _, _, x_grad, grads = one_process(BLOCK)
     what = f"{'sequence' if sequence_parallel else 'tensor'} parallel, one block on {world_size} ranks"
@@ -498,20 +560,21 @@ def expected_collectives(sequence_parallel, blocks=BLOCKS):
 
 
 def judge_counts(what, way, got, expected):
-    """The collectives one way of one module started, against the expected ones."""
+    """One way of one module starts the collectives of its functions, in their order."""
     if got == expected:
         return
     extra, missing = Counter(got) - Counter(expected), Counter(expected) - Counter(got)
-    said = f"{what}'s {way} started {said_list(got)}, expected {said_list(expected)}"
+    started = f"{what}'s {way} started {said_list(got)}, expected {said_list(expected)}"
     told = [f"{n} {kind}{'s' if n > 1 else ''} too many" for kind, n in extra.items()]
     told += [f"{n} {kind}{'s' if n > 1 else ''} missing" for kind, n in missing.items()]
-    assert not (extra and what != "ParallelMLP" and way == "backward"), (
-        f"{said} ({', '.join(told)}): the backward of each function starts the one collective of its conjugate,"
-        " and no other"
+    assert not (extra and what != "ParallelMLP" and way == "backward"), said(
+        "a layer's backward starts more than its conjugate's collective",
+        f"{started} ({', '.join(told)}): the backward of each function starts the one collective of its conjugate,"
+        " and no other",
     )
-    assert not extra, f"{said} ({', '.join(told)})"
-    assert not missing, f"{said} ({', '.join(told)})"
-    raise AssertionError(f"{said}: the same collectives in another order")
+    assert not extra, said("collectives too many", f"{started} ({', '.join(told)})")
+    assert not missing, said("collectives missing", f"{started} ({', '.join(told)})")
+    raise AssertionError(said("collectives in another order", f"{started}: the same collectives in another order"))
 
 
 def said_list(collectives):
@@ -520,17 +583,19 @@ def said_list(collectives):
 
 
 def check_collectives(folder, sequence_parallel, world_size=2):
+    """The column layer, the row layer and ParallelMLP start the collectives of their functions, each way."""
     results = world(collectives_in_world, world_size, folder, sequence_parallel)
     expected = expected_collectives(sequence_parallel)
     column, row = expected["ColumnParallelLinear"], expected["RowParallelLinear"]
     for rank, found in enumerate(results):
         swapped = found["ColumnParallelLinear"] == row and found["RowParallelLinear"] == column
-        assert not swapped, (
+        assert not swapped, said(
+            "the column and row layers' functions swapped",
             f"on rank {rank}, ColumnParallelLinear started the row layer's collectives ({said_list(row['forward'])}"
             f" forward, {said_list(row['backward'])} backward) and RowParallelLinear the column layer's: the two"
             f" functions are swapped. The column layer's input goes into the parallel region"
             f" ({'AllGatherRows' if sequence_parallel else 'Copy'}), the row layer's output comes out of it"
-            f" ({'ReduceScatterRows' if sequence_parallel else 'AllReduce'})"
+            f" ({'ReduceScatterRows' if sequence_parallel else 'AllReduce'})",
         )
         for what in ("ColumnParallelLinear", "RowParallelLinear", "ParallelMLP"):
             for way in ("forward", "backward"):
@@ -565,6 +630,8 @@ def train_in_world(folder, sequence_parallel, steps):
 
 
 def check_train_steps(folder, world_size, sequence_parallel, steps=STEPS):
+    """train_step returns one process's loss on every rank, and its steps leave each rank its part of one
+    process's parameters."""
     results = world(train_in_world, world_size, folder, sequence_parallel, steps)
     full = Blocks()
     optimizer = torch.optim.SGD(full.parameters(), lr=LR)
@@ -585,14 +652,16 @@ def check_train_steps(folder, world_size, sequence_parallel, steps=STEPS):
         for rank, result in enumerate(results):
             got = result["losses"][step]
             shown = f"{got:.6f}" if isinstance(got, float) else repr(got)
-            assert isinstance(got, float) and abs(got - loss.item()) <= 1e-5 * max(1.0, abs(loss.item())), (
+            assert isinstance(got, float) and abs(got - loss.item()) <= 1e-5 * max(1.0, abs(loss.item())), said(
+                "train_step's loss not one process's",
                 f"{what}, train_step returned {shown} on rank {rank} in step {step}: one process's loss on the"
-                f" batch is {loss.item():.6f}, the mean over all its rows, and every rank returns it"
+                f" batch is {loss.item():.6f}, the mean over all its rows, and every rank returns it",
             )
             for name, p in full.named_parameters():
                 expected = part(name, p.detach(), rank, world_size)
-                assert close(result["history"][step][name], expected), (
-                    f"{what}, after step {step}, rank {rank}'s {name} differs from its part of one process's"
+                assert close(result["history"][step][name], expected), said(
+                    "parameters after a step not the rank's part of one process's",
+                    f"{what}, after step {step}, rank {rank}'s {name} differs from its part of one process's",
                 )
 
 
@@ -642,6 +711,7 @@ def local(grad):
 
 
 def check_matches_torch(folder, sequence_parallel, world_size=2):
+    """ParallelMLP gives each rank the output and gradients of torch's parallelize_module."""
     mine = world(model_in_world, world_size, folder, WIDTHS, sequence_parallel)
     theirs = world(torch_in_world, world_size, sequence_parallel)
     plan = (
@@ -674,7 +744,7 @@ def test_matches_torch(impl_dir, parallel):
 def uneven_in_world(folder):
     """Probe: a hidden width of 10, and a batch of 8 rows sequence parallel, on 3 ranks: what was raised."""
     tp = load(folder).tp
-    said = []
+    raised = []
     for attempt in (
         lambda: tp.ParallelMLP(list(Blocks([7, 10, 5]).layers)),
         lambda: tp.train_step(
@@ -685,23 +755,28 @@ def uneven_in_world(folder):
     ):
         try:
             attempt()
-            said.append(None)
+            raised.append(None)
         except NotImplementedError:  # a stub: the grade says which, as for every check
             raise
         except Exception as error:  # noqa: BLE001 - which error, and its words, are the check's to judge
-            said.append(f"{type(error).__name__}: {error}")
-    return said
+            raised.append(f"{type(error).__name__}: {error}")
+    return raised
 
 
 def check_uneven(folder, world_size=3):
+    """A width or a batch that the world size does not divide is refused with a ValueError naming both."""
     width, rows = world(uneven_in_world, world_size, folder)[0]
     for what, size, got in (("a hidden width of 10", 10, width), ("a batch of 8 rows, sequence parallel", 8, rows)):
-        assert got is not None, f"{what} on {world_size} ranks gave no error: {world_size} does not divide {size}"
+        assert got is not None, said(
+            "a size the world does not divide accepted",
+            f"{what} on {world_size} ranks gave no error: {world_size} does not divide {size}",
+        )
         assert (
             got.startswith("ValueError") and re.search(rf"\b{size}\b", got) and re.search(rf"\b{world_size}\b", got)
-        ), (
+        ), said(
+            "refused without a ValueError that names the sizes",
             f"{what} on {world_size} ranks raised {got!r}: expected a ValueError whose message names the size"
-            f" ({size}) and the world size ({world_size})"
+            f" ({size}) and the world size ({world_size})",
         )
 
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course.checks import said
 from course.launch import WorldFailed
 from tests.comm_log import CommLog
 from tests.helpers import forward_from, load, world
@@ -201,7 +202,8 @@ def with_torch(folder, schedule, m):
 
 
 def on_pipeline(fn, p, *args):
-    """Run the probe on p ranks (a message no peer answers fails after the checks' collective timeout,
+    """Stages pass gradients back through what they received and keep the graph for the backward. Runs the
+    probe on p ranks (a message no peer answers fails after the checks' collective timeout,
     COURSE_COLLECTIVE_TIMEOUT, so a hang is reported at once); a failure that shows a known
     mistake is said as that mistake, any other as the launcher reports it."""
     try:
@@ -210,15 +212,17 @@ def on_pipeline(fn, p, *args):
         first = failed.failure.fact(failed.failure.first) if failed.failure.first is not None else None
         if first is None:
             raise
-        assert first.error != NoGradientBack.__name__, (
+        assert first.error != NoGradientBack.__name__, said(
+            "a received activation that asks for no gradient",
             f"stage {first.rank} ran its forward on a received activation that asks for no gradient: its"
             f" backward then computes no gradient to send back to stage {first.rank - 1} (requires_grad_()"
-            " on what arrives, before the forward)"
+            " on what arrives, before the forward)",
         )
         # torch's words for a backward from a tensor that has no graph
-        assert "does not require grad and does not have a grad_fn" not in first.message, (
+        assert "does not require grad and does not have a grad_fn" not in first.message, said(
+            "the backward started from a detached output",
             f"stage {first.rank}'s backward started from a tensor with no graph ({first.where()}): keep the"
-            " output the forward computed for the backward (a detached copy is for sending, not for keeping)"
+            " output the forward computed for the backward (a detached copy is for sending, not for keeping)",
         )
         raise
 
@@ -258,18 +262,29 @@ def stage_cuts(folder):
 
 
 def check_stage_layers(folder):
+    """stage_layers cuts the layers into p consecutive runs, in order, as even as possible, the longer first."""
     got = on_pipeline(stage_cuts, 2, folder)[0]  # the world of 2 that the order check keeps
     for (n, p), mine in zip(LAYER_CASES, got):
         where = f"stage_layers({n}, {p}) returned {[f'range({r[0]}, {r[-1] + 1})' if r else 'range(0)' for r in mine]}"
         held = [k for layers in mine for k in layers]
         twice = sorted({k for k in held if held.count(k) > 1})
-        assert not twice, f"{where}: layer {twice[0]} is in two stages: the stages must not overlap"
-        assert len(mine) == p, f"{where}: one run of layers per stage, {p} of them"
-        assert sorted(held) == list(range(n)), f"{where}: every layer, 0 to {n - 1}, belongs to a stage"
-        assert held == list(range(n)), f"{where}: stage s holds the s-th run of consecutive layers, in order"
+        assert not twice, said(
+            "stages that overlap", f"{where}: layer {twice[0]} is in two stages: the stages must not overlap"
+        )
+        assert len(mine) == p, said(
+            "not one run of layers per stage", f"{where}: one run of layers per stage, {p} of them"
+        )
+        assert sorted(held) == list(range(n)), said(
+            "a layer in no stage", f"{where}: every layer, 0 to {n - 1}, belongs to a stage"
+        )
+        assert held == list(range(n)), said(
+            "stages not consecutive runs in order",
+            f"{where}: stage s holds the s-th run of consecutive layers, in order",
+        )
         expected = layers_by_rule(n, p)
-        assert mine == expected, (
-            f"{where}: the runs as even as possible, the first {n} % {p} = {n % p} of them one layer longer"
+        assert mine == expected, said(
+            "runs not as even as possible, the longer first",
+            f"{where}: the runs as even as possible, the first {n} % {p} = {n % p} of them one layer longer",
         )
 
 
@@ -288,30 +303,40 @@ def check_order(folder, schedule):
 
 
 def judge_order(schedule, p, m, s, events):
+    """Stage s runs its forwards and backwards in the schedule's textbook order."""
     name, expected = NAMES[schedule], textbook(schedule, p, m, s)
     forwards = [i for kind, i in events if kind == "F"]
     backwards = [i for kind, i in events if kind == "B"]
     where = f"{name} with p={p} stages and m={m} micro-batches: stage {s} ran {' '.join(f'{k}{i}' for k, i in events)}"
-    assert "?" not in forwards, (
+    assert "?" not in forwards, said(
+        "a forward on no micro-batch's activation",
         f"{where}: a forward's input was no micro-batch's activation (F?): forward i runs on micro-batch i's"
-        " activation, received from the stage before"
+        " activation, received from the stage before",
     )
-    assert sorted(forwards) == list(range(m)) == sorted(backwards), (
-        f"{where}: each micro-batch needs one forward and one backward on every stage"
+    assert sorted(forwards) == list(range(m)) == sorted(backwards), said(
+        "not one forward and one backward per micro-batch",
+        f"{where}: each micro-batch needs one forward and one backward on every stage",
     )
-    assert forwards == list(range(m)), f"{where}: the forwards run in micro-batch order"
+    assert forwards == list(range(m)), said(
+        "forwards out of micro-batch order", f"{where}: the forwards run in micro-batch order"
+    )
     if schedule == "gpipe":
-        assert not (m > 1 and backwards == list(range(m))), (
+        assert not (m > 1 and backwards == list(range(m))), said(
+            "GPipe's backwards in forward order",
             f"{where}: the backwards ran in forward order; GPipe's run in reverse order, micro-batch {m - 1} first"
-            " (the handout's order; torch's ScheduleGPipe runs them in forward order)"
+            " (the handout's order; torch's ScheduleGPipe runs them in forward order)",
         )
     else:
         warmup, before = min(p - s - 1, m), events.index(("B", backwards[0]))
-        assert before == min(p - s, m), (
+        assert before == min(p - s, m), said(
+            "1F1B's warm-up forwards miscounted",
             f"{where}: {before} forwards before the first backward; stage {s} of {p} runs min(p - s - 1, m) ="
-            f" {warmup} warm-up forwards, then one forward and one backward in turn"
+            f" {warmup} warm-up forwards, then one forward and one backward in turn",
         )
-    assert events == expected, f"{where}; {name} runs {' '.join(f'{k}{i}' for k, i in expected)}"
+    assert events == expected, said(
+        f"the {name} order of forwards and backwards",
+        f"{where}; {name} runs {' '.join(f'{k}{i}' for k, i in expected)}",
+    )
 
 
 MEMORY_CASE = (3, [6, 2])  # p = 3 stages; with 2 micro-batches, fewer than stages
@@ -336,17 +361,19 @@ def check_memory(folder, schedule):
                 )
 
 
-def describe_gradient(s, k, got, expected, m, whose="one process's on the whole batch"):
-    """A sentence about how a stage's gradient of layer k differs from the expected one."""
+def describe_gradient(where, s, k, got, expected, m, whose="one process's on the whole batch"):
+    """A sentence about how a stage's gradient of layer k differs from the expected one, after `where`, with
+    its concept."""
     ratio = ((got * expected).sum() / (expected * expected).sum()).item()
     if close(got, expected * ratio) and abs(ratio - m) < 1e-3 * m:
-        return (
-            f"stage {s}'s gradient of layer {k} is {ratio:.1f}x {whose}, m = {m}: scale each micro-batch's"
-            " loss by 1/m, so that the m backwards add up to the batch's mean"
+        return said(
+            "micro-batch losses not scaled by 1/m",
+            f"{where}: stage {s}'s gradient of layer {k} is {ratio:.1f}x {whose}, m = {m}: scale each"
+            " micro-batch's loss by 1/m, so that the m backwards add up to the batch's mean",
         )
     if close(got, expected * ratio) and abs(ratio - 1) > 1e-3:
-        return f"stage {s}'s gradient of layer {k} is {ratio:.2f}x {whose}"
-    return f"stage {s}'s gradient of layer {k} differs from {whose}"
+        return said("a stage's gradients scaled", f"{where}: stage {s}'s gradient of layer {k} is {ratio:.2f}x {whose}")
+    return said("a stage's gradients wrong", f"{where}: stage {s}'s gradient of layer {k} differs from {whose}")
 
 
 def check_gradients(folder, schedule):
@@ -360,7 +387,7 @@ def check_gradients(folder, schedule):
             assert g is not None, (
                 f"{where}: stage {s}'s layer {k} got no gradient: its backward must run through the stage"
             )
-            assert close(g, grads[k]), f"{where}: " + describe_gradient(s, k, g, grads[k], m)
+            assert close(g, grads[k]), describe_gradient(where, s, k, g, grads[k], m)
     loss = stages[-1]["losses"][0]
     assert loss is not None and abs(loss - losses[0]) < 1e-5, (
         f"{where}: run returned the loss {loss} on the last stage, one process's on the whole batch is"
@@ -416,7 +443,7 @@ def check_matches_torch(folder, schedule):
     for s, (got, expected) in enumerate(on_pipeline(with_torch, p, folder, schedule, m)):
         for k, g, t in zip(layers_by_rule(len(WIDTHS) - 1, p)[s], got["grads"], expected):
             assert g is not None, f"{where}: stage {s}'s layer {k} got no gradient, its {whose.replace('s on', ' on')}"
-            assert close(g, t), f"{where}: " + describe_gradient(s, k, g, t, m, whose)
+            assert close(g, t), describe_gradient(where, s, k, g, t, m, whose)
 
 
 @pytest.mark.points(2)

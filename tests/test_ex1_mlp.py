@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from course.checks import said
 from tests.helpers import CONFIG, WIDTHS, SmallMLP, alone, forward_from, load, printed, small_config
 
 
@@ -25,6 +26,7 @@ def layer_shapes(folder):
 
 
 def check_layers(folder):
+    """The MLP's parameters are bias-free nn.Linear layers of exercise 1's widths, in self.layers."""
     shapes = {name: tuple(shape) for name, shape in alone(layer_shapes, folder).items()}
     expected = {f"layers.{i}.weight": (b, a) for i, (a, b) in enumerate(zip(WIDTHS, WIDTHS[1:]))}
     assert shapes == expected, (
@@ -50,7 +52,8 @@ def forward_both_ways(folder, x, y):
 
 
 def wrong_activation(weights, x, logits):
-    """The one way of placing an activation that gives these logits, or the fact that none does."""
+    """Why the logits are wrong: the one way of placing an activation that gives them, or the fact that
+    none does, with its concept (course/checks.py)."""
 
     def through(activation, after_last=False):
         out = x
@@ -65,29 +68,38 @@ def wrong_activation(weights, x, logits):
         "no tanh between the layers": through(lambda t: t),
         "relu between the layers where tanh is asked": through(torch.relu),
     }
-    found = next((said for said, out in ways.items() if torch.allclose(logits, out, atol=1e-6)), None)
-    return found or "they are not the layers' weights applied in order with tanh between them"
+    found = next((why for why, out in ways.items() if torch.allclose(logits, out, atol=1e-6)), None)
+    if found:
+        return said(found.split(":")[0], f"logits are wrong: {found}")
+    return said(
+        "logits not the layers applied in order with tanh between them",
+        "logits are wrong: they are not the layers' weights applied in order with tanh between them",
+    )
 
 
 def check_forward(folder):
+    """forward gives (logits, None) without targets, the logits of the layers with tanh between them,
+    and with targets the cross-entropy of the logits."""
     x, y = sample(5, 0)
     got = alone(forward_both_ways, folder, x, y)
     expected = forward_from(got["weights"], x)
-    assert got["no_loss"] is True, "forward(data) without targets should return (logits, None)"
+    assert got["no_loss"] is True, said(
+        "a loss without targets", "forward(data) without targets should return (logits, None)"
+    )
     logits = got["logits"]
-    assert logits.shape == (5, CONFIG.n_classes), (
-        f"logits should have shape (batch, n_classes), got {tuple(logits.shape)}"
+    assert logits.shape == (5, CONFIG.n_classes), said(
+        "logits of the wrong shape", f"logits should have shape (batch, n_classes), got {tuple(logits.shape)}"
     )
     extra = [name for name in got["parameters"] if not re.fullmatch(r"layers\.\d+\.weight", name)]
-    assert not extra, (
+    assert not extra, said(
+        "layers with a bias",
         f"the layers hold {', '.join(extra)}: the MLP's nn.Linear layers are bias-free (bias=False),"
-        " so the logits come from the weights alone"
+        " so the logits come from the weights alone",
     )
-    assert torch.allclose(logits, expected, atol=1e-6), "logits are wrong: " + wrong_activation(
-        got["weights"], x, logits
-    )
-    assert torch.allclose(got["loss_with_targets"], F.cross_entropy(expected, y), atol=1e-6), (
-        "with targets, the loss should be the cross-entropy of the logits"
+    assert torch.allclose(logits, expected, atol=1e-6), wrong_activation(got["weights"], x, logits)
+    assert torch.allclose(got["loss_with_targets"], F.cross_entropy(expected, y), atol=1e-6), said(
+        "the loss not the cross-entropy of the logits",
+        "with targets, the loss should be the cross-entropy of the logits",
     )
 
 
@@ -104,15 +116,23 @@ def evaluate_twice(folder, X, Y):
 
 
 def check_evaluate(folder):
+    """evaluate averages the loss of each batch, up to max_batches, without gradients, in training mode after."""
     X, Y = sample(120, 1)
     got = alone(evaluate_twice, folder, X, Y)
     means = [F.cross_entropy(forward_from(got["weights"], X[i : i + 50]), Y[i : i + 50]).item() for i in (0, 50, 100)]
-    assert abs(got["full"] - sum(means) / 3) < 1e-5, (
-        f"evaluate should average the loss of each batch of 50: expected {sum(means) / 3:.5f}, got {got['full']:.5f}"
+    assert abs(got["full"] - sum(means) / 3) < 1e-5, said(
+        "evaluate not the mean of the batches' losses",
+        f"evaluate should average the loss of each batch of 50: expected {sum(means) / 3:.5f}, got {got['full']:.5f}",
     )
-    assert abs(got["first_two"] - sum(means[:2]) / 2) < 1e-5, "evaluate should stop after max_batches batches"
-    assert got["training"] is True, "evaluate should leave the model in training mode"
-    assert got["no_grads"] is True, "evaluate should not compute gradients (torch.no_grad)"
+    assert abs(got["first_two"] - sum(means[:2]) / 2) < 1e-5, said(
+        "evaluate ignores max_batches", "evaluate should stop after max_batches batches"
+    )
+    assert got["training"] is True, said(
+        "evaluate leaves the model in eval mode", "evaluate should leave the model in training mode"
+    )
+    assert got["no_grads"] is True, said(
+        "evaluate computes gradients", "evaluate should not compute gradients (torch.no_grad)"
+    )
 
 
 def make_dataset(folder):
@@ -122,6 +142,7 @@ def make_dataset(folder):
 
 
 def check_dataset(folder):
+    """gen_dataset gives float32 rows and int64 labels of the config's sizes, the same for the same rand_state."""
     (X, Y), (X2, Y2) = alone(make_dataset, folder)
     assert X.shape == (CONFIG.train_size, CONFIG.d_in) and X.dtype == torch.float32
     assert Y.shape == (CONFIG.train_size,) and Y.dtype == torch.int64
@@ -161,13 +182,15 @@ def train_printing(folder):
 
 
 def check_step_lines(folder):
+    """train prints a step line every 100 steps, in the handout's format."""
     lines = [line for line in alone(train_printing, folder).splitlines() if line.startswith("step ")]
-    assert [line.split(" |")[0] for line in lines] == ["step 0", "step 100"], (
-        "train should print a line every 100 steps"
+    assert [line.split(" |")[0] for line in lines] == ["step 0", "step 100"], said(
+        "step lines not every 100 steps", "train should print a line every 100 steps"
     )
     pattern = r"step \d+ \| train_loss \d+\.\d{4} \| test_loss \d+\.\d{4} \| step time \d+\.\d{2}ms"
-    assert all(re.fullmatch(pattern, line) for line in lines), (
-        f"step lines should look like 'step N | train_loss X.XXXX | test_loss Y.YYYY | step time Z.ZZms', got {lines}"
+    assert all(re.fullmatch(pattern, line) for line in lines), said(
+        "step lines not in the handout's format",
+        f"step lines should look like 'step N | train_loss X.XXXX | test_loss Y.YYYY | step time Z.ZZms', got {lines}",
     )
 
 
@@ -182,6 +205,7 @@ def parse_cli(folder):
 
 
 def check_cli_types(folder):
+    """The command line's numbers reach the config as an int or a float, as ModelConfig types them."""
     got = alone(parse_cli, folder)
     assert isinstance(got["batch_size"], int) and isinstance(got["d_in"], int) and got["lr"] == 0.5
 

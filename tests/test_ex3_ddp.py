@@ -52,6 +52,7 @@ def closeness_verdicts(folder):
 
 
 def check_closeness(folder, world_size):
+    """check_parameter_closeness answers True on every rank when the ranks agree, False on every rank when one differs."""
     same, differ = zip(*world(closeness_verdicts, world_size, folder))
     assert list(same) == [True] * world_size, (
         f"check_parameter_closeness should return True on every rank when all ranks agree, got {list(same)}"
@@ -62,6 +63,7 @@ def check_closeness(folder, world_size):
 
 
 def check_rank0_prints(folder):
+    """Only rank 0 prints the step lines."""
     printed_by = [rank["printed"] for rank in world(train_in_world, 2, folder, {"niters": 1})]
     assert [out.count("step 0 |") for out in printed_by] == [1, 0], "only rank 0 should print the step lines"
 

@@ -32,6 +32,7 @@ def frozen_step(folder):
 
 
 def check_frozen(folder):
+    """A frozen parameter gets no gradient and no hook; the others' gradients are still averaged."""
     grads = [rank["grads"] for rank in world(frozen_step, 2, folder)]
     assert grads[0]["0.weight"] is None, "a parameter with requires_grad=False should get no gradient and no hook"
     assert torch.equal(grads[0]["1.weight"], grads[1]["1.weight"]), (

@@ -155,6 +155,7 @@ def buckets_as_indices(folder):
 
 
 def check_bucket_parameters(folder):
+    """bucket_parameters fills buckets last parameter first, a new one when the next would not fit the cap."""
     for (_, _, expected, what), got in zip(BUCKET_CASES, alone(buckets_as_indices, folder)):
         assert got == expected, (
             f"bucket_parameters with {what} gave buckets {got} (parameter indices), expected {expected}:"
@@ -219,8 +220,8 @@ def check_same_training(folder, setup, steps, hint=""):
             )
             for name, grad in got["grads"].items():
                 expected = sum(g[name] for g in local) / world_size
-                assert torch.allclose(grad, expected, rtol=1e-4, atol=1e-6), (
-                    f"backward pass {step + 1}: " + describe_ratio(name, grad, expected, rank) + hint
+                assert torch.allclose(grad, expected, rtol=1e-4, atol=1e-6), describe_ratio(
+                    name, grad, expected, rank, f"backward pass {step + 1}: ", hint
                 )
             for name, p in model.named_parameters():
                 assert torch.allclose(got["params"][name], p.detach(), rtol=1e-4, atol=1e-5), (

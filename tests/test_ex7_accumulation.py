@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from course.checks import said
 from tests.comm_log import CommLog
 from tests.helpers import CONFIG, SMALL_BUCKET_MB, SmallMLP, global_batch, load, world
 
@@ -85,6 +86,7 @@ def _params_of(model):
 
 
 def _same_parameters(what, got, expected):
+    """Accumulated micro-batches step as one process on the whole batch: each loss divided by their number."""
     for name, p in expected.items():
         assert torch.allclose(got[name], p, rtol=1e-4, atol=1e-5), (
             f"{what}: {name} differs from one process trained on the whole batch: is each micro-batch's"
@@ -103,11 +105,15 @@ def check_no_sync_accumulates(folder, world_size=2, micro_batches=3, steps=2):
                 f"{what}: the backward passes inside no_sync() started {got['inside']} collectives:"
                 " inside no_sync() gradients only accumulate, on each rank"
             )
-            assert got["after"] == BUCKETS, (
+            started = (
                 f"{what}: the backward pass after no_sync() started {got['after']} collectives, expected"
                 f" one all-reduce per bucket ({BUCKETS})"
-                + (": leaving no_sync() must turn synchronisation back on" if got["after"] == 0 else "")
             )
+            assert got["after"] != 0, said(
+                "synchronisation not turned back on after no_sync()",
+                f"{started}: leaving no_sync() must turn synchronisation back on",
+            )
+            assert got["after"] == BUCKETS, said("not one all-reduce per bucket after no_sync()", started)
             for name, grad in expected["grads"].items():
                 assert torch.allclose(got["grads"][name], grad, rtol=1e-4, atol=1e-6), (
                     f"{what}: the gradient of {name} after the last backward pass is not the gradient of the"

@@ -330,8 +330,10 @@ def backward_in_world(folder, rows):
     return {"x": x.grad, "weight": layer.weight.grad, "bias": layer.bias.grad}
 
 
-def _input_gradient_mistake(got, rows, rank):
-    """What a wrong input gradient fits, in the student's terms; '' when nothing known does."""
+def _input_gradient_mistake(sentence, got, rows, rank):
+    """sentence, about a wrong input gradient (None: missing), with the mistake it fits in the student's terms."""
+    if got is None:
+        return said("no gradient for the rank's rows", sentence)
     parts = [rank_rows(0, rows, r) for r in range(len(rows))]
     x = parts[rank].clone().requires_grad_()
     everything = torch.cat(parts[:rank] + [x] + parts[rank + 1 :])
@@ -340,15 +342,19 @@ def _input_gradient_mistake(got, rows, rank):
     own = normalised(everything, mean, var)[start : start + rows[rank]]
     (own * coefficients(rows, rank)).sum().backward()
     if close(got, x.grad):
-        return (
-            ": it is the gradient of this rank's loss alone, as if the all-reduce passed no gradient back;"
-            " dist.all_reduce is invisible to autograd, use a differentiable all-reduce"
-            " (torch.distributed._functional_collectives.all_reduce or torch.distributed.nn.functional.all_reduce)"
+        return said(
+            "no gradient through the all-reduce",
+            f"{sentence}: it is the gradient of this rank's loss alone, as if the all-reduce passed no gradient"
+            " back; dist.all_reduce is invisible to autograd, use a differentiable all-reduce"
+            " (torch.distributed._functional_collectives.all_reduce or torch.distributed.nn.functional.all_reduce)",
         )
     detached = coefficients(rows, rank) * affine()[0] / torch.sqrt(var.detach() + EPS)
     if close(got, detached):
-        return ": no gradient reached the mean and variance; do not detach them, the backward pass needs them"
-    return ""
+        return said(
+            "the statistics detached from the graph",
+            f"{sentence}: no gradient reached the mean and variance; do not detach them, the backward pass needs them",
+        )
+    return said("the input gradient not one process's", sentence)
 
 
 def check_backward(folder, world_size):
@@ -364,13 +370,16 @@ def check_backward(folder, world_size):
     for rank, got in enumerate(results):
         mine = slice(sum(rows[:rank]), sum(rows[: rank + 1]))
         what = f"with {world_size} ranks of {rows} rows, rank {rank}"
-        assert got["x"] is not None and close(got["x"], everything.grad[mine]), (
-            f"{what}: the gradient of the rank's rows is not that of the loss of all ranks together"
-            + ("" if got["x"] is None else _input_gradient_mistake(got["x"], rows, rank))
+        assert got["x"] is not None and close(got["x"], everything.grad[mine]), _input_gradient_mistake(
+            f"{what}: the gradient of the rank's rows is not that of the loss of all ranks together",
+            got["x"],
+            rows,
+            rank,
         )
         for name, share in (("weight", (c[mine] * x_hat[mine]).sum(0)), ("bias", c[mine].sum(0))):
-            assert got[name] is not None and close(got[name], share), (
-                f"{what}: the gradient of {name} is not this rank's share of one process's gradient"
+            assert got[name] is not None and close(got[name], share), said(
+                "a parameter's gradient not the rank's share of one process's",
+                f"{what}: the gradient of {name} is not this rank's share of one process's gradient",
             )
 
 
@@ -489,22 +498,31 @@ def check_average_parameters(folder, world_size):
     results = world(average_in_world, world_size, folder)
     starts = [dict(_start(r).named_parameters()) for r in range(world_size)]
     for rank, got in enumerate(results):
-        assert got["same_parameters"], (
+        assert got["same_parameters"], said(
+            "new Parameter objects put in the model",
             f"rank {rank}: average_parameters put new Parameter objects in the model; the optimizer holds the old"
-            " ones and would step those: give the model's own parameters their new values"
+            " ones and would step those: give the model's own parameters their new values",
         )
         for name, own in starts[rank].items():
             mean = sum(s[name] for s in starts) / world_size
             found = got["params"][name]
-            hint = ""
-            if torch.allclose(found, own.detach()):
-                hint = ": it is still this rank's own; average the parameters themselves, in place"
-            elif torch.allclose(found, mean * world_size, rtol=1e-5, atol=1e-6):
-                hint = f": it is the sum over the ranks, {world_size}x the mean; divide by the world size"
-            assert torch.allclose(found, mean, rtol=1e-5, atol=1e-6), (
-                f"with {world_size} ranks, rank {rank}'s {name} after average_parameters is not the mean over the"
-                f" ranks{hint}"
+            if torch.allclose(found, mean, rtol=1e-5, atol=1e-6):
+                continue
+            sentence = (
+                f"with {world_size} ranks, rank {rank}'s {name} after average_parameters is not the mean over the ranks"
             )
+            if torch.allclose(found, own.detach()):
+                raise AssertionError(
+                    said(
+                        "parameters left as they were",
+                        f"{sentence}: it is still this rank's own; average the parameters themselves, in place",
+                    )
+                )
+            assert not torch.allclose(found, mean * world_size, rtol=1e-5, atol=1e-6), said(
+                "parameters summed, not averaged",
+                f"{sentence}: it is the sum over the ranks, {world_size}x the mean; divide by the world size",
+            )
+            raise AssertionError(said("parameters not the mean over the ranks", sentence))
 
 
 @pytest.mark.points(1)
@@ -614,52 +632,63 @@ def check_local_sgd(folder, world_size, steps, period):
     losses, params, seen, averaged = simulate(world_size, steps, set(averages))
     for rank, got in enumerate(results):
         what = f"with {world_size} ranks, {steps} steps and period={period}, rank {rank}"
-        assert got["calls"] == averages, (
+        assert got["calls"] == averages, said(
+            "before_average called at other steps than the averagings",
             f"{what}: before_average was called after steps {got['calls']}, expected {averages}: just before each"
-            " averaging, after steps period, 2 * period, ... and after the last step"
+            " averaging, after steps period, 2 * period, ... and after the last step",
         )
-        assert got["floats"], f"{what}: local_sgd should return the losses as floats (loss.item())"
+        assert got["floats"], said(
+            "losses not returned as floats", f"{what}: local_sgd should return the losses as floats (loss.item())"
+        )
         if not _same_losses(got["losses"], losses[rank]):
-            accumulated = simulate(world_size, steps, set(averages), zero_grad=False)[0][rank]
-            hint = (
-                ": they are the losses of steps whose gradients were never zeroed, each backward pass adding to the"
-                " gradients of the steps before: zero them in every step"
-                if _same_losses(got["losses"], accumulated)
-                else ""
-            )
-            raise AssertionError(
+            sentence = (
                 f"{what}: local_sgd returned the losses {[round(x, 4) for x in got['losses']]}, expected each step's"
-                f" loss {[round(x, 4) for x in losses[rank]]}{hint}"
+                f" loss {[round(x, 4) for x in losses[rank]]}"
             )
+            accumulated = simulate(world_size, steps, set(averages), zero_grad=False)[0][rank]
+            assert not _same_losses(got["losses"], accumulated), said(
+                "gradients never zeroed in local SGD",
+                f"{sentence}: they are the losses of steps whose gradients were never zeroed, each backward pass"
+                " adding to the gradients of the steps before: zero them in every step",
+            )
+            raise AssertionError(said("local_sgd's losses not each step's", sentence))
         if not _same_weights(got["seen"], seen[rank]):
-            hint = (
-                ": it saw the averaged parameters; call it before average_parameters, not after"
-                if _same_weights(got["seen"], averaged[rank])
-                else ""
+            sentence = f"{what}: before_average saw other parameters than the rank's own just before averaging"
+            assert not _same_weights(got["seen"], averaged[rank]), said(
+                "before_average called after averaging",
+                f"{sentence}: it saw the averaged parameters; call it before average_parameters, not after",
             )
-            raise AssertionError(
-                f"{what}: before_average saw other parameters than the rank's own just before averaging{hint}"
-            )
+            raise AssertionError(said("before_average saw other parameters than the rank's own", sentence))
         if not _same(got["params"], params[rank]):
-            hint = ""
-            for other, why in (
-                ({*range(period, steps + 1, period)}, "average once more after the last step"),
-                ({*range(1, steps + 1, period)}, "average after steps period, 2 * period, ..., not 1, 1 + period, ..."),
-                (set(range(1, steps + 1)), "average every period steps, not every step"),
+            sentence = f"{what}: the parameters are not those of local SGD averaging after steps {averages}"
+            for other, concept, why in (
+                (
+                    {*range(period, steps + 1, period)},
+                    "no averaging after the last step",
+                    "average once more after the last step",
+                ),
+                (
+                    {*range(1, steps + 1, period)},
+                    "averaging after steps 1, 1 + period, ...",
+                    "average after steps period, 2 * period, ..., not 1, 1 + period, ...",
+                ),
+                (set(range(1, steps + 1)), "averaging every step", "average every period steps, not every step"),
             ):
-                if other != set(averages) and _same(got["params"], simulate(world_size, steps, other)[1][rank]):
-                    hint = f": its parameters are those of averaging after steps {sorted(other)}; {why}"
-                    break
-            raise AssertionError(
-                f"{what}: the parameters are not those of local SGD averaging after steps {averages}{hint}"
-            )
-        assert got["averaged"] == len(averages), (
+                assert other == set(averages) or not _same(
+                    got["params"], simulate(world_size, steps, other)[1][rank]
+                ), said(
+                    concept, f"{sentence}: its parameters are those of averaging after steps {sorted(other)}; {why}"
+                )
+            raise AssertionError(said("local SGD's parameters wrong", sentence))
+        assert got["averaged"] == len(averages), said(
+            "average_parameters not called once per averaging",
             f"{what}: local_sgd called average_parameters {got['averaged']} times, once at each of the"
-            f" {len(averages)} averagings expected"
+            f" {len(averages)} averagings expected",
         )
-        assert got["own_collectives"] == 0, (
+        assert got["own_collectives"] == 0, said(
+            "collectives besides average_parameters's",
             f"{what}: local_sgd started {got['own_collectives']} collectives besides average_parameters's: it"
-            " averages with average_parameters only"
+            " averages with average_parameters only",
         )
 
 
