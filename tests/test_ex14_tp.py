@@ -156,6 +156,7 @@ def function_in_world(folder, name):
 
 def judge_function(name, result, rank, world_size):
     """A function's forward and backward give this rank the sums and blocks of its collectives.
+
     Each diagnosis is an assert of its own, with its concept: the class report groups the mistakes by it."""
     xs, gs = zip(*(function_data(name, r) for r in range(world_size)))
     mine = block_of(world_size * N, rank, world_size)

@@ -42,7 +42,8 @@ def check_frozen(folder):
 
 def check_hook_leaves_its_argument(folder):
     """A tensor hook returns a new gradient; the one it was given may be read by others afterwards.
-    (Each rank's gradients differ here, so an average differs from what every rank was given.)"""
+
+    Each rank's gradients differ here, so an average differs from what every rank was given."""
     results = world(frozen_step, 2, folder)
     for rank, got in enumerate(results):
         assert not got["argument_changed"], (

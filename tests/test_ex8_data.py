@@ -313,7 +313,8 @@ def train_as_is(folder):
 
 
 def check_unbalanced_hang(folder):
-    """Shards of 112 and 48 samples in batches of 8: rank 1 is done after 6 steps, rank 0 all-reduces a 7th."""
+    """Uneven shards hang in the weighted average's collective: on shards of 112 and 48 samples in batches of 8,
+    rank 1 is done after 6 steps, and rank 0 waits in a collective of its 7th step in data.py."""
     try:
         # A short collective timeout: with the collectives unchecked, the waiting rank is named after 3 s.
         steps = world(train_as_is, 2, folder, keep=False, timeout=30, collective_timeout=3)
@@ -322,19 +323,25 @@ def check_unbalanced_hang(folder):
         if failure.kind == "stub":
             raise
         first = failure.fact(0)
-        assert failure.kind in ("mismatch", "wait") and first is not None, (
-            f"the world should fail in a collective that rank 1 never joins, not so: {failure.sentence()}"
+        assert failure.kind in ("mismatch", "wait") and first is not None, said(
+            "uneven shards failed otherwise than in a collective",
+            f"the world should fail in a collective that rank 1 never joins, not so: {failure.sentence()}",
         )
-        assert (first.collective or first.op) and first.file == "data.py", (
-            f"rank 0 should be stopped in a collective of its 7th step in data.py: {failure.sentence()}"
+        assert (first.collective or first.op) and first.file == "data.py", said(
+            "the waiting rank not in a collective of data.py",
+            f"rank 0 should be stopped in a collective of its 7th step in data.py: {failure.sentence()}",
         )
-        assert failure.fact(1) is not None and failure.fact(1).file != "data.py", (
-            f"rank 1 had finished its 6 steps: it cannot be in data.py: {failure.sentence()}"
+        assert failure.fact(1) is not None and failure.fact(1).file != "data.py", said(
+            "the rank without batches still in data.py",
+            f"rank 1 had finished its 6 steps: it cannot be in data.py: {failure.sentence()}",
         )
         return
     raise AssertionError(
-        f"the ranks took {steps} steps on shards of 112 and 48 samples and the run ended: each step should"
-        " average the gradients with a collective, which a rank without batches cannot join"
+        said(
+            "uneven shards ran to the end: no collective in the weighted average",
+            f"the ranks took {steps} steps on shards of 112 and 48 samples and the run ended: each step should"
+            " average the gradients with a collective, which a rank without batches cannot join",
+        )
     )
 
 
