@@ -17,6 +17,8 @@ with a mistake already made, for the class report, on the exercises where they l
   broadcast) still passes;
 - sums_again, sums_too: the summed gradients of `mistakes`, written in other ways: the class report
   (grading/report.html and report.json, course/report.py) counts three students in its row.
+  sums_too also hands in notebooks that are not: a written answer whose source is not text, and a
+  file that is not JSON (the reasons reach its feedback; the class is graded).
 Two of the class (a hang and assertion failures; a segfault) are graded again by `python -m course
 grade`, which must give every check the points nbgrader gave it: one grade, whichever path.
 """
@@ -84,6 +86,24 @@ def _cheating_notebook(path):
     _write(path, json.dumps(nb))
 
 
+def _unreadable_notebooks(folder):
+    """Exercise 2's notebook with a written answer whose source is not text; exercise 4's, not JSON."""
+    with open(os.path.join(ROOT, "exercises", "02_dist.ipynb")) as f:
+        nb = json.load(f)
+    for cell in nb["cells"]:
+        if cell["metadata"].get("nbgrader", {}).get("solution"):
+            cell["source"] = [1, 2, 3]
+    _write(os.path.join(folder, "02_dist.ipynb"), json.dumps(nb))
+    _write(os.path.join(folder, "04_mydp.ipynb"), "{ not json")
+
+
+# What take_in says of _unreadable_notebooks, each to the student's feedback.
+UNREADABLE = (
+    "02_dist.ipynb: the answers ['ex2_what_moves'] are not text: left empty",
+    "04_mydp.ipynb could not be read (JSONDecodeError): its written answers are empty",
+)
+
+
 def make_submissions(root):
     """The reference in root/reference/perfect; the students of LOST in root/class/."""
     warn = "import sys; print('UserWarning: a warning, as gloo prints', file=sys.stderr)\n        "
@@ -106,7 +126,9 @@ def make_submissions(root):
     _write(os.path.join(mistakes, "course", "notebook.py"), "def check(*args):\n    pass\n")
     _cheating_notebook(os.path.join(mistakes, "exercises", "04_mydp.ipynb"))
     make_mutant(root / "sums_again", "mydp.py", "mean = grad / dist.get_world_size()", "mean = grad * 1.0")
-    make_mutant(root / "sums_too", "mydp.py", "mean = grad / dist.get_world_size()", "mean = grad + 0")
+    _unreadable_notebooks(
+        make_mutant(root / "sums_too", "mydp.py", "mean = grad / dist.get_world_size()", "mean = grad + 0")
+    )
     make_mutant(
         root / "syntax",
         "mlp.py",
@@ -209,6 +231,9 @@ def test_autograde_end_to_end(tmp_path):
     assert "Timed out" in feedback("mistakes") or "waited in a collective" in feedback("mistakes"), feedback("mistakes")
     assert "mlp.py does not import: SyntaxError" in feedback("syntax")
     assert "exit code -11" in feedback("crash") and "mydp.py:" in feedback("crash"), feedback("crash")
+    with open(out / "feedback" / "sums_too" / "results.json") as f:
+        said = json.load(f)["output"]
+    assert all(reason in feedback("sums_too") and reason in said for reason in UNREADABLE), said
     with open(out / "autograded" / "mistakes" / "ex4" / "04_mydp.ipynb") as f:
         graded = json.load(f)["cells"]
     assert "cheat" not in {c["id"] for c in graded}, "a code cell the student added to a notebook was run"
@@ -497,16 +522,9 @@ def test_a_notebook_that_is_not_one_costs_its_own_answers_only(tmp_path, monkeyp
     out = tmp_path / "out"
     assignments = make_assignments(str(out), _nbgrader_config(str(out)), [2, 4])
     submission = tmp_path / "student"
-    submission.mkdir()
-    with open(os.path.join(ROOT, "exercises", "02_dist.ipynb")) as f:
-        nb = json.load(f)
-    for cell in nb["cells"]:
-        if cell["metadata"].get("nbgrader", {}).get("solution"):
-            cell["source"] = [1, 2, 3]
-    (submission / "02_dist.ipynb").write_text(json.dumps(nb))
-    (submission / "04_mydp.ipynb").write_text("{ not json")
+    _unreadable_notebooks(str(submission))
     _, problems = take_in(str(submission), "student", str(out), assignments)
-    assert len(problems) == 2 and "ex2_what_moves" in problems[0] and "could not be read" in problems[1], problems
+    assert tuple(problems) == UNREADABLE, problems
     for assignment, stem in assignments.items():
         nbformat.read(out / "submitted" / "student" / assignment / f"{stem}.ipynb", as_version=4)
 
