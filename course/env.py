@@ -177,6 +177,12 @@ CHECK_SETTINGS = {
 HANG_WORLD_LIMIT = 10
 
 
+def world_limit_after_a_hang(usual: str | None) -> str:
+    """COURSE_TIMEOUT for an exercise's checks after one of its worlds ran out of time: the short
+    limit, never longer than the usual one (``usual``, COURSE_TIMEOUT's value, where one is set)."""
+    return f"{min(HANG_WORLD_LIMIT, float(usual or 'inf')):g}"
+
+
 def check_settings(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The check settings that environ does not set already (a variable set by the user wins).
 

@@ -473,8 +473,8 @@ def pytest_runtest_call(item):
     from course import env
 
     usual = os.environ.get("COURSE_TIMEOUT")
-    if exercise_of(item.nodeid) in _out_of_time:  # never longer than the usual limit, where that is shorter
-        os.environ["COURSE_TIMEOUT"] = f"{min(env.HANG_WORLD_LIMIT, float(usual or 'inf')):g}"
+    if exercise_of(item.nodeid) in _out_of_time:
+        os.environ["COURSE_TIMEOUT"] = env.world_limit_after_a_hang(usual)
     try:
         return (yield)
     finally:

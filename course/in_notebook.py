@@ -124,7 +124,9 @@ def _serve(conn) -> None:
             break
         where, kwargs = asked["folder"], asked["kwargs"]
         fn = getattr(importlib.import_module(asked["module"]), asked["name"])
-        os.environ["COURSE_TIMEOUT"] = str(asked["world_limit"] or usual_limit)
+        os.environ["COURSE_TIMEOUT"] = (
+            env.world_limit_after_a_hang(usual_limit) if asked["after_a_hang"] else usual_limit
+        )
         impl.forget(where)  # what this process read before an edit is stale
         try:
             with _stderr_to_stdout():
@@ -184,13 +186,13 @@ def _show_cases(cases: list) -> None:
 _INTERRUPT_LATENCY = 0.1  # seconds: how long after Jupyter's interrupt a check stops, at most
 
 
-def _ask(fn, kwargs: dict, world_limit: float | None = None) -> tuple:
+def _ask(fn, kwargs: dict, after_a_hang: bool = False) -> tuple:
     """Run fn(folder, **kwargs) in the checks' process: (its sentence, '' for passed; its mistake's facts)."""
     sys.stdout.flush()
     process, conn = _checks_process()
     try:
         asked = {"module": fn.__module__, "name": fn.__qualname__, "folder": folder(), "kwargs": kwargs}
-        _send(conn, asked | {"world_limit": world_limit})
+        _send(conn, asked | {"after_a_hang": after_a_hang})
         workers.send_streams(conn, process.pid)
         # In short waits: Python acts on a signal between two of them, whichever of the kernel's
         # threads received it, whereas a read blocked in the main thread ends only with the check.
@@ -240,8 +242,7 @@ def grade(test) -> int:
     earned, found = 0, []
     for case in checks.cases(test):
         started = time.monotonic()
-        limit = env.HANG_WORLD_LIMIT if case.exercise in _out_of_time else None
-        verdict, facts = _ask(test, case.params, limit)
+        verdict, facts = _ask(test, case.params, case.exercise in _out_of_time)
         if facts and facts.get("kind") == "timeout":
             _out_of_time.add(case.exercise)
         passed = not verdict
