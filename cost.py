@@ -152,7 +152,8 @@ if __name__ == "__main__":
     figures = launch(predict, 1, measured, args.world_size, **launch_options(args))[0]
     print(f"alpha {figures['alpha_s'] * 1e6:.0f} us, beta {figures['beta_bytes_per_s'] / 1e9:.2f} GB/s")
     print(
-        f"one step, one all-reduce per parameter: predicted {figures['predicted_step_s'] * 1e3:.2f} ms,"
+        f"one step on {args.world_size} ranks, one all-reduce per parameter:"
+        f" predicted {figures['predicted_step_s'] * 1e3:.2f} ms,"
         f" measured {figures['measured_step_s'] * 1e3:.2f} ms"
     )
     print("speed-up over one rank:", ", ".join(f"W={w}: {s:.2f}x" for w, s in figures["speedup"].items()))

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from course.layout import STUDENT_FILES
+
 # Frames that are the course's, Python's or an installed library's own, never the student's line:
 # a crash inside ctypes or numpy is reported at the student's call.
 _PLUMBING_DIRS = tuple(
@@ -39,6 +41,10 @@ _SECONDARY = ("Connection closed by peer", "Connection reset by peer")
 # A collective that not every rank joined: gloo's own timeout, or the checking group's barrier.
 _WAITED = ("Timed out", "failed to pass monitoredBarrier")
 _STACK_FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')
+# What a rank that runs writes, the second time the parent asks for its stack (course/instrument.py's
+# Loops): the frames still running since the first time, innermost first.
+_LOOP_HEAD = "Still running since the first ask (most recent call first):"
+_LOOP = re.compile(re.escape(_LOOP_HEAD) + r"\n((?:  File .*\n)*)")
 # A root's name, by the collective's OpType: the argument of torch.distributed's function.
 _ROOT_NAME = {"BROADCAST": "src", "SCATTER": "src", "REDUCE": "dst", "GATHER": "dst"}
 # What the ranks compare of a collective (course/instrument.py's Agreement), each with its key in
@@ -61,7 +67,7 @@ class RankFact:
     state: str  # "raised" | "crashed" | "waited" | "running" | "echo" | "no_result" | "unwaited"
     error: str = ""  # exception class name, e.g. "RuntimeError"
     message: str = ""  # first line of the exception message
-    file: str = ""  # the student's own file (basename) of the innermost non-plumbing frame
+    file: str = ""  # the file (basename) of the rank's own frame (_own: in a student file where there is one)
     line: int = 0
     func: str = ""
     collective: str = ""  # torch.distributed function the rank was in or called ("all_reduce", "send", "wait")
@@ -179,7 +185,10 @@ class Failure:
                 return f"Interrupted: stopped all {w} workers. Where each rank was:"
             ranks = [f.rank for f in self.ranks]
             if self.longer:
-                return f"Timed out after {self.limit:g} s: ranks {ranks} were still running ({self.longer} for longer runs):"
+                return (
+                    f"Timed out after {self.limit:g} s: ranks {ranks} were still running (a loop that does not end,"
+                    f" or a run that needs {self.longer}?). Where each rank was:"
+                )
             return (
                 f"Timed out after {self.limit:g} s: ranks {ranks} never finished (a loop that does not end,"
                 " or a wait for what never comes?). Where each rank was:"
@@ -244,8 +253,11 @@ def is_plumbing(path: str) -> bool:
 
 
 def _own(frames: list) -> tuple | None:
-    """The innermost of (path, line, func) frames, outermost first, that is the student's."""
-    return next((f for f in reversed(frames) if not is_plumbing(f[0])), None)
+    """The innermost of (path, line, func) frames, outermost first, that is the student's: in a student
+    file where there is one (a check's function that the student's code calls, the check that called
+    it, are not where to look), else any that is not plumbing (a script's own function)."""
+    own = [f for f in frames if not is_plumbing(f[0])]
+    return next((f for f in reversed(own) if os.path.basename(f[0]) in STUDENT_FILES), own[-1] if own else None)
 
 
 def _call_in(frames: list) -> str:
@@ -377,8 +389,9 @@ def ended_without_report(
 
 
 def running(rank: int, stack: str) -> RankFact:
-    """A rank still running when the world was stopped, from its faulthandler stack."""
-    fact = _fill_place(RankFact(rank, "running", traceback=stack), stack_frames(stack))
+    """A rank still running when the world was stopped: where it loops, when it wrote that (loop_dump),
+    else where its faulthandler stack was."""
+    fact = _fill_place(RankFact(rank, "running", traceback=stack), loop_frames(stack) or stack_frames(stack))
     if fact.collective:
         fact.state = "waited"
     return fact
@@ -389,6 +402,19 @@ def stack_frames(dump: str) -> list:
     blocks = re.split(r"^(?=(?:Current thread|Thread) 0x)", dump, flags=re.M)
     main = next((b for b in blocks if b.startswith("Current thread")), blocks[-1] if blocks else "")
     frames = [(m["path"], int(m["line"]), m["func"]) for m in _STACK_FRAME.finditer(main)]
+    return frames[::-1]
+
+
+def loop_dump(frames: list) -> str:
+    """(path, line, func) frames, outermost first, still running since the parent first asked, as
+    loop_frames reads them: the innermost is where the rank loops."""
+    return _LOOP_HEAD + "\n" + "".join(f'  File "{path}", line {line} in {func}\n' for path, line, func in frames[::-1])
+
+
+def loop_frames(dump: str) -> list:
+    """(path, line, func) of the last loop_dump in a rank's stack file, outermost first."""
+    found = list(_LOOP.finditer(dump))
+    frames = [(m["path"], int(m["line"]), m["func"]) for m in _STACK_FRAME.finditer(found[-1][1])] if found else []
     return frames[::-1]
 
 

@@ -12,6 +12,9 @@
   its tensor's shape and dtype. torch's check compares neither root nor reduce op, and reports a
   shape or dtype that differs as different collectives. A broadcast whose src differs between ranks
   then fails at once, naming the src, instead of waiting for the collective timeout.
+- ``Loops``: where a rank that runs loops, for the parent that stopped its world. One stack cannot
+  tell a loop from what it calls again and again: largest_world looping for ever over t_sync_of
+  showed as stuck in t_sync_of, or in a check's function that t_sync_of was.
 - ``check_ddp_on_an_unchecked_group``: built-in DistributedDataParallel segfaults in its
   constructor on the process group that TORCH_DISTRIBUTED_DEBUG=DETAIL wraps around the default
   one (torch 2.13, CPU, seen here). A group made with the check off works, so DDP gets one, and
@@ -20,13 +23,16 @@
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import signal
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from course.failure import C10D_FILE, ArgumentsDiffer, is_plumbing
+from course.failure import C10D_FILE, ArgumentsDiffer, is_plumbing, loop_dump
 
 _DIRECTION = {"send": ("send", "isend"), "recv": ("recv", "irecv"), "recv_anysource": ("recv", "irecv")}
 
@@ -174,6 +180,37 @@ class Agreement:
                 dtypes=[str(_DTYPES[r[3]]).removeprefix("torch.") if r[3] >= 0 else None for r in records],
                 shapes=[r[5 : 5 + min(r[4], _DIMENSIONS)] if r[4] >= 0 else None for r in records],
             )
+
+
+class Loops:
+    """Answers the parent's asks for this rank's stack (SIGUSR1, course/workers.py). Each ask dumps
+    every thread's stack at once (faulthandler, in C: a rank blocked in C answers too), then, at the
+    rank's next line of Python, notes the frames running. From the second ask on it also writes those
+    of them still running since the ask before (failure.loop_dump): the innermost is where the loop
+    is, since a function that the loop calls has returned and been called anew in between."""
+
+    def __init__(self, stack_file):
+        self.stack_file = stack_file
+        self.held: list = []  # the frames running at the last ask, innermost first
+
+    def install(self) -> None:
+        """For each call: code under test may have taken the signal."""
+        self.held = []
+        faulthandler.unregister(signal.SIGUSR1)
+        signal.signal(signal.SIGUSR1, self._asked)
+        # chain: faulthandler's dump first, then the handler above.
+        faulthandler.register(signal.SIGUSR1, file=self.stack_file, all_threads=True, chain=True)
+
+    def _asked(self, signum, frame) -> None:
+        running = []
+        while frame is not None:
+            running.append(frame)
+            frame = frame.f_back
+        held = {id(f) for f in self.held}  # held, so alive: no frame made since has one of these ids
+        still = [(f.f_code.co_filename, f.f_lineno, f.f_code.co_name) for f in running if id(f) in held]
+        if still:
+            os.write(self.stack_file.fileno(), loop_dump(still[::-1]).encode("utf-8", "backslashreplace"))
+        self.held = running
 
 
 _unchecked: dict = {}

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from course import env, failure, impl, sandbox
 from course.device import bound_device
 from course.device import select as select_device
-from course.instrument import Agreement, PointToPoint, check_ddp_on_an_unchecked_group, unchecked_group
+from course.instrument import Agreement, Loops, PointToPoint, check_ddp_on_an_unchecked_group, unchecked_group
 from course.layout import ROOT
 
 
@@ -302,6 +302,7 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
         check_ddp_on_an_unchecked_group()
     messages = PointToPoint()
     messages.install()
+    loops = Loops(stack_file)
     torch.set_num_threads(settings.threads)
     baseline = None
     while True:
@@ -310,8 +311,8 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
             take_streams(conn)
         except (EOFError, OSError):  # the parent ended, or stopped keeping this world
             os._exit(0)
-        if hasattr(signal, "SIGUSR1"):  # the parent asks for the stack with it; code may have taken it
-            faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+        if hasattr(signal, "SIGUSR1"):  # the parent asks for the stack with it
+            loops.install()
         code, kept = 1, False
         try:
             if baseline is None:  # the world's first call
@@ -562,6 +563,9 @@ def sandbox_level() -> sandbox.Level:
 
 
 _POLL = 0.25  # seconds between looks at whether a worker's process has ended
+# Between the two asks for the stack of a rank that runs: a loop that does not end goes round in it
+# (and what it calls returns) many times over.
+_LOOP_INTERVAL = 0.1
 
 
 class _World:
@@ -692,7 +696,8 @@ class _World:
             return ""
 
     def _where_running(self) -> list:
-        """Each running rank's own line, from the stack that faulthandler dumps on SIGUSR1."""
+        """Each running rank's own line, from the stack that faulthandler dumps on SIGUSR1; for a rank
+        that runs code of its own, where it loops, from a second ask (course/instrument.py's Loops)."""
         running = sorted(self.pending)
         if not running:  # every rank reported: no dump to wait for (most failed checks)
             return []
@@ -702,16 +707,28 @@ class _World:
             else 0
             for r in running
         }
-        if hasattr(signal, "SIGUSR1"):
-            for rank in running:
-                if self.procs[rank].is_alive():
-                    os.kill(self.procs[rank].pid, signal.SIGUSR1)
-            # faulthandler writes from a signal handler, thread by thread; give it a moment.
-            end = time.monotonic() + 2.0
-            while time.monotonic() < end and not all(failure.stack_frames(self._stack(r, offsets[r])) for r in running):
-                time.sleep(0.02)
-            time.sleep(0.05)  # the rest of a dump that has begun
-        return [failure.running(r, self._stack(r, offsets[r])) for r in running]
+        # faulthandler writes from a signal handler, thread by thread; give it a moment.
+        self._ask(running, lambda r: failure.stack_frames(self._stack(r, offsets[r])), seconds=2.0)
+        time.sleep(0.05)  # the rest of a dump that has begun
+        facts = {r: failure.running(r, self._stack(r, offsets[r])) for r in running}
+        spinning = [r for r, fact in facts.items() if fact.state == "running" and fact.file]
+        if spinning:
+            time.sleep(_LOOP_INTERVAL)
+            # Written at the rank's next line of Python: none comes from a rank in a long call into C.
+            self._ask(spinning, lambda r: failure.loop_frames(self._stack(r, offsets[r])), seconds=0.5)
+            facts.update({r: failure.running(r, self._stack(r, offsets[r])) for r in spinning})
+        return [facts[r] for r in running]
+
+    def _ask(self, ranks: list, answered: Callable, seconds: float) -> None:
+        """Ask ranks for their stacks (SIGUSR1); wait until each has answered(rank), at most seconds."""
+        if not hasattr(signal, "SIGUSR1"):
+            return
+        for rank in ranks:
+            if self.procs[rank].is_alive():
+                os.kill(self.procs[rank].pid, signal.SIGUSR1)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not all(answered(r) for r in ranks):
+            time.sleep(0.02)
 
     def interrupted(self) -> None:
         """Ctrl-C: where each rank was, then KeyboardInterrupt carrying it."""

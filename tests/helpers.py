@@ -60,12 +60,15 @@ def forward_from(weights, x):
     return x
 
 
-def world(fn, world_size, *args, keep=True, **options):
-    """Run the probe fn on every rank of a gloo world, collectives checked; what it returned, by rank.
-    The workers are sandboxed (course/sandbox.py): every world that runs submission code comes from
-    here or alone(). The world is kept for the next probe of its size and options (course/workers.py
-    says what each call gets afresh) unless keep is False; options go to run() (timeout, ...)."""
-    return run(fn, world_size, *args, keep=keep, sandbox=True, **options)
+def world(fn, world_size, *args, keep=True, debug=True, **options):
+    """Run the probe fn on every rank of a gloo world; what it returned, by rank. Collectives are
+    checked (debug: each is compared across the ranks before it starts, course/instrument.py), whatever
+    COURSE_DEBUG says, unless debug is False (a check of hundreds of collectives whose ranks an earlier
+    check compared). The workers are sandboxed (course/sandbox.py): every world that runs submission
+    code comes from here or alone(). The world is kept for the next probe of its size and options
+    (course/workers.py says what each call gets afresh) unless keep is False; options go to run()
+    (timeout, ...)."""
+    return run(fn, world_size, *args, keep=keep, sandbox=True, debug=debug, **options)
 
 
 def _without_process_group(fn, args):

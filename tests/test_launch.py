@@ -21,6 +21,7 @@ from course.flags import SCRIPT_TIME_LIMIT
 from course.launch import WorldFailed, add_launch_arguments, launch, launch_options, run
 from course.student import ROOT
 from tests import warm
+from tests.mutants import make_mutant
 
 # --- worker functions: top level, so every start method can send them ---------------------
 
@@ -219,6 +220,32 @@ def test_a_collective_whose_tensors_differ_names_what_differs(fn, differs, tenso
     ]
 
 
+def test_the_graders_worlds_compare_collectives_whatever_course_debug_says(tmp_path):
+    """Issue 29: a student's broadcast from a different src on each rank, graded, is named as such at once.
+    With COURSE_DEBUG set empty (13.6 s against 5.8 s here) it read as ranks waiting in a collective that
+    not every rank joined, each at the collective timeout: the checks' worlds compared nothing."""
+    old, new = "broadcast_object_list(state, src=0)", "broadcast_object_list(state, src=dist.get_rank())"
+    folder = make_mutant(tmp_path / "mutant", "hvd.py", old, new)
+    with open(os.path.join(folder, "hvd.py")) as f:
+        line = next(n for n, text in enumerate(f, 1) if new in text)
+    start = time.monotonic()
+    done = warm.run(
+        ["-m", "course", "grade", "--ex", "10"], cwd=tmp_path, env=dict(os.environ, COURSE_IMPL=folder, COURSE_DEBUG="")
+    )
+    seconds = time.monotonic() - start
+    failed = sorted(text.strip() for text in done.stdout.splitlines() if text.strip().startswith("x "))
+    assert len(failed) == 2, done.stdout + done.stderr
+    for size, sentence in zip((2, 3), failed):
+        assert sentence.startswith(
+            f"x test_broadcast_optimizer_state[{size}]: Ranks called broadcast_object_list with a different src"
+            f" (world of {size}): every rank must pass the same src:"
+        ), sentence
+        for rank in range(size):
+            said = f"rank {rank} with src={rank} in broadcast_object_list at hvd.py:{line} in broadcast_optimizer_state"
+            assert said in sentence, sentence
+    assert seconds < 20, f"the grade of exercise 10 took {seconds:.1f} s"
+
+
 def test_mismatch_without_fingerprints_ends_at_the_collective_timeout():
     failed, seconds = timed_failure(mismatched, debug=False, collective_timeout=1)
     assert seconds < 6
@@ -276,6 +303,26 @@ def test_endless_loop_times_out_with_each_rank_line():
     # run() (the checks) knows no flag; launch() (the scripts) names --time-limit (issue 29).
     assert f.report().startswith("Timed out after 1.5 s: ranks [0, 1] never finished (a loop that does not end")
     assert "--time-limit" not in f.report() and "rank 0 runs at test_launch.py:" in f.report()
+
+
+def a_thousand(x):
+    return x + sum(range(1000))
+
+
+def endless_over_a_call():
+    """A loop that does not end, whose time goes to a function it calls: a stack finds a rank there."""
+    x = 0
+    while x >= 0:
+        x = a_thousand(x)
+
+
+def test_an_endless_loop_is_named_where_it_loops_not_in_what_it_calls():
+    """Issue 29: a rank was reported where one stack caught it, in a function that its loop calls."""
+    failed, seconds = timed_failure(endless_over_a_call, timeout=1.5)
+    assert seconds < 5
+    loop = line_with(endless_over_a_call, "while x")
+    assert [(r.state, r.func) for r in failed.failure.ranks] == [("running", "endless_over_a_call")] * 2
+    assert {r.line for r in failed.failure.ranks} <= {loop, loop + 1}
 
 
 def endless_on_rank_0():
@@ -520,6 +567,7 @@ def test_a_script_names_each_rank_line_at_its_time_limit(capsys):
         launch(endless, 2, time_limit=1.5)
     err = capsys.readouterr().err
     assert err.startswith("Timed out after 1.5 s") and err.count("runs at test_launch.py") == 2, err
+    assert "(a loop that does not end, or a run that needs --time-limit SECONDS?)" in err.splitlines()[0], err
     assert stray_workers() == []
 
 

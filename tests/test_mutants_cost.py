@@ -3,9 +3,15 @@
 Instructors only: these need solutions/.
 """
 
+import os
+import re
+import time
+
 import pytest
 
 from course.launch import WorldFailed
+from course.layout import SOLUTIONS
+from tests import warm
 from tests.mutants import assert_caught, assert_refused, make_mutant
 from tests.test_ex12_cost import check_exposed, check_fit, check_largest_world, check_ring, check_speedup
 
@@ -141,3 +147,61 @@ def test_a_function_not_written_costs_its_own_check_only(tmp_path):
 )
 def test_bad_arguments_are_refused(args, words):
     assert_refused("cost.py", args, words)
+
+
+# largest_world as a while loop whose r never grows: it goes round for ever, calling t_sync_of each time.
+ENDLESS = (
+    SEARCH + "\n    return max(gains, default=1)",
+    "best, r = 1, 2\n    while r <= most:\n        if t_sync_of(r) / t_comp < r - 1:\n"
+    "            best = r\n    return best",
+)
+LOOP_LIMIT = 5  # seconds of a world: a world of these checks, or of the script's measurements, takes under 2 s
+
+
+def loop_lines(folder):
+    """The lines of the endless loop in the mutant's cost.py: where a rank in it can be."""
+    with open(os.path.join(folder, "cost.py")) as f:
+        first = next(n for n, text in enumerate(f, 1) if "while r <= most" in text)
+    return {first, first + 1, first + 2}
+
+
+def test_an_endless_loop_costs_its_own_check_and_is_named_where_it_loops(tmp_path):
+    """Issue 29: the grader reported the loop in largest_world where one stack caught the rank, in the
+    check's own t_sync_of (test_ex12_cost.py:54 in sync_growing). It names largest_world's line."""
+    folder = make_mutant(tmp_path / "mutant", "cost.py", *ENDLESS)
+    environ = dict(os.environ, COURSE_IMPL=folder, COURSE_TIMEOUT=str(LOOP_LIMIT))
+    start = time.monotonic()
+    done = warm.run(["-m", "course", "grade", "--ex", "12"], cwd=tmp_path, env=environ)
+    seconds = time.monotonic() - start
+    failed = [line.strip() for line in done.stdout.splitlines() if line.strip().startswith("x ")]
+    assert re.search(r"^ +12 +4/5 +16/20$", done.stdout, re.M) and len(failed) == 1, done.stdout + done.stderr
+    where = re.search(r"Where each rank was: rank 0 runs at cost\.py:(\d+) in largest_world$", failed[0])
+    assert failed[0].startswith(f"x test_largest_world: Timed out after {LOOP_LIMIT} s") and where, failed[0]
+    assert "a loop that does not end" in failed[0] and int(where[1]) in loop_lines(folder), failed[0]
+    assert seconds < LOOP_LIMIT + 15, f"the grade of exercise 12 took {seconds:.1f} s"
+
+
+def test_the_script_stops_an_endless_loop_at_its_limit_and_names_where_it_loops(tmp_path):
+    """Issue 29: `python cost.py` said "cost.py:149 in sync_of", a function the loop calls, and only
+    asked for a longer --time-limit."""
+    folder = make_mutant(tmp_path, "cost.py", *ENDLESS)
+    start = time.monotonic()
+    done = warm.run(["cost.py", "--time-limit", str(LOOP_LIMIT)], cwd=folder)
+    seconds = time.monotonic() - start
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and lines[0] == (
+        f"Timed out after {LOOP_LIMIT} s: ranks [0] were still running (a loop that does not end, or a run that"
+        " needs --time-limit SECONDS?). Where each rank was:"
+    ), done.stderr
+    where = re.fullmatch(r"  rank 0 runs at cost\.py:(\d+) in largest_world", lines[1])
+    assert len(lines) == 2 and where and int(where[1]) in loop_lines(folder), done.stderr
+    # Its measurements, then the prediction's world, stopped at its limit.
+    assert seconds < 2 * LOOP_LIMIT + 5, f"python cost.py took {seconds:.1f} s"
+
+
+def test_the_script_says_the_world_size_it_measured_on():
+    """Issue 29: `python cost.py --world-size 3` printed the same lines as on 2 ranks."""
+    done = warm.run(["cost.py", "--world-size", "3"], cwd=SOLUTIONS)
+    assert done.returncode == 0 and "one step on 3 ranks, one all-reduce per parameter: predicted" in done.stdout, (
+        done.stdout + done.stderr
+    )
