@@ -66,6 +66,7 @@ def sync_slow_in_the_middle(ranks):
 
 
 # (t_comp, t_sync_of, most): the largest world, and what known wrong searches give instead, with what to say.
+# most None: not given, so its default, 1024, which predict relies on; last, so that a wrong search is named first.
 LARGEST = [
     ((T_COMP, sync_growing, 1024), 12, {}),
     ((T_COMP, lambda ranks: 1.0, 64), 1, {}),
@@ -77,6 +78,7 @@ LARGEST = [
         8,
         {3: "R = 4 and 5 do not gain but 6 to 8 do: try every R, do not stop at the first that fails"},
     ),
+    ((T_COMP, lambda ranks: 0.001, None), 1024, {}),
 ]
 
 
@@ -129,10 +131,14 @@ def speedup_answers(folder):
 def largest_answers(folder):
     """Probe: largest_world of every case of LARGEST."""
     cost = load(folder).cost
-    return [cost.largest_world(t_comp, sync_of, most=most) for (t_comp, sync_of, most), _, _ in LARGEST]
+    return [
+        cost.largest_world(t_comp, sync_of) if most is None else cost.largest_world(t_comp, sync_of, most=most)
+        for (t_comp, sync_of, most), _, _ in LARGEST
+    ]
 
 
 def check_fit(folder):
+    """fit_alpha_beta gives the least-squares line of the measurements, T(n) = alpha + n / beta."""
     alpha, beta = alone(fit_answer, folder)
     if math.isclose(alpha, ALPHA, rel_tol=0.02) and math.isclose(beta, BETA, rel_tol=0.02):
         return
@@ -151,6 +157,7 @@ def check_fit(folder):
 
 
 def check_ring(folder):
+    """ring_allreduce_seconds is 2(W - 1) steps of alpha + (n / W) / beta each, and 0 on one rank."""
     for ((n, w), expected), got in zip(RINGS.items(), alone(ring_answers, folder)):
         what = f"ring_allreduce_seconds({n:g} bytes, {w} ranks)"
         if w == 1:
@@ -166,7 +173,8 @@ def check_ring(folder):
 
 
 def check_exposed(folder):
-    """exposed_seconds, given a ring_allreduce_seconds that answers right for its buckets."""
+    """exposed_seconds is the time the optimizer waits after the backward pass for the buckets' all-reduces (given a
+    ring_allreduce_seconds that answers right for its buckets)."""
     got = alone(exposed_answers, folder)
     for k, (((ready, sizes, end), expected), value) in enumerate(zip(SCHEDULES, got)):
         if math.isclose(value, expected, rel_tol=1e-6, abs_tol=1e-12):
@@ -183,6 +191,7 @@ def check_exposed(folder):
 
 
 def check_speedup(folder):
+    """speedup is one rank's epoch time over R ranks', N / B steps of t_comp against N / (R B) of t_comp + t_sync."""
     for ((sync, w), expected), value in zip(SPEEDUPS.items(), alone(speedup_answers, folder)):
         assert math.isclose(value, expected, rel_tol=1e-6), (
             f"speedup(t_comp={T_COMP}, t_sync={sync}, {w} ranks) is {value:.4g}, not {expected:.4g}: an epoch takes"
@@ -191,12 +200,17 @@ def check_speedup(folder):
 
 
 def check_largest_world(folder):
+    """largest_world finds the largest R from 2 to most (1024 when not given) for which T_sync / T_comp < R - 1."""
     for ((t_comp, sync_of, most), expected, mistakes), value in zip(LARGEST, alone(largest_answers, folder)):
-        ratios = ", ".join(f"R={r}: {sync_of(r) / t_comp:.3g}" for r in range(2, min(most, 8) + 1))
+        given, upto = ("most not given", 1024) if most is None else (f"most={most}", most)
+        why = mistakes.get(value) or (
+            "without most, the search goes up to 1024, the default that predict relies on" if most is None else ""
+        )
+        ratios = ", ".join(f"R={r}: {sync_of(r) / t_comp:.3g}" for r in range(2, min(upto, 8) + 1))
         assert value == expected, (
-            f"largest_world(t_comp={t_comp}, most={most}) gave {value}, expected {expected}, the largest R from 2 to"
-            f" most with T_sync(R) / T_comp < R - 1 (T_sync / T_comp is {ratios}{', ...' if most > 8 else ''})"
-            + (f": {mistakes[value]}" if value in mistakes else "")
+            f"largest_world(t_comp={t_comp}, {given}) gave {value}, expected {expected}, the largest R from 2 to"
+            f" most with T_sync(R) / T_comp < R - 1 (T_sync / T_comp is {ratios}{', ...' if upto > 8 else ''})"
+            + (f": {why}" if why else "")
         )
 
 

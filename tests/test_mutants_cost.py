@@ -89,6 +89,13 @@ MUTANTS = {
         check_largest_world,
         "T_sync(R) / T_comp < R - 1",
     ),
+    # predict calls largest_world without most: its default is part of what it promises.
+    "another default for most": (
+        "most: int = 1024",
+        "most: int = 1000",
+        check_largest_world,
+        "the default that predict relies on",
+    ),
     "the search stops before most": (
         "for r in range(2, most + 1)",
         "for r in range(2, most)",
