@@ -5,7 +5,10 @@ build it from synthetic records (no nbgrader, no worlds), and open the page in a
 where one is installed (chromium; skipped elsewhere).
 """
 
+import ast
+import glob
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +20,7 @@ from course import report
 from course.checks import said
 from course.failure import Failure, RankFact
 from course.grade import Check, mistake
+from course.layout import ROOT
 from course.workers import WorldFailed
 
 MESSAGE = "rank 1's gradient of layers.0.weight is 2.0x the expected average: did you divide by the world size?"
@@ -296,6 +300,125 @@ def test_a_row_is_titled_by_what_the_check_diagnosed():
     two, three = mistake(raised(diagnosed, 2)), mistake(raised(diagnosed, 3))
     assert two["concept"] == "a value of two" and "concept" not in three and two != three
     assert report.title(two) == "a value of two"
+
+
+def _own_nodes(function):
+    """The nodes of a function's body, without those of the functions and classes defined in it."""
+    stack = list(function.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        stack += [
+            c for c in ast.iter_child_nodes(node) if not isinstance(c, (ast.FunctionDef, ast.Lambda, ast.ClassDef))
+        ]
+
+
+def _holds_assert(function) -> bool:
+    def failing(node):
+        if isinstance(node, ast.Assert):
+            return True
+        made = node.exc if isinstance(node, ast.Raise) else None
+        return isinstance(made, ast.Call) and isinstance(made.func, ast.Name) and made.func.id == "AssertionError"
+
+    return any(failing(node) for node in _own_nodes(function))
+
+
+def _says(function) -> bool:
+    return any(
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "said"
+        for node in _own_nodes(function)
+    )
+
+
+def untitled(sources: dict) -> list:
+    """The functions holding an assert that a check (a test_* function) reaches by calls, whose failure would
+    title its row 'assertion failed in FUNC (file:line)': {module: source}, the module 'helpers' among them.
+
+    A module-level function is titled by a said() concept or its docstring's first sentence (course/checks.py's
+    concept_of); one defined inside another only by said(): concept_of finds functions by their module's names.
+    """
+    trees = {module: ast.parse(source) for module, source in sources.items()}
+    defined = {
+        (m, node.name): node for m, tree in trees.items() for node in tree.body if isinstance(node, ast.FunctionDef)
+    }
+    imported = {
+        (m, alias.asname or alias.name): ("helpers", alias.name)
+        for m, tree in trees.items()
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.module == "tests.helpers"
+        for alias in node.names
+    }
+    todo = [key for key in defined if key[1].startswith("test_")]
+    reached = set(todo)
+    while todo:
+        module, _ = key = todo.pop()
+        for node in ast.walk(defined[key]):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                callee = (
+                    (module, node.func.id)
+                    if (module, node.func.id) in defined
+                    else imported.get((module, node.func.id))
+                )
+                if callee in defined and callee not in reached:
+                    reached.add(callee)
+                    todo.append(callee)
+    found = []
+    for module, name in sorted(reached):
+        top = defined[module, name]
+        for function in (f for f in ast.walk(top) if isinstance(f, ast.FunctionDef) and _holds_assert(f)):
+            if not (_says(function) or (function is top and ast.get_docstring(function))):
+                found.append(f"{module}.{function.name}")
+    return found
+
+
+def test_every_assert_a_check_reaches_names_what_it_diagnoses():
+    """Issue 29: 37 of the 91 functions holding the checks' asserts had neither a docstring nor said(), and their
+    rows of the class report read 'assertion failed in check_ring (test_ex5_ring.py:58)'. Each names its promise
+    (a docstring) or the mistake of each assert (said), so that no row is titled by a place."""
+    folder = os.path.join(ROOT, "tests")
+    paths = glob.glob(os.path.join(folder, "test_ex*.py")) + [os.path.join(folder, "helpers.py")]
+    sources = {}
+    for path in paths:
+        with open(path) as f:
+            sources[os.path.basename(path)[: -len(".py")]] = f.read()
+    assert len(sources) > 15, sorted(sources)
+    missing = untitled(sources)
+    assert not missing, f"give these a docstring naming the promise they judge, or a said() per mistake: {missing}"
+
+
+def test_the_untitled_are_found():
+    """The walk above finds what it looks for: a reached function without a title, directly or through
+    helpers, a nested one with only a docstring; and it passes the titled and those no check reaches."""
+    helpers = """
+def judged(x):
+    assert x
+def titled(x):
+    \"\"\"x is true.\"\"\"
+    assert x
+"""
+    checks = """
+from tests.helpers import judged, titled
+def bare(x):
+    if not x:
+        raise AssertionError("x is false")
+def said_so(x):
+    assert x, said("x false", "x is false")
+def nested(x):
+    \"\"\"x is true.\"\"\"
+    def inner():
+        \"\"\"x is true.\"\"\"
+        assert x
+    inner()
+def unreached(x):
+    assert x
+def test_x():
+    bare(1); said_so(1); nested(1); judged(1); titled(1)
+"""
+    assert untitled({"helpers": helpers, "test_ex0_x": checks}) == [
+        "helpers.judged",
+        "test_ex0_x.bare",
+        "test_ex0_x.inner",
+    ]
 
 
 def test_code_not_written_yet_is_not_attempted_not_a_mistake():
