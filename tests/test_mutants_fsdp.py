@@ -10,9 +10,11 @@ checks see a crash, but no message can name it reliably.
 
 import pytest
 
-from tests.mutants import assert_caught
+from course.launch import WorldFailed
+from tests.mutants import assert_caught, make_mutant
 from tests.test_ex13_fsdp import (
     check_checkpoint,
+    check_flat_piece,
     check_flat_shard,
     check_frozen,
     check_gather,
@@ -222,18 +224,30 @@ MUTANTS = {
         "is not the average of the ranks' gradients",
     ),
     # Part C and D: the checkpoint, and the training loop's setup
-    "the padding kept in the checkpoint": (
+    "the padding kept in the checkpoint, its global size padded too": (
         VALID + "    return DTensor.from_local(valid, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel])",
         "    valid = shard.detach()\n    return DTensor.from_local(valid, mesh, [Shard(0)], run_check=False,"
         " shape=torch.Size([shard.numel() * mesh.size()])",
-        check_checkpoint,
-        "the padding depends on W and stays out of the checkpoint",
+        check_flat_piece,
+        "is the 10 real elements, whatever the world size",
+    ),
+    "the padding kept in the checkpoint's pieces": (
+        VALID,
+        "    valid = shard.detach()\n",
+        check_flat_piece,
+        "leave the padding out",
     ),
     "the checkpoint's pieces copies of the shards": (
         VALID,
         "    valid = shard.detach()[: max(0, min(shard.numel(), numel - start))].clone()\n",
-        check_checkpoint,
-        "are the parameters and Adam's state (its step count too) all restored?",
+        check_flat_piece,
+        "loading a checkpoint into it would leave the shard as it was",
+    ),
+    "the checkpoint's pieces cut from the end of the shards": (
+        VALID,
+        "    valid = shard.detach()[shard.numel() - max(0, min(shard.numel(), numel - start)) :]\n",
+        check_flat_piece,
+        "rank 2's piece is its shard's elements that come before the global size",
     ),
     "Adam's step count left out of the checkpoint": (
         '        state[f"{name}.step"] = adam["step"]\n',
@@ -262,3 +276,25 @@ MUTANTS = {
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, "fsdp.py", *MUTANTS[mistake])
+
+
+def test_reduce_scatter_is_judged_apart_from_free(tmp_path):
+    """reduce_scatter_mean's check runs nothing else of fsdp.py: a free not written yet costs only the checks
+    that use it."""
+    folder = make_mutant(
+        tmp_path / "mutant",
+        "fsdp.py",
+        "    full.untyped_storage().resize_(0)\n",
+        '    raise NotImplementedError("Exercise 13: free is not written yet, see exercises/13_fsdp.md")\n',
+    )
+    with pytest.raises(WorldFailed, match="free is not written yet"):
+        check_gather(folder)
+    check_reduce_scatter(folder)
+
+
+def test_checkpoint_is_judged_apart_from_flat_piece(tmp_path):
+    """A wrong flat_piece costs its own check, not the checkpoint's, which calls it."""
+    folder = make_mutant(tmp_path / "mutant", "fsdp.py", VALID, "    valid = shard.detach()\n")
+    with pytest.raises(AssertionError, match="leave the padding out"):
+        check_flat_piece(folder)
+    check_checkpoint(folder)
