@@ -126,7 +126,7 @@ def bf16_average_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torc
     # TODO(exercise 11): bucket.buffer() is the bucket's flat float32 gradients.
     ### BEGIN SOLUTION
     buffer = bucket.buffer()
-    compressed = buffer.to(torch.bfloat16).div_(group.size())  # divide first: a sum in bfloat16 loses more
+    compressed = buffer.to(torch.bfloat16).div_(group.size())  # first, as torch's hooks: the sum stays in range
     started = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
     def decompress(future):
