@@ -41,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import platform
 import signal
 import sys
 import tempfile
@@ -499,8 +500,6 @@ def _no_unix_sockets() -> None:
     """From now on socket(AF_UNIX, ...) fails with EACCES in this process and its children (a
     seccomp filter; needs no_new_privs). Other architectures' system calls fail too (an i386 call
     on x86-64 could name another socket()); elsewhere than x86-64 and arm64 there is no filter."""
-    import platform
-
     known = _SECCOMP_ARCH.get(platform.machine())
     if known is None:
         return

@@ -26,6 +26,7 @@ import pwd
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -372,6 +373,20 @@ with open(_os.path.join(_ROOT, "tests", "test_ex2_dist.py"), "a") as _f:
     _f.write("\\n# a submission was here\\n")
 """
 
+# A unix socket of the grader's user (multiprocessing's servers, which unpickle what they are sent; an
+# SSH agent; the kernels' forkserver under autograde). Under namespaces, a read-only mount does not
+# stop a connect(): the seccomp filter that refuses AF_UNIX sockets does.
+REACH_A_UNIX_SOCKET = """
+import socket as _socket
+
+def _reach():
+    with _socket.socket(_socket.AF_UNIX) as _s:
+        _s.connect(SOCKET_PATH)
+        _s.sendall(b"a pickle for the server")
+
+_tried("connect to the grader's user's unix socket", _reach)
+"""
+
 ATTACKS = {
     "forge_then_kill": FORGE_THEN_KILL,
     "outruns_the_reaper": OUTRUNS_THE_REAPER,
@@ -381,6 +396,7 @@ ATTACKS = {
     "late_bytecode": LATE_BYTECODE,
     "plant_a_link": PLANT_A_LINK,
     "edit_checks": EDIT_CHECKS,
+    "reach_a_unix_socket": REACH_A_UNIX_SOCKET,
 }
 
 
@@ -498,8 +514,16 @@ def test_an_attack_through_the_system_gains_nothing(attacked, attack):
     base, who = attacked
     checks = 2 if attack == "write_its_pipe" else 1
     daemon = f"daemon-{os.urandom(4).hex()}"  # a name of this test's own: tests run side by side
-    payload = f"DAEMON_NAME = {daemon!r}\n" + PRELUDE + ATTACKS[attack]
-    done, path = grade_as(base, who, {"mlp.py": payload}, args=[ONE_CHECK, TWO_CHECKS][checks - 1])
+    server = socket.socket(socket.AF_UNIX)  # what REACH_A_UNIX_SOCKET tries to reach: anyone may connect
+    server.bind(os.path.join(base, "server.sock"))
+    os.chmod(os.path.join(base, "server.sock"), 0o777)
+    server.listen()
+    server.setblocking(False)
+    payload = f"DAEMON_NAME = {daemon!r}\nSOCKET_PATH = {server.getsockname()!r}\n" + PRELUDE + ATTACKS[attack]
+    with server:
+        done, path = grade_as(base, who, {"mlp.py": payload}, args=[ONE_CHECK, TWO_CHECKS][checks - 1])
+        with pytest.raises(BlockingIOError):  # no connection is waiting
+            server.accept()
     said = "\n".join(line for line in done.stderr.splitlines() if line.startswith("CHEAT")) or "(nothing)"
     assert_no_points(done, path, "par_matmul_by_row is not written yet", checks=checks)
     assert "Submission code ran sandboxed" in done.stdout, done.stdout
