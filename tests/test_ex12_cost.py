@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from course.checks import said
 from tests.helpers import alone, load
 
 # No world of these checks builds an optimizer (tests/conftest.py).
@@ -30,16 +31,19 @@ SCHEDULES = [
 EXPOSED_MISTAKES = [
     (
         [0.0066, 0.0053, 0.0],
+        "a bucket's start the sum of its ready time and the previous bucket's end",
         "a bucket starts at the later of its ready time and the end of the bucket before it: their maximum,"
         " not their sum",
     ),
     (
         [0.0004, 0.0011, 0.0],
+        "a bucket's all-reduce not waiting for the one before it",
         "a bucket's all-reduce also waits for the link: it starts when the all-reduce of the bucket before it"
         " has ended, if that is later than its ready time",
     ),
     (
         [0.0004, 0.0043, -0.0148995],
+        "a negative exposed time",
         "communication that ends before the backward pass does is not exposed: the optimizer waits 0 s, not a"
         " negative time",
     ),
@@ -145,14 +149,18 @@ def check_fit(folder):
     seconds = measurements()
     ends = (seconds[-1] - seconds[0]) / (SIZES[-1] - SIZES[0])
     if math.isclose(beta, 1 / BETA, rel_tol=0.02):
-        why = ": the slope of T against n is 1 / beta, not beta"
+        concept, why = "beta taken as the slope, not its inverse", ": the slope of T against n is 1 / beta, not beta"
     elif math.isclose(alpha, seconds[0] - ends * SIZES[0], rel_tol=0.02) or math.isclose(beta, 1 / ends, rel_tol=1e-3):
+        concept = "a line through the first and last points, not least squares"
         why = ": that is the line through the first and last points; least squares weighs every point"
     else:
-        why = ""
+        concept, why = "not the least-squares line of the measurements", ""
     raise AssertionError(
-        f"fit_alpha_beta gave alpha {alpha:.3g} s and beta {beta:.3g} B/s for {len(SIZES)} points whose least-squares"
-        f" line T(n) = alpha + n / beta has alpha {ALPHA:g} s and beta {BETA:g} B/s{why}"
+        said(
+            concept,
+            f"fit_alpha_beta gave alpha {alpha:.3g} s and beta {beta:.3g} B/s for {len(SIZES)} points whose"
+            f" least-squares line T(n) = alpha + n / beta has alpha {ALPHA:g} s and beta {BETA:g} B/s{why}",
+        )
     )
 
 
@@ -161,15 +169,28 @@ def check_ring(folder):
     for ((n, w), expected), got in zip(RINGS.items(), alone(ring_answers, folder)):
         what = f"ring_allreduce_seconds({n:g} bytes, {w} ranks)"
         if w == 1:
-            assert got == 0, f"{what} is {got:.3g} s: one rank sends nothing"
+            assert got == 0, said(
+                "a ring of one rank that takes time", f"{what} is {got:.3g} s: one rank sends nothing"
+            )
             continue
-        assert math.isclose(got, expected, rel_tol=1e-6), f"{what} is {got:.4g} s, not {expected:.4g} s: " + (
-            "a ring takes 2(W - 1) steps: W - 1 to reduce-scatter, W - 1 to all-gather"
-            if math.isclose(got, expected / 2, rel_tol=1e-6)
-            else "each step sends one chunk, n / W bytes, not the whole tensor"
-            if math.isclose(got, 2 * (w - 1) * (ALPHA + n / BETA), rel_tol=1e-6)
-            else "2(W - 1) steps of alpha + (n / W) / beta each"
-        )
+        if math.isclose(got, expected, rel_tol=1e-6):
+            continue
+        if math.isclose(got, expected / 2, rel_tol=1e-6):
+            concept, why = (
+                "a ring of W - 1 steps, not 2(W - 1)",
+                "a ring takes 2(W - 1) steps: W - 1 to reduce-scatter, W - 1 to all-gather",
+            )
+        elif math.isclose(got, 2 * (w - 1) * (ALPHA + n / BETA), rel_tol=1e-6):
+            concept, why = (
+                "each ring step sending the whole tensor, not n / W",
+                "each step sends one chunk, n / W bytes, not the whole tensor",
+            )
+        else:
+            concept, why = (
+                "not 2(W - 1) steps of alpha + (n / W) / beta",
+                "2(W - 1) steps of alpha + (n / W) / beta each",
+            )
+        raise AssertionError(said(concept, f"{what} is {got:.4g} s, not {expected:.4g} s: {why}"))
 
 
 def check_exposed(folder):
@@ -179,14 +200,22 @@ def check_exposed(folder):
     for k, (((ready, sizes, end), expected), value) in enumerate(zip(SCHEDULES, got)):
         if math.isclose(value, expected, rel_tol=1e-6, abs_tol=1e-12):
             continue
-        why = next(
-            (say for values, say in EXPOSED_MISTAKES if math.isclose(value, values[k], rel_tol=1e-6, abs_tol=1e-12)),
-            "",
+        concept, why = next(
+            (
+                (concept, say)
+                for values, concept, say in EXPOSED_MISTAKES
+                if math.isclose(value, values[k], rel_tol=1e-6, abs_tol=1e-12)
+            ),
+            ("not the optimizer's wait after the backward pass", ""),
         )
         rings = ", ".join(f"{BUCKET_RINGS[(n, 2)]:g} s" for n in sizes)
         raise AssertionError(
-            f"exposed_seconds for buckets ready at {ready} s of {sizes} bytes on 2 ranks (all-reduces of {rings}),"
-            f" backward ending at {end} s, is {value:.4g} s, not {expected:.4g} s" + (f": {why}" if why else "")
+            said(
+                concept,
+                f"exposed_seconds for buckets ready at {ready} s of {sizes} bytes on 2 ranks (all-reduces of"
+                f" {rings}), backward ending at {end} s, is {value:.4g} s, not {expected:.4g} s"
+                + (f": {why}" if why else ""),
+            )
         )
 
 
@@ -207,10 +236,11 @@ def check_largest_world(folder):
             "without most, the search goes up to 1024, the default that predict relies on" if most is None else ""
         )
         ratios = ", ".join(f"R={r}: {sync_of(r) / t_comp:.3g}" for r in range(2, min(upto, 8) + 1))
-        assert value == expected, (
+        assert value == expected, said(
+            why or "not the largest world that gains",
             f"largest_world(t_comp={t_comp}, {given}) gave {value}, expected {expected}, the largest R from 2 to"
             f" most with T_sync(R) / T_comp < R - 1 (T_sync / T_comp is {ratios}{', ...' if upto > 8 else ''})"
-            + (f": {why}" if why else "")
+            + (f": {why}" if why else ""),
         )
 
 
