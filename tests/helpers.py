@@ -93,18 +93,24 @@ def printed(fn, *args):
     return result, out.getvalue()
 
 
-def describe_ratio(name, got, expected, rank, before="", after=""):
+def float32_close(got, expected):
+    return torch.allclose(got, expected, rtol=1e-3, atol=1e-6)
+
+
+def describe_ratio(name, got, expected, rank, before="", after="", close=float32_close, whose="gradients"):
     """A sentence about how a gradient differs from the expected one, with its concept (course/checks.py);
-    before and after are the check's own words around it (a str added to a Said is a plain str again)."""
-    ratio = (got * expected).sum() / (expected * expected).sum().clamp_min(1e-30)
-    if torch.allclose(got, expected * ratio, rtol=1e-3, atol=1e-6) and abs(ratio - 1) > 1e-3:
+    before and after are the check's own words around it (a str added to a Said is a plain str again).
+    close(a, b): whether two gradients are equal at the precision they were computed in; whose: the
+    concept's subject ("the hook's gradients", say)."""
+    ratio = ((got * expected).sum() / (expected * expected).sum().clamp_min(1e-30)).item()
+    if close(got, expected * ratio) and not close(expected * ratio, expected):
         hint = " did you divide by the world size?" if ratio > 1 else ""
-        concept = "gradients summed over the ranks, not averaged" if ratio > 1 else "gradients scaled down"
+        concept = f"{whose} summed over the ranks, not averaged" if ratio > 1 else f"{whose} scaled down"
         return said(
             concept, f"{before}rank {rank}'s gradient of {name} is {ratio:.1f}x the expected average:{hint}{after}"
         )
     return said(
-        "gradients not the average over the ranks",
+        f"{whose} not the average over the ranks",
         f"{before}rank {rank}'s gradient of {name} is not the average of the ranks' gradients{after}",
     )
 

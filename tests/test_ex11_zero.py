@@ -304,21 +304,6 @@ def bf16_close(got, expected):
     return ((got - expected).norm() / expected.norm().clamp_min(1e-30)).item() <= 2**-6
 
 
-def describe_bf16(name, got, expected, rank):
-    """describe_ratio, at bfloat16's precision."""
-    ratio = ((got * expected).sum() / (expected * expected).sum().clamp_min(1e-30)).item()
-    if bf16_close(got, expected * ratio) and abs(ratio - 1) > 2**-6:
-        hint = " did you divide by the world size?" if ratio > 1 else ""
-        concept = "the hook sums, not averages" if ratio > 1 else "the hook scales the gradients down"
-        return said(
-            concept, f"with the hook, rank {rank}'s gradient of {name} is {ratio:.1f}x the expected average:{hint}"
-        )
-    return said(
-        "the hook's gradients not the average over the ranks",
-        f"with the hook, rank {rank}'s gradient of {name} is not the average of the ranks' gradients",
-    )
-
-
 def check_hook(folder, world_size=2):
     """The hook is used, in bfloat16; it halves the bytes; training stays within HOOK_ATOL of float32 DDP."""
     got = world(hooked_steps, world_size, folder, "student")
@@ -352,7 +337,9 @@ def check_hook(folder, world_size=2):
                 )
                 if step == 0:
                     expected = fp32[rank]["grads"][0][name][0]
-                    assert bf16_close(grad, expected), describe_bf16(name, grad, expected, rank)
+                    assert bf16_close(grad, expected), describe_ratio(
+                        name, grad, expected, rank, "with the hook, ", close=bf16_close, whose="the hook's gradients"
+                    )
         for step in range(HOOK_STEPS):
             for name, p in plain[step].items():
                 mine = result["history"][step][name]
