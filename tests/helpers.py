@@ -173,7 +173,9 @@ def check_start_sync(folder, world_size, wrap_name="mydp"):
     states = world(start_state, world_size, folder, wrap_name)
     expected = model_with_buffers(0).state_dict()
     for rank, got in enumerate(states):
-        assert got["kept"] is True, "the wrapper should keep the wrapped model as .module"
+        assert got["kept"] is True, said(
+            "the wrapper not keeping the model as .module", "the wrapper should keep the wrapped model as .module"
+        )
         for name, value in expected.items():
             assert torch.equal(got["state"][name], value), (
                 f"after wrapping the model, rank {rank}'s {name} is not rank 0's: broadcast parameters and buffers from rank 0"
@@ -236,8 +238,9 @@ def check_equivalence(folder, wrap_name, world_size, steps=3):
         for rank, result in enumerate(results):
             for name, p in model.named_parameters():
                 got = result["history"][step][name]
-                assert torch.equal(got, results[0]["history"][step][name]), (
-                    f"after step {step}, rank {rank}'s {name} differs from rank 0's"
+                assert torch.equal(got, results[0]["history"][step][name]), said(
+                    "ranks' parameters apart after a step",
+                    f"after step {step}, rank {rank}'s {name} differs from rank 0's",
                 )
                 assert torch.allclose(got, p.detach(), rtol=1e-4, atol=1e-5), (
                     f"after step {step}, rank {rank}'s {name} differs from one process trained on the whole batch"

@@ -140,20 +140,23 @@ def check_steps(folder, world_size, kind, steps=3):
                 name, grad, mean, rank, "after synchronize(), "
             )
         for step, collectives in enumerate(result["collectives"]):
-            assert set(collectives) <= {"allreduce"}, (
+            assert set(collectives) <= {"allreduce"}, said(
+                "gradients averaged by other collectives than all-reduce",
                 f"rank {rank} started {collectives} in step {step}: the average of the gradients is all-reduces"
-                " only, one per dtype"
+                " only, one per dtype",
             )
-            assert len(collectives) <= 1, (
+            assert len(collectives) <= 1, said(
+                "an all-reduce per parameter, not one per dtype",
                 f"rank {rank} started {len(collectives)} all-reduces in step {step} for gradients of one dtype:"
-                " flatten them into one buffer and all-reduce it once, not once per parameter"
+                " flatten them into one buffer and all-reduce it once, not once per parameter",
             )
         for step in range(steps):
             for name, p in expected[step].items():
                 mine = result["history"][step][name]
-                assert torch.equal(mine, got[0]["history"][step][name]), (
+                assert torch.equal(mine, got[0]["history"][step][name]), said(
+                    "ranks' parameters apart after a step",
                     f"after step {step}, rank {rank}'s {name} differs from rank 0's, from the same start: every rank"
-                    " must step with the same averaged gradients"
+                    " must step with the same averaged gradients",
                 )
                 assert torch.allclose(mine, p, rtol=1e-4, atol=1e-5), (
                     f"after step {step} with {kind}, rank {rank}'s {name} differs from one process that resumed"
@@ -161,8 +164,9 @@ def check_steps(folder, world_size, kind, steps=3):
                 )
     builtin = world(parallel_steps, world_size, folder, kind, steps, True)[0]["history"][-1]
     for name, p in builtin.items():
-        assert torch.allclose(got[0]["history"][-1][name], p, rtol=1e-4, atol=1e-5), (
-            f"after {steps} steps with {kind}, {name} differs from built-in DDP with the same optimizer"
+        assert torch.allclose(got[0]["history"][-1][name], p, rtol=1e-4, atol=1e-5), said(
+            "steps not built-in DDP's with the same optimizer",
+            f"after {steps} steps with {kind}, {name} differs from built-in DDP with the same optimizer",
         )
 
 

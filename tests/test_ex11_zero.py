@@ -158,14 +158,16 @@ def check_steps(folder, world_size, optimizer="adam", steps=3):
             before, after = expected[step][name], expected[step + 1][name]
             for rank, result in enumerate(got):
                 mine = result["history"][step][name]
-                assert torch.equal(mine, got[0]["history"][step][name]), (
+                assert torch.equal(mine, got[0]["history"][step][name]), said(
+                    "ranks' parameters apart after a step",
                     f"after step {step}, rank {rank}'s {name} differs from rank 0's: the owner of each parameter"
-                    " steps it and sends the new values to every rank"
+                    " steps it and sends the new values to every rank",
                 )
             mine = got[0]["history"][step][name]
-            assert not (torch.equal(mine, before) and not torch.equal(after, before)), (
+            assert not (torch.equal(mine, before) and not torch.equal(after, before)), said(
+                "a parameter not sent from its owner after the step",
                 f"after step {step}, {name}, whose owner is rank {owner[name]}, still holds its value from before"
-                " the step on every rank: send each parameter from its owner, the rank that stepped it"
+                " the step on every rank: send each parameter from its owner, the rank that stepped it",
             )
             assert torch.allclose(mine, after, rtol=1e-4, atol=1e-6), (
                 f"after step {step} on {world_size} ranks, {name} differs from {plain} in one process on the whole batch"
@@ -203,9 +205,10 @@ def check_state_bytes(folder, world_size):
     owners = owners_by_rule(SIZES, world_size)
     for rank, mine in enumerate(got):
         owned = sum(b for b, owner in zip(per_parameter, owners) if owner == rank)
-        assert not (mine == sum(per_parameter) and world_size > 1), (
+        assert not (mine == sum(per_parameter) and world_size > 1), said(
+            "the whole optimizer state on every rank",
             f"rank {rank} holds {mine} bytes of optimizer state, as much as Adam unsharded: its wrapped optimizer"
-            f" must see only the parameters rank {rank} owns"
+            f" must see only the parameters rank {rank} owns",
         )
         assert mine == owned, (
             f"rank {rank} holds {mine} bytes of optimizer state on {world_size} ranks; the parameters it owns"
@@ -241,14 +244,16 @@ def check_matches_zero_redundancy(folder, world_size, steps=3):
     got = world(sharded_steps, world_size, folder, steps)
     torch_zero = world(zero_redundancy_steps, world_size, folder, steps)
     for rank, (mine, theirs) in enumerate(zip(got, torch_zero)):
-        assert mine["state_bytes"] == theirs["state_bytes"], (
+        assert mine["state_bytes"] == theirs["state_bytes"], said(
+            "optimizer state not ZeroRedundancyOptimizer's on a rank",
             f"rank {rank} holds {mine['state_bytes']} bytes of optimizer state, ZeroRedundancyOptimizer"
-            f" {theirs['state_bytes']} on the same rank, which owns the same parameters"
+            f" {theirs['state_bytes']} on the same rank, which owns the same parameters",
         )
         for name, p in theirs["final"].items():
-            assert torch.allclose(mine["history"][-1][name], p, rtol=1e-4, atol=1e-6), (
+            assert torch.allclose(mine["history"][-1][name], p, rtol=1e-4, atol=1e-6), said(
+                "steps not DDP's with ZeroRedundancyOptimizer",
                 f"after {steps} steps on {world_size} ranks, rank {rank}'s {name} differs from built-in DDP with"
-                " ZeroRedundancyOptimizer(Adam)"
+                " ZeroRedundancyOptimizer(Adam)",
             )
 
 
@@ -313,27 +318,35 @@ def check_hook(folder, world_size=2):
     buckets = len(fp32[0]["logs"][0]["collectives"])
     for rank, result in enumerate(got):
         for step, log in enumerate(result["logs"]):
-            assert log["collectives"], (
+            assert log["collectives"], said(
+                "the hook not registered, or starting no collective",
                 f"in step {step}, rank {rank}'s backward pass started no collective through the hook: register"
-                " it with ddp.register_comm_hook and start the all-reduce in it"
+                " it with ddp.register_comm_hook and start the all-reduce in it",
             )
-            assert set(log["collective_dtypes"]) == {"bfloat16"}, (
+            assert set(log["collective_dtypes"]) == {"bfloat16"}, said(
+                "buckets not sent in bfloat16",
                 f"in step {step}, rank {rank}'s hook all-reduced {log['collective_dtypes']}: every bucket goes on"
-                " the wire in bfloat16"
+                " the wire in bfloat16",
             )
-            assert log["collectives"] == ["allreduce"] * buckets, (
+            assert log["collectives"] == ["allreduce"] * buckets, said(
+                "not one all-reduce per bucket",
                 f"in step {step}, rank {rank}'s hook started {log['collectives']} for {buckets} buckets:"
-                " one all-reduce per bucket"
+                " one all-reduce per bucket",
             )
-            assert len(log["not_waited"]) == buckets, (
+            assert len(log["not_waited"]) == buckets, said(
+                "the hook waiting for its all-reduce",
                 f"in step {step}, rank {rank}'s hook waited for its all-reduce: start it with async_op=True and"
-                " return its future, chained with .then, so that the backward pass goes on while it runs"
+                " return its future, chained with .then, so that the backward pass goes on while it runs",
             )
             sent, full = sum(log["collective_bytes"]), sum(fp32[rank]["logs"][step]["collective_bytes"])
-            assert 2 * sent == full, f"rank {rank}'s hook sent {sent} bytes in step {step}, float32 all-reduces {full}"
+            assert 2 * sent == full, said(
+                "not half the bytes of float32 all-reduces",
+                f"rank {rank}'s hook sent {sent} bytes in step {step}, float32 all-reduces {full}",
+            )
             for name, (grad, dtype) in result["grads"][step].items():
-                assert dtype == "torch.float32", (
-                    f"after the hook, {name}'s gradient is {dtype}: the hook returns the float32 average"
+                assert dtype == "torch.float32", said(
+                    "the hook's gradient not float32",
+                    f"after the hook, {name}'s gradient is {dtype}: the hook returns the float32 average",
                 )
                 if step == 0:
                     expected = fp32[rank]["grads"][0][name][0]
@@ -343,17 +356,20 @@ def check_hook(folder, world_size=2):
         for step in range(HOOK_STEPS):
             for name, p in plain[step].items():
                 mine = result["history"][step][name]
-                assert torch.equal(mine, got[0]["history"][step][name]), (
+                assert torch.equal(mine, got[0]["history"][step][name]), said(
+                    "ranks' parameters apart after a step with the hook",
                     f"after step {step}, rank {rank}'s {name} differs from rank 0's: every rank must end with"
-                    " the same average from the hook"
+                    " the same average from the hook",
                 )
                 diff = (mine - p).abs().max().item()
-                assert diff <= HOOK_ATOL, (
+                assert diff <= HOOK_ATOL, said(
+                    "training further from float32 DDP than bfloat16's rounding explains",
                     f"after step {step}, {name} differs from float32 DDP by {diff:.1e}, more than bfloat16's"
-                    f" rounding explains ({HOOK_ATOL:.0e})"
+                    f" rounding explains ({HOOK_ATOL:.0e})",
                 )
-                assert torch.allclose(mine, torchs[step][name], rtol=0, atol=HOOK_ATOL / 4), (
-                    f"after step {step}, {name} differs from DDP with torch's bf16_compress_hook"
+                assert torch.allclose(mine, torchs[step][name], rtol=0, atol=HOOK_ATOL / 4), said(
+                    "steps not DDP's with torch's bf16_compress_hook",
+                    f"after step {step}, {name} differs from DDP with torch's bf16_compress_hook",
                 )
 
 

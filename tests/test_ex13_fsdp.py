@@ -609,22 +609,24 @@ def check_steps(folder, world_size, zero3, steps=None):
         check_seen(results, step)
         for rank, result in enumerate(results):
             done = result["logs"][step]["collectives"]
-            assert done.count("all_gather_single") == gathers, (
+            assert done.count("all_gather_single") == gathers, said(
+                "not one all-gather before each unit's forward (and backward, ZeRO-3)",
                 f"in step {step}, rank {rank} started {done.count('all_gather_single')} dist.all_gather_single for"
                 f" {len(UNITS)} units, expected {gathers}: "
                 + (
                     "one before each unit's forward and one before its backward"
                     if zero3
                     else "one before each unit's forward (ZeRO-2 keeps the gathered parameters for the backward)"
-                )
+                ),
             )
         for k in range(len(UNITS)):
             got, expected = whole(results, step, k), history[step + 1][k]
             if world_size == 1:
-                assert torch.equal(got, expected), (
+                assert torch.equal(got, expected), said(
+                    "one rank's numbers not exactly one process's",
                     f"after step {step} on 1 rank, {unit_name(k)} differs from one process (by"
                     f" {(got - expected).abs().max().item():.1e}): with one rank the operations are the same, and"
-                    " so must the numbers be"
+                    " so must the numbers be",
                 )
             assert torch.allclose(got, expected, rtol=0, atol=ATOL), (
                 f"after step {step} on {world_size} ranks, {unit_name(k)} differs from Adam in one process on the"
@@ -646,9 +648,10 @@ def check_gradient_shards(folder, world_size=2, steps=2):
     shard_bytes = [padded(n, world_size) // world_size * 4 for n in SIZES]
     for rank, result in enumerate(results):
         done = result["logs"][0]
-        assert "allreduce" not in done["collectives"], (
+        assert "allreduce" not in done["collectives"], said(
+            "gradients all-reduced, not reduce-scattered",
             f"rank {rank}'s step started {done['collectives']}: an all-reduce gives every rank the whole averaged"
-            f" gradient, {world_size} times the shard it keeps; reduce-scatter (dist.reduce_scatter_single)"
+            f" gradient, {world_size} times the shard it keeps; reduce-scatter (dist.reduce_scatter_single)",
         )
         for step in range(steps):
             twice = step == steps - 1
@@ -657,10 +660,14 @@ def check_gradient_shards(folder, world_size=2, steps=2):
                 mean = sum(g[k] for g in local[step]) / world_size
                 expected = piece(mean, world_size, rank) * (2 if twice else 1)
                 what = f"shard of {unit_name(k)}" + (" after two backward passes" if twice else "")
-                assert grad is not None, f"after the backward of step {step}, rank {rank}'s {what} has no .grad"
-                assert grad.dtype == torch.float32 and grad.shape == expected.shape, (
+                assert grad is not None, said(
+                    "a shard without a gradient",
+                    f"after the backward of step {step}, rank {rank}'s {what} has no .grad",
+                )
+                assert grad.dtype == torch.float32 and grad.shape == expected.shape, said(
+                    "a shard's gradient not float32 of its shape",
                     f"rank {rank}'s {what} has a {grad.dtype} gradient of shape {tuple(grad.shape)}, its shard is"
-                    f" float32 of shape {tuple(expected.shape)}"
+                    f" float32 of shape {tuple(expected.shape)}",
                 )
                 if torch.allclose(grad, expected, rtol=1e-4, atol=1e-6):
                     continue
@@ -668,19 +675,22 @@ def check_gradient_shards(folder, world_size=2, steps=2):
                     before = sum(g[k] for g in local[step - 1]) / world_size
                     basis = torch.stack([piece(before, world_size, rank), piece(mean, world_size, rank)], dim=1)
                     a, b = torch.linalg.lstsq(basis, grad.unsqueeze(1)).solution.reshape(-1).tolist()
-                    assert abs(a) < 0.05, (
+                    assert abs(a) < 0.05, said(
+                        "the previous step's gradient kept in the shard",
                         f"in step {step}, rank {rank}'s {what} holds step {step - 1}'s gradient too: set full.grad"
-                        " to None once it is reduce-scattered (a full gradient per unit kept alive is memory too)"
+                        " to None once it is reduce-scattered (a full gradient per unit kept alive is memory too)",
                     )
-                    assert not (twice and abs(b - 1) < 0.05), (
+                    assert not (twice and abs(b - 1) < 0.05), said(
+                        "a second backward replacing the shard's gradient, not adding to it",
                         f"rank {rank}'s {what} holds the second pass's gradient only: add to shard.grad when it is"
-                        " there already, as autograd does for a parameter"
+                        " there already, as autograd does for a parameter",
                     )
                 raise AssertionError(describe_ratio(f"its {what}", grad, expected, rank, f"in step {step}, "))
         scatters = [b for c, b in zip(done["collectives"], done["collective_bytes"]) if c == "reduce_scatter_single"]
-        assert sorted(scatters) == sorted(shard_bytes), (
+        assert sorted(scatters) == sorted(shard_bytes), said(
+            "not one reduce-scatter per unit",
             f"rank {rank}'s backward reduce-scattered {scatters} bytes, one float32 shard per unit is"
-            f" {shard_bytes[::-1]}: one reduce-scatter per unit, after its backward"
+            f" {shard_bytes[::-1]}: one reduce-scatter per unit, after its backward",
         )
 
 
@@ -732,30 +742,34 @@ def check_memory(folder, world_size=2):
                 phase = "backward"
             if phase == "forward" and at == "all_gather_single" and sample["numel"] in by_size:
                 k = by_size[sample["numel"]]
-                assert k == 0 or k - 1 in forwards, (
+                assert k == 0 or k - 1 in forwards, said(
+                    "units gathered up front, not each before its forward",
                     f"rank {rank} gathered {unit_name(k)} before {unit_name(k - 1)}'s forward had run: gather each"
-                    " unit's parameters just before its own forward, not all of them up front"
+                    " unit's parameters just before its own forward, not all of them up front",
                 )
             if at.startswith("forward "):
                 k = int(at.split()[1])
                 forwards.add(k)
                 kept = [unit_name(i) for i in alive if i is not None and i < k]
-                assert not kept, (
+                assert not kept, said(
+                    "a unit's parameters not freed after its forward",
                     f"when {unit_name(k)}'s forward began on rank {rank}, {', '.join(kept)} still held its gathered"
-                    " parameters: free them after the unit's forward (free: the storage, not the name)"
+                    " parameters: free them after the unit's forward (free: the storage, not the name)",
                 )
             if phase == "backward" and at == "reduce_scatter_single" and sample["numel"] in by_size:
                 scattered.add(by_size[sample["numel"]])
             if phase == "backward" and at != "end":
                 kept = [unit_name(i) for i in alive if i in scattered and by_size.get(sample["numel"]) != i]
-                assert not kept, (
+                assert not kept, said(
+                    "a unit's parameters not freed after its backward",
                     f"in the backward on rank {rank}, {', '.join(kept)} still held its gathered parameters after its"
-                    " gradient was reduce-scattered: free them after the unit's backward too"
+                    " gradient was reduce-scattered: free them after the unit's backward too",
                 )
             if at == "end":
-                assert not sample["alive"], (
+                assert not sample["alive"], said(
+                    "gathered parameters alive after the backward",
                     f"after the backward on rank {rank}, {', '.join(describe_units(sample['alive'], world_size))}"
-                    " still held gathered parameters: ZeRO-3 frees every unit's after its backward"
+                    " still held gathered parameters: ZeRO-3 frees every unit's after its backward",
                 )
             assert sample["bytes"] <= limit, (
                 f"on rank {rank}, {sample['bytes']} bytes of gathered parameters were alive at once (at"
@@ -799,14 +813,16 @@ def check_frozen(folder, world_size=2, steps=1):
             if c == "reduce_scatter_single"
         ]
         expected = padded(FROZEN_SIZES[0], world_size) // world_size * 4
-        assert expected in scatters, (
+        assert expected in scatters, said(
+            "a frozen parameter in the flat shard's reduce-scatter",
             f"rank {rank} reduce-scattered {scatters} bytes; unit 0's trainable weight makes a shard of {expected}:"
-            " the frozen bias stays out of the flat shard and its reduce-scatter"
+            " the frozen bias stays out of the flat shard and its reduce-scatter",
         )
     for k in range(len(UNITS)):
         got = whole(results, steps - 1, k, FROZEN_SIZES)
-        assert torch.allclose(got, history[-1][k], rtol=0, atol=ATOL), (
-            f"with unit 0's bias frozen, after {steps} steps {unit_name(k)} differs from one process"
+        assert torch.allclose(got, history[-1][k], rtol=0, atol=ATOL), said(
+            "training with a frozen parameter not one process's",
+            f"with unit 0's bias frozen, after {steps} steps {unit_name(k)} differs from one process",
         )
 
 
@@ -821,19 +837,22 @@ def check_mixed_precision(folder, world_size=2):
             c: {d for c2, d in zip(log["collectives"], log["collective_dtypes"]) if c2 == c}
             for c in set(log["collectives"])
         }
-        assert kinds.get("all_gather_single") == {"bfloat16"}, (
+        assert kinds.get("all_gather_single") == {"bfloat16"}, said(
+            "parameters not gathered in bfloat16",
             f"with param_dtype=torch.bfloat16, rank {rank} all-gathered {kinds.get('all_gather_single')}: gather"
-            " bfloat16 copies of the shards (half the bytes of float32)"
+            " bfloat16 copies of the shards (half the bytes of float32)",
         )
-        assert kinds.get("reduce_scatter_single") == {"float32"}, (
+        assert kinds.get("reduce_scatter_single") == {"float32"}, said(
+            "gradients not reduced in float32",
             f"with param_dtype=torch.bfloat16, rank {rank} reduce-scattered {kinds.get('reduce_scatter_single')}:"
-            " reduce the gradients in float32"
+            " reduce the gradients in float32",
         )
         shards = [str(s.dtype) for s in result["history"][0]]
         grads = [str(g.dtype) if g is not None else None for g in result["grads"][0]]
-        assert shards == ["torch.float32"] * len(UNITS) and grads == shards, (
+        assert shards == ["torch.float32"] * len(UNITS) and grads == shards, said(
+            "shards or their gradients not float32",
             f"with param_dtype=torch.bfloat16, rank {rank}'s shards are {shards} with gradients {grads}: the"
-            " master shards and their gradients stay float32"
+            " master shards and their gradients stay float32",
         )
 
 
@@ -970,22 +989,31 @@ def check_checkpoint(folder, saved_on=2, loaded_on=3, steps=1):
     saved = written["sizes"]
     resumed = world(load_and_train, loaded_on, folder, written["files"], steps, 2 * steps)
     for k, name in enumerate(str(i) for i in UNITS):
-        assert f"{name}.step" in saved, (
+        assert f"{name}.step" in saved, said(
+            "Adam's step count not in the checkpoint",
             f"the checkpoint holds {sorted(saved)}, no '{name}.step': Adam's step count sets its bias correction,"
-            " and a resumed run must go on counting"
+            " and a resumed run must go on counting",
         )
         for key in (name, f"{name}.exp_avg", f"{name}.exp_avg_sq"):
-            assert key in saved, f"the checkpoint holds {sorted(saved)}, no '{key}'"
-            assert saved[key] == [SIZES[k]], (
+            assert key in saved, said(
+                "a parameter or Adam's state missing from the checkpoint",
+                f"the checkpoint holds {sorted(saved)}, no '{key}'",
+            )
+            assert saved[key] == [SIZES[k]], said(
+                "a padded shard's size saved, not the global shape",
                 f"the checkpoint saved on {saved_on} ranks holds '{key}' of size {saved[key]}; {unit_name(k)} has"
-                f" {SIZES[k]}: the padding depends on W and stays out of the checkpoint (the global shape)"
+                f" {SIZES[k]}: the padding depends on W and stays out of the checkpoint (the global shape)",
             )
     error = resumed[0].get("load_error")
-    assert not (error and error.startswith("KeyError")), (
+    assert not (error and error.startswith("KeyError")), said(
+        "no state to load into for an Adam that has not stepped",
         f"loading the checkpoint into a fresh model and Adam failed ({error}): an Adam that has not stepped has no"
-        " state yet; give it zeros to load into"
+        " state yet; give it zeros to load into",
     )
-    assert not error, f"loading on {loaded_on} ranks the checkpoint saved on {saved_on} failed: {error}"
+    assert not error, said(
+        "a checkpoint that does not load on another world size",
+        f"loading on {loaded_on} ranks the checkpoint saved on {saved_on} failed: {error}",
+    )
     model = stack()
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     for step in range(2 * steps):

@@ -721,15 +721,18 @@ def check_matches_torch(folder, sequence_parallel, world_size=2):
         else "ColwiseParallel and RowwiseParallel"
     )
     for rank, (got, expected) in enumerate(zip(mine, theirs)):
-        assert close(got["out"], expected["out"]), (
-            f"rank {rank}'s output of two blocks differs from torch's parallelize_module with {plan}"
+        assert close(got["out"], expected["out"]), said(
+            "an output not torch's parallelize_module's",
+            f"rank {rank}'s output of two blocks differs from torch's parallelize_module with {plan}",
         )
-        assert got["x_grad"] is not None and close(got["x_grad"], expected["x_grad"]), (
-            f"rank {rank}'s input gradient differs from torch's parallelize_module with {plan}"
+        assert got["x_grad"] is not None and close(got["x_grad"], expected["x_grad"]), said(
+            "the input gradient not torch's parallelize_module's",
+            f"rank {rank}'s input gradient differs from torch's parallelize_module with {plan}",
         )
         for name, grad in expected["grads"].items():
-            assert got["grads"].get(name) is not None and close(got["grads"][name], grad), (
-                f"rank {rank}'s gradient of {name} differs from torch's parallelize_module with {plan}"
+            assert got["grads"].get(name) is not None and close(got["grads"][name], grad), said(
+                "a parameter's gradient not torch's parallelize_module's",
+                f"rank {rank}'s gradient of {name} differs from torch's parallelize_module with {plan}",
             )
 
 

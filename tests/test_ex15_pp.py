@@ -349,15 +349,17 @@ def check_memory(folder, schedule):
         for s, got in enumerate(stages):
             where = f"{NAMES[schedule]} with p={p} stages and m={m} micro-batches: stage {s} held"
             if schedule == "gpipe":
-                assert got["peak"] == m, (
+                assert got["peak"] == m, said(
+                    "GPipe not keeping every micro-batch's activations until the backwards",
                     f"{where} the activations of {got['peak']} micro-batches at once: GPipe keeps all {m} until"
-                    " the backwards"
+                    " the backwards",
                 )
             else:
-                assert got["peak"] <= min(p - s, m), (
+                assert got["peak"] <= min(p - s, m), said(
+                    "1F1B holding more than p - s micro-batches' activations",
                     f"{where} the activations of {got['peak']} micro-batches at once, 1F1B at most p - s ="
                     f" {p - s}: run each backward as soon as the stages after allow, and let it free what its"
-                    " forward kept (no retain_graph)"
+                    " forward kept (no retain_graph)",
                 )
 
 
@@ -384,17 +386,22 @@ def check_gradients(folder, schedule):
     where = f"{NAMES[schedule]} with p={p} stages and m={m} micro-batches"
     for s, got in enumerate(stages):
         for k, g in zip(layers_by_rule(len(WIDTHS) - 1, p)[s], got["grads"]):
-            assert g is not None, (
-                f"{where}: stage {s}'s layer {k} got no gradient: its backward must run through the stage"
+            assert g is not None, said(
+                "a stage's layer without a gradient",
+                f"{where}: stage {s}'s layer {k} got no gradient: its backward must run through the stage",
             )
             assert close(g, grads[k]), describe_gradient(where, s, k, g, grads[k], m)
     loss = stages[-1]["losses"][0]
-    assert loss is not None and abs(loss - losses[0]) < 1e-5, (
+    assert loss is not None and abs(loss - losses[0]) < 1e-5, said(
+        "the last stage's loss not one process's on the whole batch",
         f"{where}: run returned the loss {loss} on the last stage, one process's on the whole batch is"
-        f" {losses[0]:.6f}: the sum of the micro-batches' scaled losses"
+        f" {losses[0]:.6f}: the sum of the micro-batches' scaled losses",
     )
     for s, got in enumerate(stages[:-1]):
-        assert got["losses"][0] is None, f"{where}: run returned {got['losses'][0]} on stage {s}, None before the last"
+        assert got["losses"][0] is None, said(
+            "a loss returned before the last stage",
+            f"{where}: run returned {got['losses'][0]} on stage {s}, None before the last",
+        )
 
 
 def check_training(folder, steps=3):
@@ -419,19 +426,24 @@ def check_messages(folder):
     for s, got in enumerate(stages):
         where = f"in one step of 1F1B with p={p} stages and m={m} micro-batches, stage {s}"
         collectives = [what for what, _, _ in got["messages"] if what not in ("send", "recv")]
-        assert not collectives, f"{where} called {collectives[0]}: a pipeline sends point-to-point messages only"
+        assert not collectives, said(
+            "collectives in a pipeline, not point-to-point messages",
+            f"{where} called {collectives[0]}: a pipeline sends point-to-point messages only",
+        )
         for what, peer, size in got["messages"]:
-            assert size == nbytes, (
+            assert size == nbytes, said(
+                "a message not one micro-batch's activation or gradient",
                 f"{where} started a {what} of {size} bytes {'to' if what == 'send' else 'from'} rank {peer}: every"
-                f" message is one micro-batch's activation or gradient, {ROWS // m}x{HIDDEN} float32 ({nbytes} bytes)"
+                f" message is one micro-batch's activation or gradient, {ROWS // m}x{HIDDEN} float32 ({nbytes} bytes)",
             )
         expected = {(what, peer): m for what in ("send", "recv") for peer in (s - 1, s + 1) if 0 <= peer < p}
         for what, peer in sorted(expected.keys() | {e[:2] for e in got["messages"]}):
             count = sum(1 for e in got["messages"] if e[:2] == (what, peer))
-            assert count == expected.get((what, peer), 0), (
+            assert count == expected.get((what, peer), 0), said(
+                "not one message per micro-batch each way between neighbours",
                 f"{where} started {count} {what}s {'to' if what == 'send' else 'from'} rank {peer}, a pipeline"
                 f" {expected.get((what, peer), 0)}: one each way per micro-batch between neighbours, and no message"
-                " for shapes (they are agreed in advance)"
+                " for shapes (they are agreed in advance)",
             )
 
 

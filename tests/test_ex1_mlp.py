@@ -144,9 +144,19 @@ def make_dataset(folder):
 def check_dataset(folder):
     """gen_dataset gives float32 rows and int64 labels of the config's sizes, the same for the same rand_state."""
     (X, Y), (X2, Y2) = alone(make_dataset, folder)
-    assert X.shape == (CONFIG.train_size, CONFIG.d_in) and X.dtype == torch.float32
-    assert Y.shape == (CONFIG.train_size,) and Y.dtype == torch.int64
-    assert torch.equal(X, X2) and torch.equal(Y, Y2), "gen_dataset must give the same data for the same rand_state"
+    assert X.shape == (CONFIG.train_size, CONFIG.d_in) and X.dtype == torch.float32, said(
+        "rows not float32 of the config's sizes",
+        f"gen_dataset gave rows of shape {tuple(X.shape)} and dtype {X.dtype}: float32 rows of shape"
+        f" ({CONFIG.train_size}, {CONFIG.d_in}), the config's train_size by d_in",
+    )
+    assert Y.shape == (CONFIG.train_size,) and Y.dtype == torch.int64, said(
+        "labels not int64 of the config's size",
+        f"gen_dataset gave labels of shape {tuple(Y.shape)} and dtype {Y.dtype}: int64 labels of shape"
+        f" ({CONFIG.train_size},), one per row",
+    )
+    assert torch.equal(X, X2) and torch.equal(Y, Y2), said(
+        "data not the same for the same rand_state", "gen_dataset must give the same data for the same rand_state"
+    )
 
 
 def train_three_times(folder):
@@ -166,14 +176,17 @@ def check_training(folder):
     got = alone(train_three_times, folder)
     result, first, again = got["runs"]
     held_out = F.cross_entropy(forward_from(list(result["state"].values()), got["X_test"]), got["Y_test"]).item()
-    assert abs(result["test_loss"] - held_out) < 1e-4, (
+    assert abs(result["test_loss"] - held_out) < 1e-4, said(
+        "the test loss not measured on the held-out rows",
         f"the reported test loss {result['test_loss']:.4f} is not the loss on the held-out rows ({held_out:.4f}):"
-        " is it measured on the training data?"
+        " is it measured on the training data?",
     )
-    assert result["train_loss"] < first["train_loss"], "the training loss should fall over 40 steps"
+    assert result["train_loss"] < first["train_loss"], said(
+        "a training loss that does not fall", "the training loss should fall over 40 steps"
+    )
     assert result["state"].keys() == again["state"].keys() and all(
         torch.equal(result["state"][k], again["state"][k]) for k in result["state"]
-    ), "training should be reproducible for a fixed seed"
+    ), said("training not reproducible for a fixed seed", "training should be reproducible for a fixed seed")
 
 
 def train_printing(folder):

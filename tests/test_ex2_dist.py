@@ -146,14 +146,18 @@ def check_by_row(folder, world_size):
         for rank, per_shape in enumerate(results):
             got, flops = per_shape[i]
             if rank == 0:
-                assert isinstance(got, torch.Tensor), (
-                    f"{what}: par_matmul_by_row should return the {m}x{n} product on rank 0, got {got!r}"
+                assert isinstance(got, torch.Tensor), said(
+                    "no product returned on rank 0",
+                    f"{what}: par_matmul_by_row should return the {m}x{n} product on rank 0, got {got!r}",
                 )
                 if not (got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5)):
                     why = wrong_product("par_matmul_by_row", got, expected, A, B, world_size, 0, True)
                     raise AssertionError(said(why.concept, f"{what}: par_matmul_by_row on rank 0 returned {why}"))
             else:
-                assert got is None, f"{what}: par_matmul_by_row should return None on rank {rank}"
+                assert got is None, said(
+                    "a product returned on a rank other than 0",
+                    f"{what}: par_matmul_by_row should return None on rank {rank}",
+                )
             _work_split(what, "par_matmul_by_row", flops, m, k, n, world_size, rank)
 
 

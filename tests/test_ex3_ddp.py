@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course.checks import said
 from tests.helpers import alone, check_equivalence, load, printed, small_config, world
 
 
@@ -32,8 +33,8 @@ def check_train_shares_batches(folder, world_size=2):
             " as large: does rank r train on the batches i with i % world_size == r, and only those?"
         )
     same = all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in alone_state)
-    assert same and ranks[0]["parameters_close"] is True and ranks[1]["parameters_close"] is True, (
-        "train should end with the same parameters on every rank"
+    assert same and ranks[0]["parameters_close"] is True and ranks[1]["parameters_close"] is True, said(
+        "ranks ending with different parameters", "train should end with the same parameters on every rank"
     )
 
 
@@ -54,11 +55,13 @@ def closeness_verdicts(folder):
 def check_closeness(folder, world_size):
     """check_parameter_closeness answers True on every rank when the ranks agree, False on every rank when one differs."""
     same, differ = zip(*world(closeness_verdicts, world_size, folder))
-    assert list(same) == [True] * world_size, (
-        f"check_parameter_closeness should return True on every rank when all ranks agree, got {list(same)}"
+    assert list(same) == [True] * world_size, said(
+        "check_parameter_closeness False though the ranks agree",
+        f"check_parameter_closeness should return True on every rank when all ranks agree, got {list(same)}",
     )
-    assert list(differ) == [False] * world_size, (
-        f"rank {world_size - 1} holds a different weight: check_parameter_closeness should return False on every rank, got {list(differ)}"
+    assert list(differ) == [False] * world_size, said(
+        "check_parameter_closeness True though a rank differs",
+        f"rank {world_size - 1} holds a different weight: check_parameter_closeness should return False on every rank, got {list(differ)}",
     )
 
 

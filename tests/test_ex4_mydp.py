@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course.checks import said
 from tests.helpers import check_equivalence, check_start_sync, load, parallel_steps, world
 
 
@@ -34,9 +35,13 @@ def frozen_step(folder):
 def check_frozen(folder):
     """A frozen parameter gets no gradient and no hook; the others' gradients are still averaged."""
     grads = [rank["grads"] for rank in world(frozen_step, 2, folder)]
-    assert grads[0]["0.weight"] is None, "a parameter with requires_grad=False should get no gradient and no hook"
-    assert torch.equal(grads[0]["1.weight"], grads[1]["1.weight"]), (
-        "the other parameters' gradients should still be averaged"
+    assert grads[0]["0.weight"] is None, said(
+        "a frozen parameter given a gradient or a hook",
+        "a parameter with requires_grad=False should get no gradient and no hook",
+    )
+    assert torch.equal(grads[0]["1.weight"], grads[1]["1.weight"]), said(
+        "the other gradients not averaged beside a frozen parameter",
+        "the other parameters' gradients should still be averaged",
     )
 
 
@@ -46,13 +51,15 @@ def check_hook_leaves_its_argument(folder):
     Each rank's gradients differ here, so an average differs from what every rank was given."""
     results = world(frozen_step, 2, folder)
     for rank, got in enumerate(results):
-        assert not got["argument_changed"], (
+        assert not got["argument_changed"], said(
+            "the hook changing its argument in place",
             f"rank {rank}: the hook changed the gradient it was given, in place ({', '.join(got['argument_changed'])}):"
-            " a hook must leave its argument alone and return a new tensor"
+            " a hook must leave its argument alone and return a new tensor",
         )
-    assert any(got["returned_new"] for got in results), (
+    assert any(got["returned_new"] for got in results), said(
+        "the hook returning nothing new",
         "every rank's gradients are what the hook was given: the hook returned nothing new (a hook that returns"
-        " None leaves the gradient as it was); it must return the average as a new tensor"
+        " None leaves the gradient as it was); it must return the average as a new tensor",
     )
 
 

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course.checks import said
 from tests.comm_log import CommLog
 from tests.helpers import alone, check_equivalence, check_start_sync, describe_ratio, load, world
 
@@ -171,20 +172,24 @@ def check_overlap(folder):
         for step, got in enumerate(per_step):
             what = f"rank {rank}, backward pass {step + 1}, six 4 KiB gradients in 8 KiB buckets"
             assert_reset(rank, step, got)
-            assert len(got["collectives"]) == buckets, (
-                f"{what}: started {len(got['collectives'])} collectives, expected one all-reduce per bucket ({buckets})"
+            assert len(got["collectives"]) == buckets, said(
+                "not one all-reduce per bucket",
+                f"{what}: started {len(got['collectives'])} collectives, expected one all-reduce per bucket ({buckets})",
             )
-            assert got["started_before_last_gradient"] > 0, (
+            assert got["started_before_last_gradient"] > 0, said(
+                "no all-reduce started during the backward pass",
                 f"{what}: no all-reduce started before the last gradient was ready: start a bucket's"
-                " all-reduce from the hook that completes it, and fill buckets last parameter first"
+                " all-reduce from the hook that completes it, and fill buckets last parameter first",
             )
-            assert got["in_flight_at_last_gradient"] > 0, (
+            assert got["in_flight_at_last_gradient"] > 0, said(
+                "all-reduces not asynchronous, none overlapping the backward pass",
                 f"{what}: every all-reduce was already finished when the last gradient was ready, so none"
-                " overlapped the backward pass: start them with async_op=True and wait only at the end"
+                " overlapped the backward pass: start them with async_op=True and wait only at the end",
             )
-            assert not got["not_waited"], (
+            assert not got["not_waited"], said(
+                "backward returning before its all-reduces are waited for",
                 f"{what}: backward() returned before waiting for {len(got['not_waited'])} all-reduces:"
-                " wait for every bucket at the end of the backward pass, before optimizer.step()"
+                " wait for every bucket at the end of the backward pass, before optimizer.step()",
             )
     check_same_training(folder, "Deep", steps)
 
@@ -210,13 +215,15 @@ def check_same_training(folder, setup, steps, hint=""):
         for rank, per_step in enumerate(steps):
             got = per_step[step]
             assert_reset(rank, step, got)
-            assert got["collective_bytes"] == trainable, (
+            assert got["collective_bytes"] == trainable, said(
+                "not each trainable gradient all-reduced once",
                 f"backward pass {step + 1} all-reduced {got['collective_bytes']} bytes, the trainable parameters"
-                f" hold {trainable}: is a parameter in two buckets, or is its hook registered twice?"
+                f" hold {trainable}: is a parameter in two buckets, or is its hook registered twice?",
             )
-            assert set(got["grads"]) == set(local[0]), (
+            assert set(got["grads"]) == set(local[0]), said(
+                "gradients for other parameters than the trainable ones",
                 f"rank {rank} has gradients for {sorted(got['grads'])}, expected {sorted(local[0])}:"
-                " a frozen parameter (requires_grad=False) gets no gradient"
+                " a frozen parameter (requires_grad=False) gets no gradient",
             )
             for name, grad in got["grads"].items():
                 expected = sum(g[name] for g in local) / world_size

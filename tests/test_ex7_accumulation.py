@@ -101,9 +101,10 @@ def check_no_sync_accumulates(folder, world_size=2, micro_batches=3, steps=2):
         for rank, per_step in enumerate(results):
             got = per_step[step]
             what = f"rank {rank}, step {step + 1}, {micro_batches} micro-batches"
-            assert got["inside"] == 0, (
+            assert got["inside"] == 0, said(
+                "collectives started inside no_sync()",
                 f"{what}: the backward passes inside no_sync() started {got['inside']} collectives:"
-                " inside no_sync() gradients only accumulate, on each rank"
+                " inside no_sync() gradients only accumulate, on each rank",
             )
             started = (
                 f"{what}: the backward pass after no_sync() started {got['after']} collectives, expected"
@@ -137,13 +138,15 @@ def check_accumulation_step(folder, world_size=2, micro_batches=3, steps=2):
                 advice = ": run the other micro-batches inside model.no_sync()"
             else:
                 advice = ""
-            assert count == BUCKETS, (
+            assert count == BUCKETS, said(
+                "not one all-reduce per bucket, in the last backward pass",
                 f"{what}: accumulation_step started {count} collectives, expected {BUCKETS}"
-                f" (one per bucket, in the last backward pass){advice}"
+                f" (one per bucket, in the last backward pass){advice}",
             )
-            assert abs(got["loss"] - expected["rank_losses"][rank]) < 1e-4, (
+            assert abs(got["loss"] - expected["rank_losses"][rank]) < 1e-4, said(
+                "a returned loss not the mean over the rank's batch",
                 f"{what}: accumulation_step returned {got['loss']:.5f}, the mean loss of the rank's batch is"
-                f" {expected['rank_losses'][rank]:.5f}"
+                f" {expected['rank_losses'][rank]:.5f}",
             )
             _same_parameters(what, got["params"], expected["params"])
 
@@ -191,26 +194,31 @@ def check_nested_no_sync(folder, world_size=2, micro_batches=3):
     """A no_sync() block ends with synchronisation as it was before it, as torch's DDP does, even
     when the block raises."""
     for rank, got in enumerate(world(nested_no_sync_in_world, world_size, folder, micro_batches)):
-        assert got["inner"] == 0, (
-            f"rank {rank}: a backward pass inside two nested no_sync() blocks started {got['inner']} collectives"
+        assert got["inner"] == 0, said(
+            "collectives inside nested no_sync() blocks",
+            f"rank {rank}: a backward pass inside two nested no_sync() blocks started {got['inner']} collectives",
         )
-        assert got["outer"] == 0, (
+        assert got["outer"] == 0, said(
+            "leaving no_sync() turning synchronisation on, not back to its previous value",
             f"rank {rank}: after an inner no_sync() block ended, a backward pass still inside the outer one started"
-            f" {got['outer']} collectives: on leaving no_sync(), give the flag back its previous value, not True"
+            f" {got['outer']} collectives: on leaving no_sync(), give the flag back its previous value, not True",
         )
-        assert got["after"] == BUCKETS, (
+        assert got["after"] == BUCKETS, said(
+            "synchronisation not back after nested no_sync() blocks",
             f"rank {rank}: the backward pass after both no_sync() blocks started {got['after']} collectives,"
-            f" expected one all-reduce per bucket ({BUCKETS})"
+            f" expected one all-reduce per bucket ({BUCKETS})",
         )
-        assert got["after_raise"] == BUCKETS, (
+        assert got["after_raise"] == BUCKETS, said(
+            "synchronisation not back after a no_sync() block that raised",
             f"rank {rank}: after a no_sync() block that raised, a backward pass started {got['after_raise']}"
-            f" collectives, expected {BUCKETS}: synchronisation must come back even when the block raises"
+            f" collectives, expected {BUCKETS}: synchronisation must come back even when the block raises",
         )
         expected = [0] * (micro_batches - 1) + [BUCKETS]
-        assert got["idiom"] == expected, (
+        assert got["idiom"] == expected, said(
+            "no_sync()'s flag not named require_backward_grad_sync",
             f"rank {rank}: with model.require_backward_grad_sync = (micro_step == last), the backward passes started"
             f" {got['idiom']} collectives, expected {expected}: is the flag that no_sync() turns off named"
-            " require_backward_grad_sync, as in torch's DDP?"
+            " require_backward_grad_sync, as in torch's DDP?",
         )
 
 

@@ -219,18 +219,21 @@ def check_against_sampler(folder):
         order = [dealt[i % w][i // w] for i in range(n)]  # the sampler deals its order like cards: undo that
         what = f"partition({n}, [1/{w}] * {w}, seed={seed})"
         mine = torch.cat(shards).tolist()
-        assert mine == order, (
+        assert mine == order, said(
+            "shards not the sampler's order cut into consecutive pieces",
             f"{what} should cut the order that DistributedSampler(shuffle=True, seed={seed}) draws in its first"
-            f" epoch into {w} consecutive pieces"
+            f" epoch into {w} consecutive pieces",
         )
         if n % w == 0:
-            assert [len(s) for s in shards] == [len(d) for d in dealt], (
-                f"{what}: with {n} samples on {w} ranks every rank gets {n // w}, as with DistributedSampler"
+            assert [len(s) for s in shards] == [len(d) for d in dealt], said(
+                "shard sizes not the sampler's when n divides by W",
+                f"{what}: with {n} samples on {w} ranks every rank gets {n // w}, as with DistributedSampler",
             )
         else:
             padded = sum(len(d) for d in dealt) - n  # samples the sampler repeats on some rank
-            assert padded > 0 and len(mine) == n == len(set(mine)), (
-                f"{what}: the shards cover the {n} samples once each, without the sampler's {padded} repeated ones"
+            assert padded > 0 and len(mine) == n == len(set(mine)), said(
+                "samples repeated or left out when n does not divide by W",
+                f"{what}: the shards cover the {n} samples once each, without the sampler's {padded} repeated ones",
             )
 
 
@@ -295,8 +298,9 @@ def check_weighted_average(folder, world_size):
     optimizer.step()
     for rank, result in enumerate(results):
         for name, param in model.named_parameters():
-            assert torch.allclose(result["state"][name], param.detach(), rtol=1e-4, atol=1e-6), (
-                f"after one step, rank {rank}'s {name} differs from one process's step on the union batch"
+            assert torch.allclose(result["state"][name], param.detach(), rtol=1e-4, atol=1e-6), said(
+                "a step not one process's on the union batch",
+                f"after one step, rank {rank}'s {name} differs from one process's step on the union batch",
             )
 
 
@@ -542,10 +546,14 @@ def check_unwaited_apart(folder):
     """The run ends, and the ranks' parameters are apart: what exercise 3's closeness check answers False to."""
     results = world(unwaited_training, 2, folder)
     steps = [r["steps"] for r in results]
-    assert steps == [14, 6], f"partition(160, [0.7, 0.3]) should give shards of 112 and 48 samples: {steps} steps"
+    assert steps == [14, 6], said(
+        "shards not of 112 and 48 samples",
+        f"partition(160, [0.7, 0.3]) should give shards of 112 and 48 samples: {steps} steps",
+    )
     never_waited = [r["never_waited"] for r in results]
-    assert never_waited == [3 * 14, 3 * 6], (
-        f"the notebook's fix should leave every all-reduce of its 14 and 6 steps unwaited, not {never_waited}"
+    assert never_waited == [3 * 14, 3 * 6], said(
+        "not every all-reduce left unwaited",
+        f"the notebook's fix should leave every all-reduce of its 14 and 6 steps unwaited, not {never_waited}",
     )
     apart = max((results[0]["state"][n] - results[1]["state"][n]).abs().max().item() for n in results[0]["state"])
     assert apart > 1e-3, f"the ranks' parameters should be apart after unwaited all-reduces, at most {apart:.2g}"

@@ -302,7 +302,7 @@ def check_eval_alone(folder, world_size=2):
             f" {call} at {first.where()}, which the other ranks, evaluating nothing, never join: in eval mode"
             " normalise with the running statistics and communicate nothing"
         ) from None
-    assert got is not None, "rank 0's eval-mode output did not come back"
+    assert got is not None, said("no eval-mode output from rank 0", "rank 0's eval-mode output did not come back")
 
 
 # On one rank the layer is nn.BatchNorm1d: that case is worth 1 point, the others 2.
@@ -447,23 +447,28 @@ def check_train_steps(folder, world_size, steps=3):
         model(x, y)[1].backward()
         for name, p in model.named_parameters():
             averaged = sum(r["grads"][step][name] for r in results) / world_size
-            assert torch.allclose(averaged, p.grad, rtol=1e-4, atol=1e-6), (
+            assert torch.allclose(averaged, p.grad, rtol=1e-4, atol=1e-6), said(
+                "averaged gradients not one process's on the whole batch",
                 f"with {world_size} ranks, step {step + 1}: the ranks' gradients of {name}, averaged, are not"
-                " one process's gradient on the whole batch"
+                " one process's gradient on the whole batch",
             )
         optimizer.step()
         for rank, result in enumerate(results):
             for name, value in _state(model).items():
                 got = result["states"][step][name]
                 assert got.shape == value.shape and torch.allclose(got.float(), value.float(), rtol=1e-4, atol=1e-5), (
-                    f"with {world_size} ranks, after step {step + 1}, rank {rank}'s {name} is not one process's"
-                    " on the whole batch"
+                    said(
+                        "parameters or running statistics not one process's after a step",
+                        f"with {world_size} ranks, after step {step + 1}, rank {rank}'s {name} is not one process's"
+                        " on the whole batch",
+                    )
                 )
     model.eval()
     expected = model(global_batch(CONFIG, steps, 1)[0])[0].detach()
     for rank, result in enumerate(results):
-        assert torch.allclose(result["eval"], expected, rtol=1e-4, atol=1e-5), (
-            f"with {world_size} ranks, rank {rank}: after training, the model's eval-mode outputs are not one process's"
+        assert torch.allclose(result["eval"], expected, rtol=1e-4, atol=1e-5), said(
+            "eval-mode outputs not one process's after training",
+            f"with {world_size} ranks, rank {rank}: after training, the model's eval-mode outputs are not one process's",
         )
 
 
@@ -780,19 +785,21 @@ def check_non_iid_claims(folder):
     result = world(non_iid_in_world, 2, folder, keep=False, debug=False)[0]
     period = NON_IID["period"]
     sync_iid, sync_non = held_out_loss(result["False-1"]["final"]), held_out_loss(result["True-1"]["final"])
-    assert abs(sync_non / sync_iid - 1) < SYNC_MARGIN, (
+    assert abs(sync_non / sync_iid - 1) < SYNC_MARGIN, said(
+        "label-disjoint shards training worse than IID ones under synchronous averaging",
         f"averaged after every step, label-disjoint shards ended at test loss {sync_non:.3f} and IID shards at"
-        f" {sync_iid:.3f}: synchronous averaging should make them train alike"
+        f" {sync_iid:.3f}: synchronous averaging should make them train alike",
     )
     drift = {
         non_iid: sum(held_out_loss(w) for w in result[f"{non_iid}-{period}"]["before"])
         / max(1, len(result[f"{non_iid}-{period}"]["before"]))
         for non_iid in (False, True)
     }
-    assert drift[True] > DRIFT_RATIO * drift[False], (
+    assert drift[True] > DRIFT_RATIO * drift[False], said(
+        "no drift of local SGD's models on label-disjoint shards",
         f"with local SGD (period {period}), rank 0's own model just before averaging had mean test loss"
         f" {drift[True]:.3f} on label-disjoint shards and {drift[False]:.3f} on IID shards: expected the"
-        " label-disjoint one to be clearly worse"
+        " label-disjoint one to be clearly worse",
     )
 
 
