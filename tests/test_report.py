@@ -371,18 +371,22 @@ def untitled(sources: dict) -> list:
     return found
 
 
+def check_sources() -> dict:
+    """{module: source} of the check modules, tests/test_exN_*.py, and tests/helpers.py."""
+    folder = os.path.join(ROOT, "tests")
+    sources = {}
+    for path in glob.glob(os.path.join(folder, "test_ex*.py")) + [os.path.join(folder, "helpers.py")]:
+        with open(path) as f:
+            sources[os.path.basename(path)[: -len(".py")]] = f.read()
+    assert len(sources) > 15, sorted(sources)
+    return sources
+
+
 def test_every_assert_a_check_reaches_names_what_it_diagnoses():
     """Issue 29: 37 of the 91 functions holding the checks' asserts had neither a docstring nor said(), and their
     rows of the class report read 'assertion failed in check_ring (test_ex5_ring.py:58)'. Each names its promise
     (a docstring) or the mistake of each assert (said), so that no row is titled by a place."""
-    folder = os.path.join(ROOT, "tests")
-    paths = glob.glob(os.path.join(folder, "test_ex*.py")) + [os.path.join(folder, "helpers.py")]
-    sources = {}
-    for path in paths:
-        with open(path) as f:
-            sources[os.path.basename(path)[: -len(".py")]] = f.read()
-    assert len(sources) > 15, sorted(sources)
-    missing = untitled(sources)
+    missing = untitled(check_sources())
     assert not missing, f"give these a docstring naming the promise they judge, or a said() per mistake: {missing}"
 
 
@@ -419,6 +423,67 @@ def test_x():
         "test_ex0_x.bare",
         "test_ex0_x.inner",
     ]
+
+
+def _failures(function):
+    """The messages of a function's own failing statements: assert's, and raise AssertionError(...)'s (None if none)."""
+    for node in _own_nodes(function):
+        if isinstance(node, ast.Assert):
+            yield node.msg
+        elif isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and isinstance(node.exc.func, ast.Name):
+            if node.exc.func.id == "AssertionError":
+                yield node.exc.args[0] if node.exc.args else None
+
+
+def twice_plain(sources: dict) -> list:
+    """The functions with two or more failing statements whose messages carry no concept: {module: source}.
+
+    A message carries one when it is a call of said(), or of a function that returns one (describe_ratio, say),
+    or a choice (x if c else y) of two such; said(...) + "..." carries none (a str added to a Said is a plain
+    str). Such a function's plain messages all take the title of its docstring, and two diagnoses share it.
+    """
+    trees = [ast.parse(source) for source in sources.values()]
+    functions = [f for tree in trees for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)]
+    sayers = {"said"}
+
+    def says(node) -> bool:
+        if isinstance(node, ast.IfExp):
+            return says(node.body) and says(node.orelse)
+        return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in sayers
+
+    grown = True
+    while grown:  # the functions that return a concept, and those that return theirs
+        found = {f.name for f in functions if any(isinstance(n, ast.Return) and says(n.value) for n in ast.walk(f))}
+        grown = not found <= sayers
+        sayers |= found
+    module_of = {id(f): module for (module, tree) in zip(sources, trees) for f in ast.walk(tree)}
+    return sorted(f"{module_of[id(f)]}.{f.name}" for f in functions if sum(not says(m) for m in _failures(f)) > 1)
+
+
+def test_two_diagnoses_of_one_check_do_not_share_a_title():
+    """Rows of the class report were titled by a check's docstring for every assert of it without said(), so
+    that a check's different mistakes (ex11's check_hook: nine of them) shared one title. Each function now has
+    at most one assert without a concept, the one that judges its docstring's promise."""
+    shared = twice_plain(check_sources())
+    assert not shared, f"give each assert that diagnoses another mistake its said(concept, sentence): {shared}"
+
+    made = """
+def described(x):
+    return said("x false", "x is false")
+def checked(x):
+    assert x, said("x false", "x is false")
+    assert x, described(x)
+    assert x, said("a", "a") if x else described(x)
+    assert x, "the one plain message"
+def joined(x):
+    assert x, "plain"
+    assert x, said("x false", "x is ") + "false"
+def bare(x):
+    assert x
+    if not x:
+        raise AssertionError("x is false")
+"""
+    assert twice_plain({"test_ex0_x": made}) == ["test_ex0_x.bare", "test_ex0_x.joined"]
 
 
 def test_code_not_written_yet_is_not_attempted_not_a_mistake():
