@@ -27,7 +27,7 @@ def seconds(command, env):
         for _ in range(REPEAT):
             start = time.perf_counter()
             done = subprocess.run(
-                command + ["--grade-results", os.path.join(results, "results.json")],
+                command + ["--results", os.path.join(results, "results.json")],
                 cwd=ROOT,
                 env=env,
                 capture_output=True,
@@ -48,7 +48,7 @@ def main():
     print(f"median of {REPEAT} runs, wall seconds, reference solutions; load average before: {os.getloadavg()[0]:.1f}")
     print(f"{'what':>22}  {'default':>8}  {'forkserver':>10}  {'target':>6}")
     for ex in [*graded_exercises(), None]:
-        command = grade + (["--ex", str(ex)] if ex is not None else []) + ["--"]
+        command = grade + (["--ex", str(ex)] if ex is not None else [])
         default = seconds(command, base)
         forkserver = seconds(command, dict(base, COURSE_START_METHOD="forkserver"))
         target = TARGET_ONE if ex is not None else TARGET_ALL

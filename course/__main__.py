@@ -44,10 +44,7 @@ def grade(args) -> int:
     problem = plugin.no_such_exercise(args.ex)
     if problem:
         print(problem, file=sys.stderr)
-        # Where the grader would have written results.json: an autograder reads it there.
-        given = argparse.ArgumentParser(add_help=False)
-        given.add_argument("--grade-results", default="results.json")
-        plugin.write_json(given.parse_known_args(args.pytest)[0].grade_results, plugin.not_graded([problem]))
+        plugin.write_json(args.results, plugin.not_graded([problem]))  # where an autograder reads it
         if args.github_classroom:
             plugin.give_github_output(plugin.not_graded([problem]))
         return 2
@@ -59,7 +56,7 @@ def grade(args) -> int:
 
     # --assert=plain: pytest's rewritten asserts would make a new string of a check's message, and
     # lose the concept a check gives it (course/checks.py's said()), as the notebooks keep it.
-    options = ["-p", "no:cacheprovider", "--assert=plain", "--rootdir", ROOT]
+    options = ["-p", "no:cacheprovider", "--assert=plain", "--rootdir", ROOT, "--grade-results", args.results]
     options += ["--grade-processes", str(plugin.processes_here())]
     if args.fail_under is not None:
         options += ["--grade-fail-under", str(args.fail_under)]
@@ -84,6 +81,9 @@ def main(argv=None) -> int:
         "--github-classroom",
         action="store_true",
         help="also give the grade to GitHub Classroom's grading reporter (a step output, `result`)",
+    )
+    grading.add_argument(
+        "--results", default="results.json", metavar="PATH", help="where to write results.json (Gradescope's format)"
     )
     grading.add_argument("pytest", nargs="*", help="more options for pytest (after --)")
     grading.set_defaults(run=grade)

@@ -130,8 +130,7 @@ def run(root: str, exercises: list | None = None) -> int:
     os.makedirs(os.path.dirname(results), exist_ok=True)
     graded = tempfile.mkdtemp(prefix="submission-", dir=os.path.join(root, "results"))
     notes = take_in(os.path.join(root, "submission"), graded)
-    command = [sys.executable, "-m", "course", "grade", *[f"--ex={n}" for n in exercises or []]]
-    command += ["--", "--grade-results", results]
+    command = [sys.executable, "-m", "course", "grade", *[f"--ex={n}" for n in exercises or []], "--results", results]
     env = dict(os.environ, COURSE_IMPL=graded, COURSE_SANDBOX=os.environ.get("COURSE_SANDBOX", "required"))
     done = subprocess.run(command, cwd=ROOT, env=env)
     shutil.rmtree(graded, ignore_errors=True)
