@@ -804,6 +804,12 @@ class _Kept:
         self._mine()
         return [proc.pid for world in self.worlds.values() for proc in world.procs]
 
+    def holders(self) -> list:
+        """The pids of the processes that hold the kept worlds' namespaces (course/sandbox.py's Guard)."""
+        self._mine()
+        guards = [world.guard for world in self.worlds.values() if world.guard is not None]
+        return [guard.handle for guard in guards if guard.level == "namespaces"]
+
 
 _kept = _Kept()
 atexit.register(_kept.stop)
@@ -817,6 +823,12 @@ def stop_kept() -> None:
 def kept_workers() -> list:
     """The pids of the kept worlds' workers: alive between calls, by design."""
     return _kept.pids()
+
+
+def kept_processes() -> list:
+    """The pids of every process of the kept worlds that this process started: their workers, and
+    under the namespaces sandbox the process that holds each world's namespaces."""
+    return [*_kept.pids(), *_kept.holders()]
 
 
 class Interrupted(KeyboardInterrupt):

@@ -121,9 +121,9 @@ def descendants(pid):
 
 
 def stray_workers():
-    """Our descendants, less the forkserver, tests/warm.py's server and the workers of kept worlds
+    """Our descendants, less the forkserver, tests/warm.py's server and the processes of kept worlds
     (they live as long as this process, by design)."""
-    servers = [multiprocessing.forkserver._forkserver._forkserver_pid, warm.server_pid(), *workers.kept_workers()]
+    servers = [multiprocessing.forkserver._forkserver._forkserver_pid, warm.server_pid(), *workers.kept_processes()]
     helpers = {p for server in servers if server for p in [server, *descendants(server)]}
     return [p for p in descendants(os.getpid()) if p not in helpers]
 
@@ -229,9 +229,7 @@ def test_the_graders_worlds_compare_collectives_whatever_course_debug_says(tmp_p
     with open(os.path.join(folder, "hvd.py")) as f:
         line = next(n for n, text in enumerate(f, 1) if new in text)
     start = time.monotonic()
-    done = warm.run(
-        ["-m", "course", "grade", "--ex", "10"], cwd=tmp_path, env=dict(os.environ, COURSE_IMPL=folder, COURSE_DEBUG="")
-    )
+    done = warm.grade("--ex", "10", impl=folder, cwd=tmp_path, env={"COURSE_DEBUG": ""})
     seconds = time.monotonic() - start
     failed = sorted(text.strip() for text in done.stdout.splitlines() if text.strip().startswith("x "))
     assert len(failed) == 2, done.stdout + done.stderr
