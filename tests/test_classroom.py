@@ -110,13 +110,12 @@ def test_a_grade_step_that_cannot_grade_reports_an_error_with_the_reason(tmp_pat
 def test_fail_under_sets_the_exit_status_for_graders_that_read_only_that(tmp_path):
     """`python -m course grade --fail-under 100`: 1 short of full marks, 0 at full marks; the table
     and results.json are the same either way."""
-    environ = dict(os.environ, COURSE_IMPL=SOLUTIONS)
-    full = warm.run(["-m", "course", "grade", "--ex", "1", "--fail-under", "100"], cwd=tmp_path, env=environ)
+    full = warm.grade("--ex", "1", "--fail-under", "100", impl=SOLUTIONS, cwd=tmp_path)
     assert full.returncode == 0 and "20/20" in full.stdout, full.stdout + full.stderr
-    stubs = dict(environ, COURSE_IMPL=str(tmp_path / "stubs"))
-    release(str(tmp_path / "stubs"))
-    short = warm.run(["-m", "course", "grade", "--ex", "1", "--fail-under", "100"], cwd=tmp_path, env=stubs)
+    stubs = tmp_path / "stubs"
+    release(str(stubs))
+    short = warm.grade("--ex", "1", "--fail-under", "100", impl=stubs, cwd=tmp_path)
     assert short.returncode == 1 and "Below 100% of the points: exit status 1" in short.stdout, short.stdout
     assert "GRADER ERROR" not in short.stdout
-    lenient = warm.run(["-m", "course", "grade", "--ex", "1", "--fail-under", "0"], cwd=tmp_path, env=stubs)
+    lenient = warm.grade("--ex", "1", "--fail-under", "0", impl=stubs, cwd=tmp_path)
     assert lenient.returncode == 0, lenient.stdout

@@ -224,7 +224,7 @@ def test_two_grading_processes_grade_as_one(tmp_path):
     results = []
     for processes in (1, 2):
         audit = tmp_path / f"imports-{processes}.txt"
-        done = course_grade(
+        done = warm.grade(
             *("--ex", "4", "--", "--grade-processes", str(processes), "-p", "tests.import_audit"),
             impl=folder,
             cwd=tmp_path,
@@ -250,7 +250,7 @@ def test_a_broken_grader_exits_non_zero(tmp_path):
 def test_no_check_gives_points_to_code_that_does_nothing(tmp_path):
     """Every TODO answered by `pass`: no check of any exercise passes (points for nothing)."""
     folder = does_nothing(tmp_path / "nothing")
-    done = course_grade(impl=folder, cwd=tmp_path)
+    done = warm.grade(impl=folder, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     with open(tmp_path / "results.json") as f:
         found = json.load(f)
@@ -314,16 +314,11 @@ def test_release_has_no_solution_and_grades_an_untouched_clone(tmp_path):
     ), messages
 
 
-def course_grade(*args, impl, cwd, env=None):
-    environ = dict(os.environ, COURSE_IMPL=str(impl), **(env or {}))
-    return warm.run(["-m", "course", "grade", *args], cwd=cwd, env=environ)
-
-
 def test_grade_names_the_exercises_when_there_is_no_such_one(tmp_path):
     """...and its results.json says that the submission could not be graded: no plausible 0."""
     exercises = graded_exercises()
     missing = max(exercises) + 1
-    done = course_grade("--ex", "2", "--ex", str(missing), impl=ROOT, cwd=tmp_path)
+    done = warm.grade("--ex", "2", "--ex", str(missing), impl=ROOT, cwd=tmp_path)
     assert done.returncode != 0 and done.stdout == ""
     assert done.stderr.strip() == f"no exercise {missing}; exercises are {min(exercises)}–{max(exercises)}"
     with open(tmp_path / "results.json") as f:
@@ -361,7 +356,7 @@ def test_an_interrupted_grade_says_so_and_gives_no_score(tmp_path):
 
 def test_several_exercises_in_one_run(tmp_path):
     """A weekly assignment: `--ex 6 --ex 7` (make grade EX="6 7") grades both, and only them."""
-    done = course_grade("--ex", "7", "--ex", "5", impl=SOLUTIONS, cwd=tmp_path)
+    done = warm.grade("--ex", "7", "--ex", "5", impl=SOLUTIONS, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     with open(tmp_path / "results.json") as f:
         found = json.load(f)
@@ -374,7 +369,7 @@ def test_a_syntax_error_is_said_once_and_no_pytest_summary_follows_the_table(tmp
     for name in STUDENT_FILES:
         shutil.copy(os.path.join(ROOT, name), tmp_path)
     (tmp_path / "mlp.py").write_text("def broken(:\n")
-    done = course_grade("--ex", "1", impl=tmp_path, cwd=tmp_path)
+    done = warm.grade("--ex", "1", impl=tmp_path, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     table = done.stdout[done.stdout.index("exercise") :]
     assert table.count("mlp.py does not import: SyntaxError") == 1, table
@@ -406,7 +401,7 @@ def test_an_endless_loop_costs_its_exercise_one_world_limit_not_one_per_check(tm
     environ = {"COURSE_TIMEOUT": "4"} | grading_plugin(
         tmp_path, "short_hang", "from course import env\n\nenv.HANG_WORLD_LIMIT = 1\n"
     )
-    done = course_grade("--ex", "2", "--ex", "5", "--", "-p", "short_hang", impl=folder, cwd=tmp_path, env=environ)
+    done = warm.grade("--ex", "2", "--ex", "5", "--", "-p", "short_hang", impl=folder, cwd=tmp_path, env=environ)
     assert done.returncode == 0, done.stdout + done.stderr
     with open(tmp_path / "results.json") as f:
         tests = json.load(f)["tests"]
@@ -446,7 +441,7 @@ def test_a_required_sandbox_that_this_machine_cannot_give_is_a_grader_error(tmp_
         "sandbox._PROBES.update(uid=lambda readable: 'no user here', namespaces=lambda readable: 'no namespaces here')\n"
     )
     environ = {"COURSE_SANDBOX": "required"} | grading_plugin(tmp_path, "no_sandbox", probes)
-    done = course_grade("--ex", "2", "--", "-p", "no_sandbox", impl=ROOT, cwd=tmp_path, env=environ)
+    done = warm.grade("--ex", "2", "--", "-p", "no_sandbox", impl=ROOT, cwd=tmp_path, env=environ)
     said = re.search(
         r"GRADER ERROR \(not your code\): (COURSE_SANDBOX=required, and it is not possible here: .*)", done.stdout
     )

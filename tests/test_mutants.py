@@ -5,7 +5,6 @@ known mistake and shows that the check for it fails, with a message that points 
 """
 
 import json
-import os
 
 import pytest
 
@@ -167,9 +166,7 @@ def test_one_mistake_costs_only_the_checks_of_its_own_promise(tmp_path):
     parameters, the hook): their judges start the ranks from the same parameters themselves."""
     file, old, new, _, hint = MUTANTS["no initial broadcast"]
     folder = make_mutant(tmp_path / "mutant", file, old, new)
-    done = warm.run(
-        ["-m", "course", "grade", "--ex", "4"], cwd=tmp_path, env=dict(os.environ, COURSE_IMPL=folder), timeout=240
-    )
+    done = warm.grade("--ex", "4", impl=folder, cwd=tmp_path, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     with open(tmp_path / "results.json") as f:
         tests = json.load(f)["tests"]

@@ -176,9 +176,8 @@ def test_an_endless_loop_costs_its_own_check_and_is_named_where_it_loops(tmp_pat
     """Issue 29: the grader reported the loop in largest_world where one stack caught the rank, in the
     check's own t_sync_of (test_ex12_cost.py:54 in sync_growing). It names largest_world's line."""
     folder = make_mutant(tmp_path / "mutant", "cost.py", *ENDLESS)
-    environ = dict(os.environ, COURSE_IMPL=folder, COURSE_TIMEOUT=str(LOOP_LIMIT))
     start = time.monotonic()
-    done = warm.run(["-m", "course", "grade", "--ex", "12"], cwd=tmp_path, env=environ)
+    done = warm.grade("--ex", "12", impl=folder, cwd=tmp_path, env={"COURSE_TIMEOUT": str(LOOP_LIMIT)})
     seconds = time.monotonic() - start
     failed = [line.strip() for line in done.stdout.splitlines() if line.strip().startswith("x ")]
     assert re.search(r"^ +12 +4/5 +16/20$", done.stdout, re.M) and len(failed) == 1, done.stdout + done.stderr

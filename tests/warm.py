@@ -157,6 +157,13 @@ def run(args, cwd, env=None, timeout=120, python=None, user=None, name=""):
     return subprocess.CompletedProcess(command, int(done.split()[1]), stdout, stderr)
 
 
+def grade(*args, impl, cwd, env=None, timeout=120):
+    """`python -m course grade ARGS` on the code at impl (COURSE_IMPL), from the warm server, as run()
+    runs it; env: variables to add to this process's."""
+    environ = dict(os.environ, COURSE_IMPL=str(impl), **(env or {}))
+    return run(["-m", "course", "grade", *args], cwd=cwd, env=environ, timeout=timeout)
+
+
 def _kill(pid):
     """The command and what it started (its workers die with it: course/workers.py)."""
     try:
