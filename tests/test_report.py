@@ -314,13 +314,7 @@ def _own_nodes(function):
 
 
 def _holds_assert(function) -> bool:
-    def failing(node):
-        if isinstance(node, ast.Assert):
-            return True
-        made = node.exc if isinstance(node, ast.Raise) else None
-        return isinstance(made, ast.Call) and isinstance(made.func, ast.Name) and made.func.id == "AssertionError"
-
-    return any(failing(node) for node in _own_nodes(function))
+    return any(True for _ in _failures(function))
 
 
 def _says(function) -> bool:
@@ -431,7 +425,7 @@ def _failures(function):
         if isinstance(node, ast.Assert):
             yield node.msg
         elif isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and isinstance(node.exc.func, ast.Name):
-            if node.exc.func.id == "AssertionError":
+            if node.exc.func.id == "AssertionError":  # raise AssertionError(message)
                 yield node.exc.args[0] if node.exc.args else None
 
 
