@@ -42,11 +42,12 @@ def affine():
 
 
 def update_running_stats(layer, count, mean, var):
-    """The tests' own update of the running statistics, nn.BatchNorm1d's (the solution's)."""
+    """The tests' own update of the running statistics: nn.BatchNorm1d's moving average, the running
+    variance towards the unbiased variance."""
     with torch.no_grad():
         layer.num_batches_tracked += 1
-        layer.running_mean.lerp_(mean, MOMENTUM)
-        layer.running_var.lerp_(var * count / (count - 1), MOMENTUM)
+        for running, statistic in ((layer.running_mean, mean), (layer.running_var, var * count / (count - 1))):
+            running.copy_((1 - MOMENTUM) * running + MOMENTUM * statistic)
 
 
 def sync_module(folder):
