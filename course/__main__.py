@@ -39,7 +39,11 @@ def grade(args) -> int:
     # before the first world starts.
     gc.disable()
     from course import grade as plugin
-    from course.layout import ROOT, graded_exercises
+    from course.layout import ROOT, graded_elsewhere, graded_exercises
+
+    elsewhere = None if os.environ.get("COURSE_IMPL") else graded_elsewhere(os.getcwd())
+    if elsewhere:
+        print(elsewhere, file=sys.stderr)
 
     problem = plugin.no_such_exercise(args.ex)
     if problem:

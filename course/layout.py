@@ -41,3 +41,31 @@ def graded_exercises() -> list[int]:
         for path in glob.glob(os.path.join(TESTS, "test_ex*_*.py"))
     )
     return sorted(int(m.group(1)) for m in found if m)
+
+
+def course_folder_of(path: str) -> str | None:
+    """The course checkout that holds `path` (a folder with course/layout.py), or None."""
+    path = os.path.realpath(path)
+    while True:
+        if os.path.isfile(os.path.join(path, "course", "layout.py")):
+            return path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+
+
+def graded_elsewhere(cwd: str, root: str = ROOT) -> str | None:
+    """A sentence naming the folder `make grade` grades when it is not the one the student is in.
+
+    The files graded are those beside the course package this Python imported: with one .venv
+    shared by two clones (an editable install), a grade run in the second clone grades the first.
+    """
+    here = course_folder_of(cwd)
+    if here == os.path.realpath(root):
+        return None
+    where = f"you are in {here}" if here else f"{os.path.realpath(cwd)} is in no copy of the course"
+    return (
+        f"Grading the files in {root}, the copy of the course this Python's `course` package comes from; "
+        f"{where}. To grade another copy, run its own .venv's python (or `make grade`) in it."
+    )

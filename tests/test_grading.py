@@ -14,7 +14,7 @@ from course import checks, impl
 from course import make_notebooks as notebooks
 from course.grade import explain
 from course.launch import WorldFailed, run
-from course.layout import graded_exercises
+from course.layout import graded_elsewhere, graded_exercises
 from course.release import leaks, release, secret_lines
 from course.student import ROOT, SOLUTIONS, STUDENT_FILES
 from tests import warm
@@ -324,6 +324,29 @@ def test_grade_names_the_exercises_when_there_is_no_such_one(tmp_path):
     with open(tmp_path / "results.json") as f:
         found = json.load(f)
     assert "could not be graded" in found["output"] and found["tests"][0]["name"] == "The grader", found
+
+
+def test_grade_says_which_folder_it_grades_when_not_the_current_one(tmp_path):
+    """Two clones sharing one .venv: the grade run in the second grades the first's files, and says so."""
+    other = tmp_path / "other-clone"
+    (other / "course").mkdir(parents=True)
+    (other / "course" / "layout.py").write_text("")
+    (other / "exercises").mkdir()
+    assert graded_elsewhere(ROOT) is None and graded_elsewhere(os.path.join(ROOT, "exercises")) is None
+    said = graded_elsewhere(str(other / "exercises"))
+    assert said and f"Grading the files in {ROOT}" in said and f"you are in {other}" in said, said
+    assert "in no copy of the course" in graded_elsewhere(str(tmp_path))
+    # From the other clone's subfolder, `python -m course` imports this repository's package (the
+    # editable install), as a second clone sharing this .venv would.
+    done = subprocess.run(
+        [sys.executable, "-m", "course", "grade", "--ex", "0"],
+        cwd=other / "exercises",
+        env={k: v for k, v in os.environ.items() if k != "COURSE_IMPL"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stderr.startswith(f"Grading the files in {ROOT}"), done.stderr
 
 
 def test_an_interrupted_grade_says_so_and_gives_no_score(tmp_path):
