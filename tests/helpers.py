@@ -100,8 +100,8 @@ class _Either:
 
 
 class _Tensor:
-    def __init__(self, shape, dtype):
-        self.shape, self.dtype = None if shape is None else list(shape), dtype
+    def __init__(self, shape, dtype, finite):
+        self.shape, self.dtype, self.finite = None if shape is None else list(shape), dtype, finite
 
 
 def many(item, n=None):
@@ -125,9 +125,10 @@ def either(*shapes):
     return _Either(shapes)
 
 
-def tensor(shape=None, dtype=None):
-    """A tensor of this shape and dtype (either left out: any), of finite values if floating."""
-    return _Tensor(shape, dtype)
+def tensor(shape=None, dtype=None, finite=True):
+    """A tensor of this shape and dtype (either left out: any), of finite values if floating (unless finite is
+    False: where the judge compares it with its own numbers first, and names the mistake that gave nan or inf)."""
+    return _Tensor(shape, dtype, finite)
 
 
 # One tensor per parameter of exercise 1's MLP (and SmallMLP), by name: a state dict of SMALL.
@@ -149,7 +150,8 @@ def _expected(shape) -> str:
         return _expected(tensor())
     if isinstance(shape, _Tensor):
         dtype = f" {str(shape.dtype).removeprefix('torch.')}" if shape.dtype is not None else ""
-        return f"a{dtype} tensor{f' of shape {shape.shape}' if shape.shape is not None else ''} of finite values"
+        finite = " of finite values" if shape.finite else ""
+        return f"a{dtype} tensor{f' of shape {shape.shape}' if shape.shape is not None else ''}{finite}"
     if isinstance(shape, type):
         return _KINDS.get(shape, shape.__name__)
     if isinstance(shape, tuple):
@@ -205,7 +207,7 @@ def _fits(got, shape) -> bool:
             isinstance(got, torch.Tensor)
             and (shape.shape is None or list(got.shape) == shape.shape)
             and (shape.dtype is None or got.dtype == shape.dtype)
-            and not (got.is_floating_point() and not torch.isfinite(got).all())
+            and not (shape.finite and got.is_floating_point() and not torch.isfinite(got).all())
         )
     if shape is float:
         return type(got) in (int, float) and math.isfinite(got)
