@@ -74,9 +74,10 @@ def forward_from(weights, x):
 # shape its judge declares (expect=) before any judge reads it, so that a malformed part fails the
 # check with what came back and what was expected, and no judge passes by iterating over nothing.
 # A shape is: a type (torch.Tensor, int, float, str, bool; a float and a floating tensor must be
-# finite), None, tensor(shape, dtype), a tuple of shapes (a list or tuple of exactly those items),
-# a dict of shapes (a dict with at least those keys), many(shape, n) or keyed(shape, keys); object
-# where the judge itself tells apart what may come (and says what is wrong with each).
+# finite), None, tensor(shape, dtype, finite), a tuple of shapes (a list or tuple of exactly those
+# items), a dict of shapes (a dict with at least those keys), many(shape, n), keyed(shape, keys),
+# maybe(shape) or either(*shapes); object where the judge itself tells apart what may come (and says
+# what is wrong with each).
 
 
 class _Many:
