@@ -15,6 +15,8 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.helpers import many
+
 POINT_TO_POINT = ("send", "recv", "recv_anysource")
 COLLECTIVES = (
     "allreduce",
@@ -145,6 +147,18 @@ class CommLog:
             "not_waited": self.in_flight(),
         }
 
+
+# What summary() gives, as a judge expects it (tests/helpers.py: a worker's reply is validated).
+SUMMARY = {
+    "collectives": many(str),
+    "collective_dtypes": many(object),
+    "collective_bytes": many(int),
+    "sent_bytes": int,
+    "received_bytes": int,
+    "send_peers": many(int),
+    "receive_peers": many(int),
+    "not_waited": many(int),
+}
 
 _aten = torch.ops.aten
 

@@ -8,6 +8,7 @@ with the tests' own model below. So code under test can do what it likes in its 
 verdict is still decided only by code of this repository.
 """
 
+import math
 from contextlib import redirect_stdout
 from io import StringIO
 from types import SimpleNamespace
@@ -51,6 +52,11 @@ class SmallMLP(nn.Module):
         return logits, (F.cross_entropy(logits, targets) if targets is not None else None)
 
 
+def parameters_of(model, item=torch.Tensor):
+    """The shape of a result that holds one item per parameter of model, by name (many(), keyed())."""
+    return keyed(item, [name for name, _ in model.named_parameters()])
+
+
 def forward_from(weights, x):
     """Exercise 1's forward pass from its weight matrices: tanh between the layers, none after the last."""
     for i, weight in enumerate(weights):
@@ -60,15 +66,221 @@ def forward_from(weights, x):
     return x
 
 
-def world(fn, world_size, *args, keep=True, debug=True, **options):
-    """Run the probe fn on every rank of a gloo world; what it returned, by rank. Collectives are
+# --- what a probe returns, as its judge expects it ------------------------------------------------
+#
+# A worker's reply is data that the judge validates, never a claim it believes: the worker's process
+# runs the submission, which can rewrite what it sends back (an empty list where the probe failed, a
+# dict without the part a judge reads). world() and alone() check every rank's result against the
+# shape its judge declares (expect=) before any judge reads it, so that a malformed part fails the
+# check with what came back and what was expected, and no judge passes by iterating over nothing.
+# A shape is: a type (torch.Tensor, int, float, str, bool; a float and a floating tensor must be
+# finite), None, tensor(shape, dtype, finite), a tuple of shapes (a list or tuple of exactly those
+# items), a dict of shapes (a dict with at least those keys), many(shape, n), keyed(shape, keys),
+# maybe(shape) or either(*shapes); object where the judge itself tells apart what may come (and says
+# what is wrong with each).
+
+
+class _Many:
+    def __init__(self, item, n):
+        self.item, self.n = item, n
+
+
+class _Keyed:
+    def __init__(self, item, keys):
+        self.item, self.keys = item, None if keys is None else list(keys)
+
+
+class _Maybe:
+    def __init__(self, item):
+        self.item = item
+
+
+class _Either:
+    def __init__(self, shapes):
+        self.shapes = shapes
+
+
+class _Tensor:
+    def __init__(self, shape, dtype, finite):
+        self.shape, self.dtype, self.finite = None if shape is None else list(shape), dtype, finite
+
+
+def many(item, n=None):
+    """A list (or tuple) of n items (n an int, or a range of numbers; any number without n), each of the
+    shape item."""
+    return _Many(item, n)
+
+
+def keyed(item, keys=None):
+    """A dict whose values are of the shape item, with exactly these keys (any, without keys)."""
+    return _Keyed(item, keys)
+
+
+def maybe(item):
+    """None, or the shape item."""
+    return _Maybe(item)
+
+
+def either(*shapes):
+    """Any of these shapes (a probe that stops early says why in fewer parts); the last is the whole one."""
+    return _Either(shapes)
+
+
+def tensor(shape=None, dtype=None, finite=True):
+    """A tensor of this shape and dtype (either left out: any), of finite values if floating (unless finite is
+    False: where the judge compares it with its own numbers first, and names the mistake that gave nan or inf)."""
+    return _Tensor(shape, dtype, finite)
+
+
+# One tensor per parameter of exercise 1's MLP (and SmallMLP), by name: a state dict of SMALL.
+SMALL_NAMES = [f"layers.{i}.weight" for i in range(CONFIG.n_layers)]
+SMALL_PARAMETERS = keyed(torch.Tensor, SMALL_NAMES)
+
+_KINDS = {int: "a whole number", float: "a finite number", str: "a string", bool: "True or False"}
+
+
+def _items(n) -> str:
+    return f"{n} item" if n == 1 else f"{n} items"
+
+
+def _expected(shape) -> str:
+    """The shape of a result, in words."""
+    if shape is None:
+        return "None"
+    if shape is torch.Tensor:
+        return _expected(tensor())
+    if isinstance(shape, _Tensor):
+        dtype = f" {str(shape.dtype).removeprefix('torch.')}" if shape.dtype is not None else ""
+        finite = " of finite values" if shape.finite else ""
+        return f"a{dtype} tensor{f' of shape {shape.shape}' if shape.shape is not None else ''}{finite}"
+    if isinstance(shape, type):
+        return _KINDS.get(shape, shape.__name__)
+    if isinstance(shape, tuple):
+        return f"a list of {_items(len(shape))}"
+    if isinstance(shape, dict):
+        return f"a dict with keys {sorted(shape)}"
+    if isinstance(shape, _Many):
+        if isinstance(shape.n, range):
+            return f"a list of {shape.n.start} to {shape.n.stop - 1} items"
+        return f"a list of {_items(shape.n)}" if shape.n is not None else "a list"
+    if isinstance(shape, _Keyed):
+        return f"a dict with keys {shape.keys}" if shape.keys is not None else "a dict"
+    if isinstance(shape, _Either):
+        return _expected(shape.shapes[-1])
+    return f"None or {_expected(shape.item)}"
+
+
+def _returned(got) -> str:
+    """What came back, in words."""
+    if got is None or isinstance(got, (bool, int, float)):
+        return repr(got)
+    if isinstance(got, torch.Tensor):
+        finite = got.is_floating_point() and not torch.isfinite(got).all()
+        return f"a {str(got.dtype).removeprefix('torch.')} tensor of shape {list(got.shape)}" + (
+            " holding nan or inf" if finite else ""
+        )
+    if isinstance(got, str):
+        return "a string"
+    if isinstance(got, (list, tuple)):
+        return f"a list of {_items(len(got))}" if got else "an empty list"
+    if isinstance(got, dict):
+        return f"a dict with keys {sorted(map(str, got))}"
+    return f"a {type(got).__name__}"
+
+
+def _lengths(shape) -> range:
+    if isinstance(shape, tuple):
+        return range(len(shape), len(shape) + 1)
+    return (
+        shape.n if isinstance(shape.n, range) else range(2**63 - 1) if shape.n is None else range(shape.n, shape.n + 1)
+    )
+
+
+def _fits(got, shape) -> bool:
+    if shape is object:  # any data: the judge tells its kinds apart itself
+        return True
+    if shape is None:
+        return got is None
+    if shape is torch.Tensor:
+        return _fits(got, tensor())
+    if isinstance(shape, _Tensor):
+        return (
+            isinstance(got, torch.Tensor)
+            and (shape.shape is None or list(got.shape) == shape.shape)
+            and (shape.dtype is None or got.dtype == shape.dtype)
+            and not (shape.finite and got.is_floating_point() and not torch.isfinite(got).all())
+        )
+    if shape is float:
+        return type(got) in (int, float) and math.isfinite(got)
+    if isinstance(shape, type):
+        return type(got) is shape
+    if isinstance(shape, (tuple, _Many)):
+        return isinstance(got, (list, tuple)) and len(got) in _lengths(shape)
+    if isinstance(shape, dict):
+        return isinstance(got, dict) and set(shape) <= set(got)
+    if isinstance(shape, _Keyed):
+        return isinstance(got, dict) and (shape.keys is None or set(got) == set(shape.keys))
+    return got is None or _fits(got, shape.item)
+
+
+def _parts(got, shape):
+    """(key, part, its shape) of a result that fits the outer shape."""
+    if isinstance(shape, tuple):
+        return zip(range(len(shape)), got, shape)
+    if isinstance(shape, _Many):
+        return ((i, part, shape.item) for i, part in enumerate(got))
+    if isinstance(shape, dict):
+        return ((key, got[key], part) for key, part in shape.items())
+    if isinstance(shape, _Keyed):
+        return ((key, part, shape.item) for key, part in got.items())
+    if isinstance(shape, _Maybe) and got is not None:
+        return [(None, got, shape.item)]
+    return []
+
+
+def malformed(got, shape, path=""):
+    """Why got is not of the shape, or None where it is: (what came back, what the check expects, where in
+    got: a path of keys and indices, '' for got itself)."""
+    if isinstance(shape, _Either):
+        found = [malformed(got, one, path) for one in shape.shapes]
+        return None if None in found else found[-1]
+    if not _fits(got, shape):
+        return _returned(got), _expected(shape), path
+    for key, part, inner in _parts(got, shape):
+        found = malformed(part, inner, path if key is None else f"{path}[{key!r}]")
+        if found:
+            return found
+    return None
+
+
+def validated(results, shape, world_size):
+    """results (by rank), each checked against shape: a malformed one fails the check, saying what came back."""
+    for rank, got in enumerate(results):
+        found = malformed(got, shape)
+        if found is None:
+            continue
+        returned, expected, path = found
+        where = [f"rank {rank} of {world_size}"] * (world_size > 1) + [f"at {path} of its result"] * bool(path)
+        raise AssertionError(
+            said(
+                "the submission returned data of another shape than the check asks for",
+                f"the submission returned {returned} where the check expects {expected}"
+                + (f" ({', '.join(where)})" if where else ""),
+            )
+        )
+    return results
+
+
+def world(fn, world_size, *args, expect, keep=True, debug=True, **options):
+    """Run the probe fn on every rank of a gloo world; what it returned, by rank, each checked against
+    the shape expect (validated: what the judge reads is what it asked for). Collectives are
     checked (debug: each is compared across the ranks before it starts, course/instrument.py), whatever
     COURSE_DEBUG says, unless debug is False (a check of hundreds of collectives whose ranks an earlier
     check compared). The workers are sandboxed (course/sandbox.py): every world that runs submission
     code comes from here or alone(). The world is kept for the next probe of its size and options
     (course/workers.py says what each call gets afresh) unless keep is False; options go to run()
     (timeout, ...)."""
-    return run(fn, world_size, *args, keep=keep, sandbox=True, debug=debug, **options)
+    return validated(run(fn, world_size, *args, keep=keep, sandbox=True, debug=debug, **options), expect, world_size)
 
 
 def _without_process_group(fn, args):
@@ -79,10 +291,11 @@ def _without_process_group(fn, args):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-def alone(fn, *args):
+def alone(fn, *args, expect):
     """Run the probe fn in one worker process with no process group, as a script run alone
-    (mlp.train wraps its model in DDP whenever a process group exists); what it returned."""
-    return run(_without_process_group, 1, fn, args, keep=True, sandbox=True)[0]
+    (mlp.train wraps its model in DDP whenever a process group exists); what it returned, checked
+    against the shape expect (validated)."""
+    return validated(run(_without_process_group, 1, fn, args, keep=True, sandbox=True), expect, 1)[0]
 
 
 def printed(fn, *args):
@@ -170,8 +383,10 @@ def start_state(folder, wrap_name):
 
 def check_start_sync(folder, world_size, wrap_name="mydp"):
     """After wrapping, every rank holds rank 0's parameters and buffers, in the model it was given."""
-    states = world(start_state, world_size, folder, wrap_name)
     expected = model_with_buffers(0).state_dict()
+    states = world(
+        start_state, world_size, folder, wrap_name, expect={"kept": bool, "state": keyed(torch.Tensor, expected)}
+    )
     for rank, got in enumerate(states):
         assert got["kept"] is True, said(
             "the wrapper not keeping the model as .module", "the wrapper should keep the wrapped model as .module"
@@ -213,9 +428,10 @@ def one_process(model, optimizer, steps, world_size):
 
 def check_equivalence(folder, wrap_name, world_size, steps=3):
     """k parallel steps equal k steps of one process on the concatenated batch, on every rank."""
-    results = world(parallel_steps, world_size, folder, wrap_name, steps)
     torch.manual_seed(100)  # rank 0's start
     model = SmallMLP()
+    expect = {"grads": parameters_of(model), "history": many(parameters_of(model), steps)}
+    results = world(parallel_steps, world_size, folder, wrap_name, steps, expect=expect)
     optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
     for step in range(steps):
         x, y = global_batch(CONFIG, step, world_size)

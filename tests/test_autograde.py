@@ -381,14 +381,14 @@ def records_pids(folder, path):
     from course.workers import kept_workers
     from tests.test_kept_worlds import pid
 
-    world(pid, 2)
+    world(pid, 2, expect=int)
     with open(path, "a") as f:
         f.write(json.dumps([os.getpid(), *kept_workers()]) + "\n")
 
 
 def sleeps_in_a_world(folder, path):
     records_pids(folder, path)
-    world(time.sleep, 2, 60)
+    world(time.sleep, 2, 60, expect=None)
 
 
 def test_a_kernels_checks_share_one_process_and_its_worlds(tmp_path, checks_process):

@@ -632,3 +632,66 @@ def test_taking_the_notebook_kernels_socket_gains_nothing(attacked):
     verdict = json.loads(done.stdout.strip().splitlines()[-1])
     assert "par_matmul_by_row is not written yet" in verdict, f"{verdict}; what the payload could do:\n{said}"
     assert " done" not in said, f"the system let the payload do:\n{said}"
+
+
+# ---- issue 36: a worker's reply is data the judge validates, a failure pays only when the grader saw it ----
+
+# The worker rewrites what it sends back: where the probe failed (a stub), an empty list as its result.
+REWRITE_REPLIES = """
+import course.workers as _workers
+
+_real_send = _workers._send
+
+
+def _send(conn, message):
+    if message[0] == "error":
+        message = ("ok", {"result": [], "imported": [], "kept": False})
+    _real_send(conn, message)
+
+
+_workers._send = _send
+"""
+
+# A hang made up by the worker: rank 0 raises what a rank stopped in a collective of data.py would, rank 1 returns
+# after its 6 steps. Before, exercise 8's check believed those facts and paid.
+MADE_UP_HANG = """
+import torch.distributed as _dist
+
+
+def train_shard(model, optimizer, X, Y, shard, batch, steps=None, average=None):
+    if _dist.get_rank() == 0:
+        raise RuntimeError(
+            "Detected mismatch between collectives on ranks. Rank 0 is running collective: CollectiveFingerPrint("
+            "SequenceNumber=7, OpType=ALLREDUCE, TensorShape=[10, 12], TensorDtypes=Float)"
+        )
+    return 6
+"""
+
+
+def grade_only(tmp_path, cheats, args, base=ROOT):
+    """Grade, in a copy of the grader, the files of `base` with each cheat appended: course grade's args."""
+    grader, submission = _copy_grader(tmp_path, cheats, base)
+    done = warm.run(["-m", "course", "grade", *args], cwd=grader, env=dict(os.environ, COURSE_IMPL=str(submission)))
+    assert done.returncode == 0 and "GRADER ERROR" not in done.stdout, done.stdout + done.stderr
+    return results(grader / "results.json")
+
+
+def test_rewritten_replies_gain_nothing(tmp_path):
+    """Issue 36: the stubs with this cheat scored 71/370, 19 checks among them exercise 5's ring and exercise
+    12's. Each check now fails, naming what came back where it expected what."""
+    found = grade_only(tmp_path, {"mlp.py": REWRITE_REPLIES}, ["--ex", "5", "--ex", "12"])
+    assert found["score"] == 0 and len(found["tests"]) == 8, found
+    for test in found["tests"]:
+        assert test["status"] == "failed", test
+        assert re.search(r"the submission returned an empty list where the check expects a", test["output"]), test
+
+
+def test_a_made_up_hang_gains_nothing(tmp_path):
+    """Issue 36: exercise 8's unbalanced shards check paid for a hang the worker described. It pays only for one
+    the grader saw (its own clock ran out, the stacks it sampled): the made-up one earns 0, the reference 2."""
+    args = ["--ex", "8", "--", "-k", "test_unbalanced_hang"]
+    found = grade_only(tmp_path / "cheat", {"data.py": MADE_UP_HANG}, args)
+    assert found["score"] == 0 and [t["status"] for t in found["tests"]] == ["failed"], found
+    assert "the world should hang in a collective that rank 1 never joins, and it ended" in found["tests"][0]["output"]
+    reference = grade_only(tmp_path / "reference", {}, args, base=SOLUTIONS)
+    assert reference["score"] == 2 and [t["status"] for t in reference["tests"]] == ["passed"], reference

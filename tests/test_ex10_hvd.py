@@ -8,7 +8,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course.checks import said
 from tests.comm_log import CommLog
-from tests.helpers import CONFIG, SmallMLP, describe_ratio, global_batch, load, model_with_buffers, one_process, world
+from tests.helpers import (
+    CONFIG,
+    SMALL_PARAMETERS,
+    SmallMLP,
+    describe_ratio,
+    global_batch,
+    keyed,
+    load,
+    many,
+    model_with_buffers,
+    one_process,
+    world,
+)
 
 OPTIMIZERS = {
     "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
@@ -49,8 +61,10 @@ def start_state(folder):
 
 def check_broadcast_parameters(folder, world_size):
     """broadcast_parameters gives every rank rank 0's parameters and buffers, in the model's own Parameter objects."""
-    results = world(start_state, world_size, folder)
     expected = model_with_buffers(0).state_dict()
+    results = world(
+        start_state, world_size, folder, expect={"state": keyed(torch.Tensor, expected), "same_parameters": bool}
+    )
     for rank, result in enumerate(results):
         assert result["same_parameters"], said(
             "new Parameter objects put in the model",
@@ -79,9 +93,19 @@ def optimizer_state(folder, kind):
 
 def check_optimizer_state(folder, world_size, kind="adamw"):
     """broadcast_optimizer_state gives every rank rank 0's optimizer state and hyper-parameters."""
-    got = world(optimizer_state, world_size, folder, kind)
+    own = resumed(kind, 0)[1].state_dict()  # rank 0's, as the judge computes it
+    expect = {"state": keyed(keyed(object)), "lr": many(float, len(own["param_groups"]))}
+    got = world(optimizer_state, world_size, folder, kind, expect=expect)
     expected = got[0]["state"]
-    assert expected, said(
+    kept = expected.keys() == own["state"].keys() and all(
+        values.keys() == expected[index].keys()
+        and all(
+            torch.allclose(torch.as_tensor(expected[index][k]).double(), torch.as_tensor(v).double())
+            for k, v in values.items()
+        )
+        for index, values in own["state"].items()
+    )
+    assert kept, said(
         "rank 0's optimizer state lost", "rank 0's resumed optimizer state was lost in broadcast_optimizer_state"
     )
     for rank, mine in enumerate(got):
@@ -131,7 +155,9 @@ def parallel_steps(folder, kind, steps, builtin):
 
 def check_steps(folder, world_size, kind, steps=3):
     """k steps on W ranks equal k steps of one process on the whole batch, and built-in DDP's."""
-    got = world(parallel_steps, world_size, folder, kind, steps, False)
+    history = many(SMALL_PARAMETERS, steps)
+    expect = {"history": history, "grads": SMALL_PARAMETERS, "collectives": many(many(str), steps)}
+    got = world(parallel_steps, world_size, folder, kind, steps, False, expect=expect)
     local, expected = one_process(*resumed(kind, 0), steps, world_size)  # rank 0's checkpoint, whole batches
     for rank, result in enumerate(got):
         for name, grad in result["grads"].items():
@@ -162,7 +188,9 @@ def check_steps(folder, world_size, kind, steps=3):
                     f"after step {step} with {kind}, rank {rank}'s {name} differs from one process that resumed"
                     " from rank 0's checkpoint and trained on the whole batch"
                 )
-    builtin = world(parallel_steps, world_size, folder, kind, steps, True)[0]["history"][-1]
+    builtin = world(parallel_steps, world_size, folder, kind, steps, True, expect={"history": history})[0]["history"][
+        -1
+    ]
     for name, p in builtin.items():
         assert torch.allclose(got[0]["history"][-1][name], p, rtol=1e-4, atol=1e-5), said(
             "steps not built-in DDP's with the same optimizer",
@@ -197,7 +225,8 @@ def mixed_dtypes(folder):
 
 def check_mixed_dtypes(folder, world_size=2):
     """Gradients of two dtypes are averaged by one all-reduce per dtype, each keeping its dtype."""
-    got = world(mixed_dtypes, world_size, folder)
+    grads = keyed(torch.Tensor, ["single.weight", "single.bias", "wide"])
+    got = world(mixed_dtypes, world_size, folder, expect={"before": grads, "after": grads, "collectives": many(str)})
     for rank, result in enumerate(got):
         assert result["collectives"] == ["allreduce", "allreduce"], said(
             "not one all-reduce per dtype",

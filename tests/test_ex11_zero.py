@@ -9,8 +9,22 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course.checks import said
-from tests.comm_log import CommLog
-from tests.helpers import CONFIG, SMALL_BUCKET_MB, SmallMLP, describe_ratio, global_batch, load, one_process, world
+from tests.comm_log import SUMMARY, CommLog
+from tests.helpers import (
+    CONFIG,
+    SMALL_BUCKET_MB,
+    SMALL_NAMES,
+    SMALL_PARAMETERS,
+    SmallMLP,
+    describe_ratio,
+    global_batch,
+    keyed,
+    load,
+    many,
+    one_process,
+    parameters_of,
+    world,
+)
 
 LR = 0.01  # Adam's
 # ShardedOptimizer wraps any torch optimizer: Adam (two tensors of state per parameter) and SGD with momentum (one).
@@ -71,7 +85,7 @@ def owners(folder):
 
 def check_owners(folder):
     """assign_owners gives each parameter a rank by the rule: largest first, to the least-loaded rank, ties low."""
-    got = world(owners, 1, folder)[0]
+    got = world(owners, 1, folder, expect=many(many(object), len(OWNER_CASES)))[0]
     for (sizes, world_size), mine in zip(OWNER_CASES, got):
         expected = owners_by_rule(sizes, world_size)
         where = f"assign_owners({sizes}, world_size={world_size}) returned {mine}"
@@ -127,6 +141,12 @@ def sharded_steps(folder, steps, optimizer="adam"):
     return {"history": history, "grads": grads, "state_bytes": state_bytes(optimizer.state)}
 
 
+def stepped(steps):
+    """What sharded_steps returns."""
+    parameters = parameters_of(Ragged())
+    return {"history": many(parameters, steps), "grads": parameters, "state_bytes": int}
+
+
 def unsharded(steps, world_size, optimizer):
     """The judge's run: one process, the plain optimizer on the whole batch; the ranks' gradients of step 0; its
     history."""
@@ -142,7 +162,7 @@ def unsharded(steps, world_size, optimizer):
 def check_steps(folder, world_size, optimizer="adam", steps=3):
     """k steps of the sharded optimizer (Adam, SGD with momentum) on W ranks equal k steps of it in one process
     on the whole batch."""
-    got = world(sharded_steps, world_size, folder, steps, optimizer)
+    got = world(sharded_steps, world_size, folder, steps, optimizer, expect=stepped(steps))
     local, expected = unsharded(steps, world_size, optimizer)
     plain = OPTIMIZERS[optimizer][0]
     names = list(expected[0])
@@ -199,7 +219,7 @@ def sharded_state(folder):
 
 def check_state_bytes(folder, world_size):
     """Each rank keeps the optimizer state of the parameters it owns, and of no other."""
-    got = world(sharded_state, world_size, folder)
+    got = world(sharded_state, world_size, folder, expect=int)
     full = one_adam_step(lambda params: torch.optim.Adam(params, lr=LR))
     per_parameter = [state_bytes({0: full.state[p]}) for group in full.param_groups for p in group["params"]]
     owners = owners_by_rule(SIZES, world_size)
@@ -241,8 +261,9 @@ def zero_redundancy_steps(folder, steps):
 def check_matches_zero_redundancy(folder, world_size, steps=3):
     """ShardedOptimizer, with the rule's owners, keeps the state ZeroRedundancyOptimizer keeps on each rank, and
     trains as DDP with it does."""
-    got = world(sharded_steps, world_size, folder, steps)
-    torch_zero = world(zero_redundancy_steps, world_size, folder, steps)
+    got = world(sharded_steps, world_size, folder, steps, expect=stepped(steps))
+    theirs = {"final": parameters_of(Ragged()), "state_bytes": int}
+    torch_zero = world(zero_redundancy_steps, world_size, folder, steps, expect=theirs)
     for rank, (mine, theirs) in enumerate(zip(got, torch_zero)):
         assert mine["state_bytes"] == theirs["state_bytes"], said(
             "optimizer state not ZeroRedundancyOptimizer's on a rank",
@@ -311,10 +332,15 @@ def bf16_close(got, expected):
 
 def check_hook(folder, world_size=2):
     """The hook is used, in bfloat16; it halves the bytes; training stays within HOOK_ATOL of float32 DDP."""
-    got = world(hooked_steps, world_size, folder, "student")
-    fp32 = world(hooked_steps, world_size, folder, "torch_fp32")
-    plain = world(hooked_steps, world_size, folder, "none")[0]["history"]
-    torchs = world(hooked_steps, world_size, folder, "torch_bf16")[0]["history"]
+    expect = {
+        "history": many(SMALL_PARAMETERS, HOOK_STEPS),
+        "logs": many(SUMMARY, HOOK_STEPS),
+        "grads": many(keyed((torch.Tensor, str), SMALL_NAMES), HOOK_STEPS),
+    }
+    got = world(hooked_steps, world_size, folder, "student", expect=expect)
+    fp32 = world(hooked_steps, world_size, folder, "torch_fp32", expect=expect)
+    plain = world(hooked_steps, world_size, folder, "none", expect=expect)[0]["history"]
+    torchs = world(hooked_steps, world_size, folder, "torch_bf16", expect=expect)[0]["history"]
     buckets = len(fp32[0]["logs"][0]["collectives"])
     for rank, result in enumerate(got):
         for step, log in enumerate(result["logs"]):

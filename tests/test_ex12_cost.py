@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from course.checks import said
-from tests.helpers import alone, load
+from tests.helpers import alone, load, many
 
 # No world of these checks builds an optimizer (tests/conftest.py).
 IMPORTS_DYNAMO = False
@@ -143,7 +143,7 @@ def largest_answers(folder):
 
 def check_fit(folder):
     """fit_alpha_beta gives the least-squares line of the measurements, T(n) = alpha + n / beta."""
-    alpha, beta = alone(fit_answer, folder)
+    alpha, beta = alone(fit_answer, folder, expect=(float, float))
     if math.isclose(alpha, ALPHA, rel_tol=0.02) and math.isclose(beta, BETA, rel_tol=0.02):
         return
     seconds = measurements()
@@ -166,7 +166,7 @@ def check_fit(folder):
 
 def check_ring(folder):
     """ring_allreduce_seconds is 2(W - 1) steps of alpha + (n / W) / beta each, and 0 on one rank."""
-    for ((n, w), expected), got in zip(RINGS.items(), alone(ring_answers, folder)):
+    for ((n, w), expected), got in zip(RINGS.items(), alone(ring_answers, folder, expect=many(float, len(RINGS)))):
         what = f"ring_allreduce_seconds({n:g} bytes, {w} ranks)"
         if w == 1:
             assert got == 0, said(
@@ -196,7 +196,7 @@ def check_ring(folder):
 def check_exposed(folder):
     """exposed_seconds is the time the optimizer waits after the backward pass for the buckets' all-reduces (given a
     ring_allreduce_seconds that answers right for its buckets)."""
-    got = alone(exposed_answers, folder)
+    got = alone(exposed_answers, folder, expect=many(float, len(SCHEDULES)))
     for k, (((ready, sizes, end), expected), value) in enumerate(zip(SCHEDULES, got)):
         if math.isclose(value, expected, rel_tol=1e-6, abs_tol=1e-12):
             continue
@@ -221,7 +221,9 @@ def check_exposed(folder):
 
 def check_speedup(folder):
     """speedup is one rank's epoch time over R ranks', N / B steps of t_comp against N / (R B) of t_comp + t_sync."""
-    for ((sync, w), expected), value in zip(SPEEDUPS.items(), alone(speedup_answers, folder)):
+    for ((sync, w), expected), value in zip(
+        SPEEDUPS.items(), alone(speedup_answers, folder, expect=many(float, len(SPEEDUPS)))
+    ):
         assert math.isclose(value, expected, rel_tol=1e-6), (
             f"speedup(t_comp={T_COMP}, t_sync={sync}, {w} ranks) is {value:.4g}, not {expected:.4g}: an epoch takes"
             " N / B steps of t_comp on one rank, and N / (R B) steps of t_comp + t_sync on R ranks"
@@ -230,7 +232,9 @@ def check_speedup(folder):
 
 def check_largest_world(folder):
     """largest_world finds the largest R from 2 to most (1024 when not given) for which T_sync / T_comp < R - 1."""
-    for ((t_comp, sync_of, most), expected, mistakes), value in zip(LARGEST, alone(largest_answers, folder)):
+    for ((t_comp, sync_of, most), expected, mistakes), value in zip(
+        LARGEST, alone(largest_answers, folder, expect=many(float, len(LARGEST)))
+    ):
         given, upto = ("most not given", 1024) if most is None else (f"most={most}", most)
         why = mistakes.get(value) or (
             "without most, the search goes up to 1024, the default that predict relies on" if most is None else ""

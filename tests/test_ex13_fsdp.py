@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from course.checks import said
 from course.memory import Gathered
-from tests.comm_log import CommLog
-from tests.helpers import CONFIG, WIDTHS, describe_ratio, global_batch, load, world
+from tests.comm_log import SUMMARY, CommLog
+from tests.helpers import CONFIG, WIDTHS, describe_ratio, either, global_batch, keyed, load, many, maybe, world
 
 LR = 0.01  # Adam's
 STEPS = 5  # of the steps checks: a mistake in Adam's state or a shard's update shows after the first
@@ -147,7 +147,7 @@ def describe_shard(where, got, flat, rank, world_size):
 
 def check_flat_shard(folder):
     """flat_shard gives rank r piece r of the flat tensors padded at the end, as a tensor of its own."""
-    got = world(flat_shards, 1, folder)[0]
+    got = world(flat_shards, 1, folder, expect=tuple(many((torch.Tensor, int), w) for _, w in FLAT_CASES))[0]
     for (shapes, world_size), shards in zip(FLAT_CASES, got):
         flat = flat_of(case_tensors(shapes))
         expected = F.pad(flat, (0, -flat.numel() % world_size)).chunk(world_size)
@@ -177,7 +177,9 @@ def flat_views(folder):
 
 def check_views(folder):
     """views gives views of flat's first elements in the given shapes, one after the other, the padding left out."""
-    got = world(flat_views, 2, folder)[0]  # a pure function: rank 0's answer, in a world other checks use too
+    got = world(flat_views, 2, folder, expect=many((torch.Tensor, int, bool)))[
+        0
+    ]  # a pure function: rank 0's answer, in a world other checks use too
     where = f"views(torch.arange(20.), {VIEW_SHAPES})"
     assert len(got) == len(VIEW_SHAPES), said(
         "not one view per shape", f"{where} returned {len(got)} tensors: one per shape"
@@ -241,10 +243,15 @@ def reduce_scatters(folder):
     return out
 
 
+GATHERED = {"freed": int, "gathered": torch.Tensor, "gather_log": SUMMARY}
+SCATTERED = {"piece": torch.Tensor, "reduce_log": SUMMARY}
+
+
 def check_gather(folder, world_size=3):
     """free leaves full's storage empty; gather_into fills full with the ranks' shards in rank order, in full's
     dtype, with one all-gather."""
-    got = world(gathers, world_size, folder)
+    expect = {f"{what}_{name}": shape for name in ("float32", "bfloat16") for what, shape in GATHERED.items()}
+    got = world(gathers, world_size, folder, expect=expect)
     shards = [torch.arange(SHARD_LENGTH, dtype=torch.float32) + 10 * r + 0.5 for r in range(world_size)]
     for rank, result in enumerate(got):
         for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
@@ -282,7 +289,8 @@ def check_gather(folder, world_size=3):
 def check_reduce_scatter(folder, world_size=3):
     """reduce_scatter_mean gives each rank its piece of the ranks' average, in float32, by one reduce-scatter
     in float32."""
-    got = world(reduce_scatters, world_size, folder)
+    expect = {f"{what}_{name}": shape for name in ("float32", "bfloat16") for what, shape in SCATTERED.items()}
+    got = world(reduce_scatters, world_size, folder, expect=expect)
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         fulls = [torch.randn(3 * world_size, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
         mean = sum(f.to(dtype).float() for f in fulls) / world_size
@@ -348,7 +356,9 @@ def flat_pieces(folder):
 def check_flat_piece(folder, world_size=3):
     """flat_piece makes this rank's shard its piece of the flat tensor of the global size: the real elements
     only, in the shard's own memory, so that a checkpoint does not depend on the world size."""
-    got = world(flat_pieces, world_size, folder)
+    piece = {"shape": many(int), "local": torch.Tensor, "shares": bool}
+    together = either(piece | {"whole_error": str}, piece | {"whole": torch.Tensor})
+    got = world(flat_pieces, world_size, folder, expect=many(together, len(PIECE_SIZES)))
     for k, numel in enumerate(PIECE_SIZES):
         shard_size = padded(numel, world_size) // world_size
         for rank, result in enumerate(r[k] for r in got):
@@ -464,6 +474,25 @@ def sharded_steps(folder, zero3, steps, bf16=False, frozen=False, again=False):
     bias = layers[0].bias
     out["frozen_bias"] = bias.detach().clone() if frozen and readable(bias) else None
     return out
+
+
+def stepped(steps, again=False):
+    """What sharded_steps returns: up to where it stopped, if it did (refuse_unsharded says why)."""
+    units = len(UNITS)
+    wrapped = {"alone": str, "children": many(str), "shapes": many(many(int))}
+    sample = {"at": str, "alive": many(int), "bytes": int, "numel": maybe(int)}
+    complete = wrapped | {
+        "history": many(many(torch.Tensor, units), steps),
+        "logs": many(SUMMARY, steps),
+        "grads": many(many(maybe(torch.Tensor), units), steps),
+        "seen": many(many(many(torch.Tensor), units), steps + again),
+        "samples": many(sample),
+        "grad_bytes": int,
+        "param_bytes": int,
+        "state_bytes": int,
+        "frozen_bias": maybe(torch.Tensor),
+    }
+    return either({"alone": str}, wrapped, wrapped | {"error": str}, complete)
 
 
 def passed_through(fsdp):
@@ -601,7 +630,7 @@ def check_seen(results, step, bf16=False, sizes=SIZES):
 def check_steps(folder, world_size, zero3, steps=None):
     """The STEPS of Adam on W ranks equal one process on the union batch: exactly on 1 rank, within ATOL on more."""
     steps = steps or STEPS
-    results = world(sharded_steps, world_size, folder, zero3, steps)
+    results = world(sharded_steps, world_size, folder, zero3, steps, expect=stepped(steps))
     refuse_unsharded(results)
     history, _ = one_process(world_size, steps)
     gathers = 2 * len(UNITS) if zero3 else len(UNITS)
@@ -642,7 +671,7 @@ def piece(flat, world_size, rank):
 def check_gradient_shards(folder, world_size=2, steps=2):
     """After each backward, each rank's shard.grad is its piece of that step's averaged full gradient, reduce-scattered;
     two backward passes without zero_grad leave the sum of both."""
-    results = world(sharded_steps, world_size, folder, True, steps, False, False, True)
+    results = world(sharded_steps, world_size, folder, True, steps, False, False, True, expect=stepped(steps, True))
     refuse_unsharded(results)
     _, local = one_process(world_size, steps)
     shard_bytes = [padded(n, world_size) // world_size * 4 for n in SIZES]
@@ -696,7 +725,7 @@ def check_gradient_shards(folder, world_size=2, steps=2):
 
 def check_sharded_bytes(folder, world_size=3):
     """Per rank: the parameters that train, their gradients and Adam's state each hold 1/W of the model's (and padding)."""
-    results = world(sharded_steps, world_size, folder, True, 1)
+    results = world(sharded_steps, world_size, folder, True, 1, expect=stepped(1))
     refuse_unsharded(results)
     shard = sum(padded(n, world_size) // world_size * 4 for n in SIZES)
     whole_model = sum(SIZES) * 4
@@ -730,7 +759,7 @@ def describe_units(counts, world_size):
 def check_memory(folder, world_size=2):
     """ZeRO-3: the gathered parameters alive at once through the forward and backward are at most two units' worth;
     a unit's are freed after its forward and after its backward."""
-    results = world(sharded_steps, world_size, folder, True, 1)
+    results = world(sharded_steps, world_size, folder, True, 1, expect=stepped(1))
     refuse_unsharded(results)
     by_size = {padded(n, world_size): k for k, n in enumerate(SIZES)}
     limit = sum(sorted(padded(n, world_size) * 4 for n in SIZES)[-2:])
@@ -779,7 +808,7 @@ def check_memory(folder, world_size=2):
 
 def check_zero2_keeps(folder, world_size=2):
     """ZeRO-2: the gathered parameters stay (the whole model on each rank), the gradients are sharded."""
-    results = world(sharded_steps, world_size, folder, False, 1)
+    results = world(sharded_steps, world_size, folder, False, 1, expect=stepped(1))
     refuse_unsharded(results)
     for rank, result in enumerate(results):
         end = next(s for s in result["samples"] if s["at"] == "end")
@@ -798,7 +827,7 @@ FROZEN_SIZES = (84, 77, 55)  # unit 0's bias frozen
 
 def check_frozen(folder, world_size=2, steps=1):
     """A frozen parameter stays in its module, whole and unchanged, and out of the reduce-scatter."""
-    results = world(sharded_steps, world_size, folder, True, steps, False, True)
+    results = world(sharded_steps, world_size, folder, True, steps, False, True, expect=stepped(steps))
     refuse_unsharded(results)
     history, _ = one_process(world_size, steps, frozen=True)
     start = stack()[0].bias.detach()
@@ -828,7 +857,7 @@ def check_frozen(folder, world_size=2, steps=1):
 
 def check_mixed_precision(folder, world_size=2):
     """param_dtype=torch.bfloat16: bfloat16 copies gathered (half the bytes), float32 shards and gradients, float32 reduced."""
-    results = world(sharded_steps, world_size, folder, True, 1, True)
+    results = world(sharded_steps, world_size, folder, True, 1, True, expect=stepped(1))
     refuse_unsharded(results)
     check_seen(results, 0, bf16=True)
     for rank, result in enumerate(results):
@@ -879,9 +908,9 @@ def torch_steps(folder, steps, bf16):
 
 def check_against_fully_shard(folder, bf16, world_size=2, steps=2):
     """ZeRO-3 by hand trains as torch's fully_shard, in float32 and in bfloat16."""
-    mine = world(sharded_steps, world_size, folder, True, steps, bf16)
+    mine = world(sharded_steps, world_size, folder, True, steps, bf16, expect=stepped(steps))
     refuse_unsharded(mine)
-    theirs = world(torch_steps, world_size, folder, steps, bf16)[0]
+    theirs = world(torch_steps, world_size, folder, steps, bf16, expect=many(torch.Tensor, len(UNITS)))[0]
     precision = "bfloat16 (MixedPrecisionPolicy)" if bf16 else "float32"
     for k in range(len(UNITS)):
         got = whole(mine, steps - 1, k)
@@ -985,9 +1014,12 @@ def load_and_train(folder, files, first, steps):
 
 def check_checkpoint(folder, saved_on=2, loaded_on=3, steps=1):
     """Saved on 2 ranks after a step, loaded on 3, a step more: the parameters of an unbroken run."""
-    written = world(train_and_save, saved_on, folder, steps)[0]
+    written = world(
+        train_and_save, saved_on, folder, steps, expect={"sizes": keyed(many(int)), "files": keyed(torch.Tensor)}
+    )[0]
     saved = written["sizes"]
-    resumed = world(load_and_train, loaded_on, folder, written["files"], steps, 2 * steps)
+    loaded = either({"load_error": str}, {"history": many(many(torch.Tensor, len(UNITS)), 1)})
+    resumed = world(load_and_train, loaded_on, folder, written["files"], steps, 2 * steps, expect=loaded)
     for k, name in enumerate(str(i) for i in UNITS):
         assert f"{name}.step" in saved, said(
             "Adam's step count not in the checkpoint",
@@ -1063,7 +1095,9 @@ def setup_steps(folder, strategy, steps):
 
 def check_setup(folder, world_size=2, steps=1):
     """setup(model, 'zero3') shards the layers and returns an Adam over the shards: training equals one process."""
-    results = world(setup_steps, world_size, folder, "zero3", steps)
+    results = world(
+        setup_steps, world_size, folder, "zero3", steps, expect={"stepped": many(int), "shards": many(torch.Tensor)}
+    )
     torch.manual_seed(0)
     model = Layers()
     sizes = [p.numel() for p in model.parameters()]

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from course.checks import said
 from tests.comm_log import CommLog
-from tests.helpers import load, world
+from tests.helpers import keyed, load, many, maybe, world
 
 # Two blocks. Only the hidden width 12 divides by 2 and 3: a layer split along another width fails.
 WIDTHS = [7, 12, 5, 12, 5]
@@ -240,7 +240,8 @@ def judge_function(name, result, rank, world_size):
 def check_function(folder, name, world_size=3):
     """Each autograd function gives the sums and blocks of its collectives, and starts only its own collective
     each way."""
-    results = world(function_in_world, world_size, folder, name)
+    expect = {"out": torch.Tensor, "grad": maybe(torch.Tensor), "forward": many(str), "backward": many(str)}
+    results = world(function_in_world, world_size, folder, name, expect=expect)
     _, _, forward, backward = FUNCTIONS[name]
     for rank, result in enumerate(results):
         judge_function(name, result, rank, world_size)
@@ -309,7 +310,9 @@ def judge_slice(layer, got, full, rank, world_size):
 def check_shards(folder, world_size):
     """Each rank holds its part of every parameter: the column layer's block of rows and of the bias, the row
     layer's block of columns and all of the bias, under the full model's names."""
-    results = world(shards_in_world, world_size, folder)
+    results = world(
+        shards_in_world, world_size, folder, expect=dict.fromkeys(("column", "row", "model"), keyed(torch.Tensor))
+    )
     full = Blocks()
     names = [n for n, _ in full.named_parameters()]
     for rank, result in enumerate(results):
@@ -370,6 +373,10 @@ def model_in_world(folder, widths, sequence_parallel):
         "x_grad": x.grad,
         "grads": {n: p.grad for n, p in model.named_parameters()},
     }
+
+
+# What model_in_world and torch_in_world return.
+GRADIENTS = {"out": torch.Tensor, "x_grad": maybe(torch.Tensor), "grads": keyed(maybe(torch.Tensor))}
 
 
 def one_process(widths):
@@ -435,7 +442,7 @@ def judge_output(full, x, got, expected, rank, world_size, sequence_parallel):
 
 def check_forward(folder, world_size, sequence_parallel):
     """One block, tensor or sequence parallel, gives every rank its part of one process's output."""
-    results = world(model_in_world, world_size, folder, BLOCK, sequence_parallel)
+    results = world(model_in_world, world_size, folder, BLOCK, sequence_parallel, expect=GRADIENTS)
     full, x, expected, _, _ = one_process(BLOCK)
     for rank, result in enumerate(results):
         judge_output(full, x, result["out"], expected, rank, world_size, sequence_parallel)
@@ -504,7 +511,7 @@ def judge_gradient(what, name, results, rank, expected, world_size, sequence_par
 
 def check_backward(folder, world_size, sequence_parallel):
     """One block, tensor or sequence parallel, gives every rank its part of one process's gradients."""
-    results = world(model_in_world, world_size, folder, BLOCK, sequence_parallel)
+    results = world(model_in_world, world_size, folder, BLOCK, sequence_parallel, expect=GRADIENTS)
     _, _, _, x_grad, grads = one_process(BLOCK)
     what = f"{'sequence' if sequence_parallel else 'tensor'} parallel, one block on {world_size} ranks"
     for rank in range(world_size):
@@ -585,7 +592,9 @@ def said_list(collectives):
 
 def check_collectives(folder, sequence_parallel, world_size=2):
     """The column layer, the row layer and ParallelMLP start the collectives of their functions, each way."""
-    results = world(collectives_in_world, world_size, folder, sequence_parallel)
+    ways = {"forward": many(str), "backward": many(str)}
+    modules = ("ColumnParallelLinear", "RowParallelLinear", "ParallelMLP")
+    results = world(collectives_in_world, world_size, folder, sequence_parallel, expect=dict.fromkeys(modules, ways))
     expected = expected_collectives(sequence_parallel)
     column, row = expected["ColumnParallelLinear"], expected["RowParallelLinear"]
     for rank, found in enumerate(results):
@@ -633,7 +642,12 @@ def train_in_world(folder, sequence_parallel, steps):
 def check_train_steps(folder, world_size, sequence_parallel, steps=STEPS):
     """train_step returns one process's loss on every rank, and its steps leave each rank its part of one
     process's parameters."""
-    results = world(train_in_world, world_size, folder, sequence_parallel, steps)
+    expect = {
+        "losses": many(object, steps),
+        "grads": keyed(maybe(torch.Tensor)),
+        "history": many(keyed(torch.Tensor), steps),
+    }
+    results = world(train_in_world, world_size, folder, sequence_parallel, steps, expect=expect)
     full = Blocks()
     optimizer = torch.optim.SGD(full.parameters(), lr=LR)
     what = f"{'sequence' if sequence_parallel else 'tensor'} parallel on {world_size} ranks"
@@ -713,8 +727,8 @@ def local(grad):
 
 def check_matches_torch(folder, sequence_parallel, world_size=2):
     """ParallelMLP gives each rank the output and gradients of torch's parallelize_module."""
-    mine = world(model_in_world, world_size, folder, WIDTHS, sequence_parallel)
-    theirs = world(torch_in_world, world_size, sequence_parallel)
+    mine = world(model_in_world, world_size, folder, WIDTHS, sequence_parallel, expect=GRADIENTS)
+    theirs = world(torch_in_world, world_size, sequence_parallel, expect=GRADIENTS)
     plan = (
         "SequenceParallel, ColwiseParallel and RowwiseParallel on rows"
         if sequence_parallel
@@ -769,7 +783,7 @@ def uneven_in_world(folder):
 
 def check_uneven(folder, world_size=3):
     """A width or a batch that the world size does not divide is refused with a ValueError naming both."""
-    width, rows = world(uneven_in_world, world_size, folder)[0]
+    width, rows = world(uneven_in_world, world_size, folder, expect=(maybe(str), maybe(str)))[0]
     for what, size, got in (("a hidden width of 10", 10, width), ("a batch of 8 rows, sequence parallel", 8, rows)):
         assert got is not None, said(
             "a size the world does not divide accepted",

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from course.checks import said
 from course.launch import WorldFailed
 from tests.comm_log import CommLog
-from tests.helpers import forward_from, load, world
+from tests.helpers import forward_from, load, many, maybe, world
 
 WIDTHS = [12, 10, 10, 10, 10, 10, 4]  # six layers: 4 stages hold 2, 2, 1 and 1 of them
 HIDDEN = 10  # the width of every activation that travels between stages
@@ -181,6 +181,18 @@ def pipeline_steps(pp, schedule, m, steps, events_from):
     return out
 
 
+def recorded(steps):
+    """What pipeline_steps returns for `steps` steps."""
+    return {
+        "losses": many(maybe(float), steps),
+        "history": many(many(torch.Tensor), steps),
+        "messages": many((str, object, int)),
+        "events": many(many(object)),
+        "peak": int,
+        "grads": many(maybe(torch.Tensor)),
+    }
+
+
 def with_torch(folder, schedule, m):
     """Probe: one step of the student's schedule, then one of torch's pipelining on the same stages and
     batch; what the student's recorded, and this stage's gradients from torch's."""
@@ -201,13 +213,13 @@ def with_torch(folder, schedule, m):
     return mine, [w.grad.clone() for w in stage.weights]
 
 
-def on_pipeline(fn, p, *args):
+def on_pipeline(fn, p, *args, expect):
     """Stages pass gradients back through what they received and keep the graph for the backward. Runs the
-    probe on p ranks (a message no peer answers fails after the checks' collective timeout,
-    COURSE_COLLECTIVE_TIMEOUT, so a hang is reported at once); a failure that shows a known
+    probe on p ranks, its results checked against expect (a message no peer answers fails after the checks'
+    collective timeout, COURSE_COLLECTIVE_TIMEOUT, so a hang is reported at once); a failure that shows a known
     mistake is said as that mistake, any other as the launcher reports it."""
     try:
-        return world(fn, p, *args)
+        return world(fn, p, *args, expect=expect)
     except WorldFailed as failed:
         first = failed.failure.fact(failed.failure.first) if failed.failure.first is not None else None
         if first is None:
@@ -263,7 +275,9 @@ def stage_cuts(folder):
 
 def check_stage_layers(folder):
     """stage_layers cuts the layers into p consecutive runs, in order, as even as possible, the longer first."""
-    got = on_pipeline(stage_cuts, 2, folder)[0]  # the world of 2 that the order check keeps
+    got = on_pipeline(stage_cuts, 2, folder, expect=many(many(many(int)), len(LAYER_CASES)))[
+        0
+    ]  # the world of 2 that the order check keeps
     for (n, p), mine in zip(LAYER_CASES, got):
         where = f"stage_layers({n}, {p}) returned {[f'range({r[0]}, {r[-1] + 1})' if r else 'range(0)' for r in mine]}"
         held = [k for layers in mine for k in layers]
@@ -290,7 +304,7 @@ def check_stage_layers(folder):
 
 def runs_on(p, folder, runs):
     """The student's pipelines on p ranks: for each of `runs`, what each stage recorded."""
-    by_rank = on_pipeline(pipelines, p, folder, runs)
+    by_rank = on_pipeline(pipelines, p, folder, runs, expect=tuple(recorded(steps) for _, _, steps, _ in runs))
     return [[mine[k] for mine in by_rank] for k in range(len(runs))]
 
 
@@ -452,7 +466,9 @@ def check_matches_torch(folder, schedule):
     p, m = 3, 6
     where = f"{NAMES[schedule]} with p={p} stages and m={m} micro-batches"
     whose = f"torch's PipelineStage with Schedule{NAMES[schedule]}'s on the same stages"
-    for s, (got, expected) in enumerate(on_pipeline(with_torch, p, folder, schedule, m)):
+    for s, (got, expected) in enumerate(
+        on_pipeline(with_torch, p, folder, schedule, m, expect=(recorded(1), many(torch.Tensor)))
+    ):
         for k, g, t in zip(layers_by_rule(len(WIDTHS) - 1, p)[s], got["grads"], expected):
             assert g is not None, f"{where}: stage {s}'s layer {k} got no gradient, its {whose.replace('s on', ' on')}"
             assert close(g, t), describe_gradient(where, s, k, g, t, m, whose)

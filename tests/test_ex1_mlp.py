@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from course.checks import said
-from tests.helpers import CONFIG, WIDTHS, SmallMLP, alone, forward_from, load, printed, small_config
+from tests.helpers import CONFIG, WIDTHS, SmallMLP, alone, forward_from, keyed, load, many, printed, small_config
 
 
 def build(folder, seed=0):
@@ -27,7 +27,7 @@ def layer_shapes(folder):
 
 def check_layers(folder):
     """The MLP's parameters are bias-free nn.Linear layers of exercise 1's widths, in self.layers."""
-    shapes = {name: tuple(shape) for name, shape in alone(layer_shapes, folder).items()}
+    shapes = {name: tuple(shape) for name, shape in alone(layer_shapes, folder, expect=keyed(many(int))).items()}
     expected = {f"layers.{i}.weight": (b, a) for i, (a, b) in enumerate(zip(WIDTHS, WIDTHS[1:]))}
     assert shapes == expected, (
         f"the MLP's parameters should be {expected} (bias-free nn.Linear layers in self.layers), got {shapes}"
@@ -49,6 +49,15 @@ def forward_both_ways(folder, x, y):
         "no_loss": loss is None,
         "loss_with_targets": model(x, y)[1].detach(),
     }
+
+
+FORWARD = {
+    "parameters": many(str),
+    "weights": many(torch.Tensor),
+    "logits": torch.Tensor,
+    "no_loss": bool,
+    "loss_with_targets": torch.Tensor,
+}
 
 
 def wrong_activation(weights, x, logits):
@@ -81,7 +90,7 @@ def check_forward(folder):
     """forward gives (logits, None) without targets, the logits of the layers with tanh between them,
     and with targets the cross-entropy of the logits."""
     x, y = sample(5, 0)
-    got = alone(forward_both_ways, folder, x, y)
+    got = alone(forward_both_ways, folder, x, y, expect=FORWARD)
     expected = forward_from(got["weights"], x)
     assert got["no_loss"] is True, said(
         "a loss without targets", "forward(data) without targets should return (logits, None)"
@@ -115,10 +124,13 @@ def evaluate_twice(folder, X, Y):
     return {"weights": weights, "full": full, "first_two": first_two, "training": model.training, "no_grads": no_grads}
 
 
+EVALUATED = {"weights": many(torch.Tensor), "full": float, "first_two": float, "training": bool, "no_grads": bool}
+
+
 def check_evaluate(folder):
     """evaluate averages the loss of each batch, up to max_batches, without gradients, in training mode after."""
     X, Y = sample(120, 1)
-    got = alone(evaluate_twice, folder, X, Y)
+    got = alone(evaluate_twice, folder, X, Y, expect=EVALUATED)
     means = [F.cross_entropy(forward_from(got["weights"], X[i : i + 50]), Y[i : i + 50]).item() for i in (0, 50, 100)]
     assert abs(got["full"] - sum(means) / 3) < 1e-5, said(
         "evaluate not the mean of the batches' losses",
@@ -143,7 +155,7 @@ def make_dataset(folder):
 
 def check_dataset(folder):
     """gen_dataset gives float32 rows and int64 labels of the config's sizes, the same for the same rand_state."""
-    (X, Y), (X2, Y2) = alone(make_dataset, folder)
+    (X, Y), (X2, Y2) = alone(make_dataset, folder, expect=((torch.Tensor, torch.Tensor),) * 2)
     assert X.shape == (CONFIG.train_size, CONFIG.d_in) and X.dtype == torch.float32, said(
         "rows not float32 of the config's sizes",
         f"gen_dataset gave rows of shape {tuple(X.shape)} and dtype {X.dtype}: float32 rows of shape"
@@ -171,9 +183,13 @@ def train_three_times(folder):
     return {"runs": figures, "X_test": X_test, "Y_test": Y_test}
 
 
+RUN = {"train_loss": float, "test_loss": float, "state": keyed(torch.Tensor)}
+TRAINED = {"runs": (RUN,) * 3, "X_test": torch.Tensor, "Y_test": torch.Tensor}
+
+
 def check_training(folder):
     """train() on one process learns, and its test loss is measured on the held-out 10%."""
-    got = alone(train_three_times, folder)
+    got = alone(train_three_times, folder, expect=TRAINED)
     result, first, again = got["runs"]
     held_out = F.cross_entropy(forward_from(list(result["state"].values()), got["X_test"]), got["Y_test"]).item()
     assert abs(result["test_loss"] - held_out) < 1e-4, said(
@@ -196,7 +212,7 @@ def train_printing(folder):
 
 def check_step_lines(folder):
     """train prints a step line every 100 steps, in the handout's format."""
-    lines = [line for line in alone(train_printing, folder).splitlines() if line.startswith("step ")]
+    lines = [line for line in alone(train_printing, folder, expect=str).splitlines() if line.startswith("step ")]
     assert [line.split(" |")[0] for line in lines] == ["step 0", "step 100"], said(
         "step lines not every 100 steps", "train should print a line every 100 steps"
     )
@@ -219,7 +235,7 @@ def parse_cli(folder):
 
 def check_cli_types(folder):
     """The command line's numbers reach the config as an int or a float, as ModelConfig types them."""
-    got = alone(parse_cli, folder)
+    got = alone(parse_cli, folder, expect={"batch_size": object, "d_in": object, "lr": object})
     assert isinstance(got["batch_size"], int) and isinstance(got["d_in"], int) and got["lr"] == 0.5
 
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from course.checks import said
 from tests.comm_log import ProductFlops
-from tests.helpers import load, world
+from tests.helpers import load, many, world
 
 # No world of these checks builds an optimizer: grading them alone need not import torch._dynamo
 # (tests/conftest.py).
@@ -36,6 +36,10 @@ def multiply_everything(folder, method):
             result = multiply(*(operands(i) if rank == 0 else (None, None)))
         out.append((result, counted.flops))
     return out
+
+
+# Per shape, what the method returned (the judge tells a product from anything else) and the products' flops.
+PRODUCTS = many((object, int), len(SHAPES))
 
 
 def block_sizes(total, parts):
@@ -138,7 +142,7 @@ def _work_split(what, method, flops, m, k, n, world_size, rank):
 
 def check_by_row(folder, world_size):
     """par_matmul_by_row: A @ B on rank 0, None elsewhere, each rank multiplying its rows only."""
-    results = world(multiply_everything, world_size, folder, "par_matmul_by_row")
+    results = world(multiply_everything, world_size, folder, "par_matmul_by_row", expect=PRODUCTS)
     for i, (m, k, n) in enumerate(SHAPES):
         A, B = operands(i)
         expected = A @ B
@@ -163,7 +167,7 @@ def check_by_row(folder, world_size):
 
 def check_by_reduction(folder, world_size):
     """par_matmul_by_reduction: A @ B on every rank, each rank multiplying its slice of k only."""
-    results = world(multiply_everything, world_size, folder, "par_matmul_by_reduction")
+    results = world(multiply_everything, world_size, folder, "par_matmul_by_reduction", expect=PRODUCTS)
     for i, (m, k, n) in enumerate(SHAPES):
         A, B = operands(i)
         expected = A @ B

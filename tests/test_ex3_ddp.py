@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course.checks import said
-from tests.helpers import alone, check_equivalence, load, printed, small_config, world
+from tests.helpers import SMALL_PARAMETERS, alone, check_equivalence, load, printed, small_config, world
 
 
 def train_in_world(folder, changes):
@@ -14,6 +14,9 @@ def train_in_world(folder, changes):
     mlp = load(folder).mlp
     result, out = printed(mlp.train, small_config(mlp, **changes))
     return {"state": result["state"], "parameters_close": result["parameters_close"], "printed": out}
+
+
+TRAINED = {"state": SMALL_PARAMETERS, "parameters_close": object, "printed": str}
 
 
 def check_ddp_steps(folder, world_size):
@@ -24,8 +27,8 @@ def check_train_shares_batches(folder, world_size=2):
     """W ranks with batches of 8 take the same steps as one process with batches of 8 W. With 2 ranks,
     training on the batches i % W != r is training on i % W == r under another name: 3 tell them apart."""
     steps = {"niters": 6}  # within one pass over the 160 samples, for 2 and 3 ranks
-    ranks = world(train_in_world, world_size, folder, {"batch_size": 8, **steps})
-    alone_state = alone(train_in_world, folder, {"batch_size": 8 * world_size, **steps})["state"]
+    ranks = world(train_in_world, world_size, folder, {"batch_size": 8, **steps}, expect=TRAINED)
+    alone_state = alone(train_in_world, folder, {"batch_size": 8 * world_size, **steps}, expect=TRAINED)["state"]
     for name, expected in alone_state.items():
         got = ranks[0]["state"][name]
         assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5), (
@@ -54,7 +57,7 @@ def closeness_verdicts(folder):
 
 def check_closeness(folder, world_size):
     """check_parameter_closeness answers True on every rank when the ranks agree, False on every rank when one differs."""
-    same, differ = zip(*world(closeness_verdicts, world_size, folder))
+    same, differ = zip(*world(closeness_verdicts, world_size, folder, expect=(object, object)))
     assert list(same) == [True] * world_size, said(
         "check_parameter_closeness False though the ranks agree",
         f"check_parameter_closeness should return True on every rank when all ranks agree, got {list(same)}",
@@ -67,7 +70,7 @@ def check_closeness(folder, world_size):
 
 def check_rank0_prints(folder):
     """Only rank 0 prints the step lines."""
-    printed_by = [rank["printed"] for rank in world(train_in_world, 2, folder, {"niters": 1})]
+    printed_by = [rank["printed"] for rank in world(train_in_world, 2, folder, {"niters": 1}, expect=TRAINED)]
     assert [out.count("step 0 |") for out in printed_by] == [1, 0], "only rank 0 should print the step lines"
 
 

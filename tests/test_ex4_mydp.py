@@ -6,7 +6,17 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course.checks import said
-from tests.helpers import check_equivalence, check_start_sync, load, parallel_steps, world
+from tests.helpers import (
+    SMALL_PARAMETERS,
+    check_equivalence,
+    check_start_sync,
+    keyed,
+    load,
+    many,
+    maybe,
+    parallel_steps,
+    world,
+)
 
 
 def frozen_step(folder):
@@ -32,9 +42,16 @@ def frozen_step(folder):
     }
 
 
+FROZEN = {
+    "grads": keyed(maybe(torch.Tensor), ["0.weight", "0.bias", "1.weight", "1.bias"]),
+    "argument_changed": many(str),
+    "returned_new": many(str),
+}
+
+
 def check_frozen(folder):
     """A frozen parameter gets no gradient and no hook; the others' gradients are still averaged."""
-    grads = [rank["grads"] for rank in world(frozen_step, 2, folder)]
+    grads = [rank["grads"] for rank in world(frozen_step, 2, folder, expect=FROZEN)]
     assert grads[0]["0.weight"] is None, said(
         "a frozen parameter given a gradient or a hook",
         "a parameter with requires_grad=False should get no gradient and no hook",
@@ -49,7 +66,7 @@ def check_hook_leaves_its_argument(folder):
     """A tensor hook returns a new gradient; the one it was given may be read by others afterwards.
 
     Each rank's gradients differ here, so an average differs from what every rank was given."""
-    results = world(frozen_step, 2, folder)
+    results = world(frozen_step, 2, folder, expect=FROZEN)
     for rank, got in enumerate(results):
         assert not got["argument_changed"], said(
             "the hook changing its argument in place",
@@ -71,7 +88,9 @@ def compare_with_ddp(folder, steps):
 def check_mydp_steps(folder, world_size, steps=3):
     """MyDP's steps equal one process's on the whole batch, and torch's DDP's from the same start."""
     check_equivalence(folder, "mydp", world_size, steps)
-    for rank, (mine, builtin) in enumerate(world(compare_with_ddp, world_size, folder, steps)):
+    for rank, (mine, builtin) in enumerate(
+        world(compare_with_ddp, world_size, folder, steps, expect=(SMALL_PARAMETERS,) * 2)
+    ):
         gap = max((mine[k] - builtin[k]).abs().max().item() for k in mine)
         assert gap < 1e-5, (
             f"after {steps} steps from the same start, rank {rank}'s MyDP and torch's DDP are {gap:.3g} apart"

@@ -6,8 +6,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course.checks import said
-from tests.comm_log import CommLog
-from tests.helpers import alone, check_equivalence, check_start_sync, describe_ratio, load, world
+from tests.comm_log import SUMMARY, CommLog
+from tests.helpers import alone, check_equivalence, check_start_sync, describe_ratio, keyed, load, many, maybe, world
 
 KIB = 1024
 
@@ -123,6 +123,19 @@ def train_logged(folder, setup, steps):
     return out
 
 
+def logged(steps):
+    """What train_logged returns: a step's figures for each step, up to the first that left counts behind."""
+    left_over = {"bucket.ready": many(object), "self.launched": object, "self.finish_queued": object}
+    step = SUMMARY | {
+        "left_over": left_over,
+        "started_before_last_gradient": int,
+        "in_flight_at_last_gradient": int,
+        "collective_bytes": int,
+        "grads": keyed(torch.Tensor),
+    }
+    return many(step, range(1, steps + 1))
+
+
 def assert_reset(rank, step, got):
     """What the end of a backward pass leaves for the next one: counts at zero, no callback queued."""
     left = got["left_over"]
@@ -157,7 +170,9 @@ def buckets_as_indices(folder):
 
 def check_bucket_parameters(folder):
     """bucket_parameters fills buckets last parameter first, a new one when the next would not fit the cap."""
-    for (_, _, expected, what), got in zip(BUCKET_CASES, alone(buckets_as_indices, folder)):
+    for (_, _, expected, what), got in zip(
+        BUCKET_CASES, alone(buckets_as_indices, folder, expect=many(many(many(maybe(int))), len(BUCKET_CASES)))
+    ):
         assert got == expected, (
             f"bucket_parameters with {what} gave buckets {got} (parameter indices), expected {expected}:"
             " walk the parameters last to first, and start a new bucket when the next one would not fit"
@@ -166,7 +181,7 @@ def check_bucket_parameters(folder):
 
 def check_overlap(folder):
     """Buckets' all-reduces start during the backward pass and are waited for at its end."""
-    steps = world(train_logged, 2, folder, "Deep", 3)
+    steps = world(train_logged, 2, folder, "Deep", 3, expect=logged(3))
     buckets = SETUPS["Deep"][2]
     for rank, per_step in enumerate(steps):
         for step, got in enumerate(per_step):
@@ -238,7 +253,7 @@ def check_same_training(folder, setup, steps, hint=""):
 
 def check_shared_parameters(folder):
     """Frozen, used twice, shared by two layers: each trainable gradient is all-reduced once, when complete."""
-    steps = world(train_logged, 2, folder, "Shared", 3)
+    steps = world(train_logged, 2, folder, "Shared", 3, expect=logged(3))
     for rank, per_step in enumerate(steps):
         for step, got in enumerate(per_step):
             assert_reset(rank, step, got)
@@ -252,7 +267,7 @@ def check_shared_parameters(folder):
 def check_bucket_order(folder):
     """Ranks that finish gradients in different orders still all-reduce the same bucket together."""
     hint = " (the ranks finished their gradients in opposite orders: start the buckets in bucket order on every rank)"
-    check_same_training(folder, "Branches", world(train_logged, 2, folder, "Branches", 1), hint)
+    check_same_training(folder, "Branches", world(train_logged, 2, folder, "Branches", 1, expect=logged(1)), hint)
 
 
 @pytest.mark.points(4)

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from course.checks import said
 from tests.comm_log import CommLog
-from tests.helpers import CONFIG, SMALL_BUCKET_MB, SmallMLP, global_batch, load, world
+from tests.helpers import CONFIG, SMALL_BUCKET_MB, SMALL_PARAMETERS, SmallMLP, global_batch, load, many, world
 
 BUCKETS = 2  # SMALL's three gradients in buckets of SMALL_BUCKET_MB (tests/helpers.py)
 LR = 0.2
@@ -96,7 +96,8 @@ def _same_parameters(what, got, expected):
 
 def check_no_sync_accumulates(folder, world_size=2, micro_batches=3, steps=2):
     """k micro-batches, all but the last inside no_sync(), equal one step on the whole batch."""
-    results = world(by_hand_in_world, world_size, folder, micro_batches, steps)
+    by_hand = {"inside": int, "after": int, "grads": SMALL_PARAMETERS, "params": SMALL_PARAMETERS}
+    results = world(by_hand_in_world, world_size, folder, micro_batches, steps, expect=many(by_hand, steps))
     for step, expected in enumerate(reference_steps(world_size, micro_batches, steps)):
         for rank, per_step in enumerate(results):
             got = per_step[step]
@@ -126,7 +127,8 @@ def check_no_sync_accumulates(folder, world_size=2, micro_batches=3, steps=2):
 
 def check_accumulation_step(folder, world_size=2, micro_batches=3, steps=2):
     """accumulation_step: one step on the whole batch, one all-reduce per bucket, the batch's mean loss."""
-    results = world(accumulation_step_in_world, world_size, folder, micro_batches, steps)
+    stepped = {"step_collectives": int, "loss": float, "params": SMALL_PARAMETERS}
+    results = world(accumulation_step_in_world, world_size, folder, micro_batches, steps, expect=many(stepped, steps))
     for step, expected in enumerate(reference_steps(world_size, micro_batches, steps)):
         for rank, per_step in enumerate(results):
             got = per_step[step]
@@ -193,7 +195,15 @@ def nested_no_sync_in_world(folder, micro_batches=3):
 def check_nested_no_sync(folder, world_size=2, micro_batches=3):
     """A no_sync() block ends with synchronisation as it was before it, as torch's DDP does, even
     when the block raises."""
-    for rank, got in enumerate(world(nested_no_sync_in_world, world_size, folder, micro_batches)):
+    for rank, got in enumerate(
+        world(
+            nested_no_sync_in_world,
+            world_size,
+            folder,
+            micro_batches,
+            expect={"inner": int, "outer": int, "after": int, "after_raise": int, "idiom": many(int, micro_batches)},
+        )
+    ):
         assert got["inner"] == 0, said(
             "collectives inside nested no_sync() blocks",
             f"rank {rank}: a backward pass inside two nested no_sync() blocks started {got['inner']} collectives",

@@ -15,7 +15,20 @@ import torch.nn.functional as F
 from course.checks import said
 from course.launch import WorldFailed
 from tests.comm_log import CommLog
-from tests.helpers import CONFIG, WIDTHS, SmallMLP, forward_from, global_batch, load, world
+from tests.helpers import (
+    CONFIG,
+    SMALL_PARAMETERS,
+    WIDTHS,
+    SmallMLP,
+    forward_from,
+    global_batch,
+    keyed,
+    load,
+    many,
+    maybe,
+    tensor,
+    world,
+)
 
 FEATURES = 4
 # Rows per rank: uneven on 3 ranks, so a count that is not all-reduced shows.
@@ -82,6 +95,17 @@ def forward_in_world(folder, rows, steps=TRAIN_STEPS):
     out["after_eval"] = {"running_mean": layer.running_mean.clone(), "running_var": layer.running_var.clone()}
     out["state"] = {k: v.clone() for k, v in layer.state_dict().items()}
     return out
+
+
+# The judges compare the outputs and running statistics with their own, step by step, and name the mistake of
+# the first that differs, before a later step's nan or inf (a negative variance's square root, say).
+RUNNING = {"running_mean": tensor(finite=False), "running_var": tensor(finite=False)}
+FORWARD = {
+    "train": many(RUNNING | {"y": tensor(finite=False)}, TRAIN_STEPS),
+    "eval": tensor(finite=False),
+    "after_eval": RUNNING,
+    "state": keyed(torch.Tensor),
+}
 
 
 def torch_layer():
@@ -185,7 +209,7 @@ def check_running_stats(folder):
     """update_running_stats moves running_mean towards the mean and running_var towards the unbiased
     variance by momentum, as nn.BatchNorm1d does."""
     batches = [all_rows(step, ROWS[3]) for step in range(TRAIN_STEPS)]
-    (got,) = world(running_stats_in_world, 1, folder, [moments(x) for x in batches])
+    (got,) = world(running_stats_in_world, 1, folder, [moments(x) for x in batches], expect=many(RUNNING, TRAIN_STEPS))
     reference = torch_layer()
     for step, (x, found) in enumerate(zip(batches, got)):
         previous = {"running_mean": reference.running_mean.clone(), "running_var": reference.running_var.clone()}
@@ -210,7 +234,7 @@ def check_forward(folder, world_size):
     the ranks' rows, step after step; eval mode: normalised with the running statistics. The layer
     updates them with the tests' update_running_stats (sync_module)."""
     rows = ROWS[world_size]
-    results = world(forward_in_world, world_size, folder, rows)
+    results = world(forward_in_world, world_size, folder, rows, expect=FORWARD)
     reference = torch_layer()
     expected = []
     for step in range(len(results[0]["train"])):
@@ -291,7 +315,14 @@ def check_eval_alone(folder, world_size=2):
     try:
         # A short collective timeout: where the ranks' collectives are not compared, rank 0 is named after 3 s.
         (got, *_) = world(
-            eval_alone_in_world, world_size, folder, ROWS[world_size], keep=False, timeout=30, collective_timeout=3
+            eval_alone_in_world,
+            world_size,
+            folder,
+            ROWS[world_size],
+            expect=maybe(torch.Tensor),
+            keep=False,
+            timeout=30,
+            collective_timeout=3,
         )
     except WorldFailed as failed:
         first = failed.failure.fact(0)
@@ -361,7 +392,9 @@ def _input_gradient_mistake(sentence, got, rows, rank):
 def check_backward(folder, world_size):
     """The gradients of the rows of every rank are those of one process on all rows, loss summed."""
     rows = ROWS[world_size]
-    results = world(backward_in_world, world_size, folder, rows)
+    results = world(
+        backward_in_world, world_size, folder, rows, expect=dict.fromkeys(("x", "weight", "bias"), maybe(torch.Tensor))
+    )
     reference = torch_layer()
     everything = all_rows(0, rows).requires_grad_()
     c = torch.cat([coefficients(rows, r) for r in range(world_size)])
@@ -438,7 +471,9 @@ def train_in_world(folder, steps):
 def check_train_steps(folder, world_size, steps=3):
     """Steps of a model with the layer on W ranks equal steps of one process on the whole batch:
     the averaged gradients, the parameters and running statistics after each step, eval outputs."""
-    results = world(train_in_world, world_size, folder, steps)
+    state = keyed(torch.Tensor)
+    expect = {"grads": many(state, steps), "states": many(state, steps), "eval": torch.Tensor}
+    results = world(train_in_world, world_size, folder, steps, expect=expect)
     torch.manual_seed(100)
     model = NormMLP(nn.SyncBatchNorm(WIDTHS[1], eps=EPS, momentum=MOMENTUM))
     optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
@@ -501,7 +536,7 @@ def average_in_world(folder):
 
 def check_average_parameters(folder, world_size):
     """Every parameter becomes its mean over the ranks, in the model's own Parameter objects."""
-    results = world(average_in_world, world_size, folder)
+    results = world(average_in_world, world_size, folder, expect={"params": SMALL_PARAMETERS, "same_parameters": bool})
     starts = [dict(_start(r).named_parameters()) for r in range(world_size)]
     for rank, got in enumerate(results):
         assert got["same_parameters"], said(
@@ -588,6 +623,17 @@ def local_sgd_in_world(folder, steps, period, watch=True):
     }
 
 
+LOCAL_SGD = {
+    "losses": many(float),
+    "floats": bool,
+    "calls": many(int),
+    "seen": many(torch.Tensor),
+    "averaged": int,
+    "own_collectives": int,
+    "params": SMALL_PARAMETERS,
+}
+
+
 def simulate(world_size, steps, averages, zero_grad=True):
     """Local SGD by hand: each rank's model steps on its batches; the ranks average after the steps
     in `averages`. Without zero_grad, each backward pass adds to the gradients of the steps before.
@@ -633,7 +679,7 @@ def _same_weights(got, expected):
 def check_local_sgd(folder, world_size, steps, period):
     """local_sgd steps on each rank's batches, averages after steps period, 2 * period, ... and the
     last, calls before_average just before each, and returns every step's loss."""
-    results = world(local_sgd_in_world, world_size, folder, steps, period)
+    results = world(local_sgd_in_world, world_size, folder, steps, period, expect=LOCAL_SGD)
     averages = sorted({*range(period, steps + 1, period), steps})
     losses, params, seen, averaged = simulate(world_size, steps, set(averages))
     for rank, got in enumerate(results):
@@ -706,7 +752,7 @@ def test_local_sgd(impl_dir, world_size, steps, period):
 
 def check_period_one_is_synchronous(folder, world_size=2, steps=3):
     """period=1, no before_average: local_sgd trains as one process on the whole batch of every step."""
-    results = world(local_sgd_in_world, world_size, folder, steps, 1, False)
+    results = world(local_sgd_in_world, world_size, folder, steps, 1, False, expect=LOCAL_SGD)
     model = _start(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
     for step in range(steps):
@@ -783,7 +829,13 @@ def check_non_iid_claims(folder):
     ones; averaged every 16 steps, the ranks' own models drift away from a good model."""
     # Hundreds of all-reduces: without the per-call comparison of collectives, which would triple
     # this check's time; test_local_sgd has already compared the ranks' collectives of local_sgd.
-    result = world(non_iid_in_world, 2, folder, keep=False, debug=False)[0]
+    weights = many(torch.Tensor, len(WIDTHS) - 1)
+    runs = {
+        f"{non_iid}-{period}": {"final": weights, "before": many(weights)}
+        for non_iid in (False, True)
+        for period in (1, NON_IID["period"])
+    }
+    result = world(non_iid_in_world, 2, folder, expect=runs, keep=False, debug=False)[0]
     period = NON_IID["period"]
     sync_iid, sync_non = held_out_loss(result["False-1"]["final"]), held_out_loss(result["True-1"]["final"])
     assert abs(sync_non / sync_iid - 1) < SYNC_MARGIN, said(

@@ -265,14 +265,14 @@ def torch_sync_batchnorm(train):
 def test_torch_sync_batchnorm_needs_a_gpu_to_synchronise():
     """The handout's claim: on 2 ranks of CPU tensors, torch's SyncBatchNorm refuses to train, and
     its kernels for the statistics exist only for GPUs; in eval mode it runs (nothing to share)."""
-    for kind, said in world(torch_sync_batchnorm, 2, True):
+    for kind, said in world(torch_sync_batchnorm, 2, True, expect=object):
         assert kind == "refused" and "expected input tensor to be on GPU" in said, said
     with pytest.raises(NotImplementedError, match="CPU"):
         torch.batch_norm_stats(torch.randn(4, 3), 1e-5)
     mean, invstd, counts = torch.zeros(2, 3), torch.ones(2, 3), torch.tensor([4.0, 4.0])
     with pytest.raises(NotImplementedError, match="CPU"):
         torch.batch_norm_gather_stats_with_counts(torch.randn(4, 3), mean, invstd, None, None, 0.1, 1e-5, counts)
-    assert all(kind == "ran" for kind, _ in world(torch_sync_batchnorm, 2, False))
+    assert all(kind == "ran" for kind, _ in world(torch_sync_batchnorm, 2, False, expect=object))
 
 
 SMALL_EXPERIMENT = [
@@ -323,7 +323,7 @@ def test_parameters_data_replaced_is_right(tmp_path):
         "            dist.all_reduce(param)\n            param.data = param.data / dist.get_world_size()",
     )
     check_average_parameters(folder, 2)
-    got = world(own_local_sgd, 2, folder, 7, 3)
+    got = world(own_local_sgd, 2, folder, 7, 3, expect=object)
     _, expected, _, _ = simulate(2, 7, {3, 6, 7})
     for rank, params in enumerate(got):
         assert all(torch.allclose(params[n], p, rtol=1e-4, atol=1e-5) for n, p in expected[rank].items())
@@ -368,7 +368,7 @@ def demo(rows, features):
 def test_batchnorm_demo_shows_what_the_handout_says():
     """`python sync.py --world-size 2` (8 rows of 256 features per rank): nn.BatchNorm1d's output, running variance and eval-mode output on rank 0
     alone are more than 1 away from one process's; SyncBatchNorm1d's within rounding."""
-    found = world(demo, 2, 8, 256)[0]
+    found = world(demo, 2, 8, 256, expect=object)[0]
     plain, synced = found["nn.BatchNorm1d"], found["SyncBatchNorm1d"]
     assert plain[0] > 1 and plain[2] > 1 and plain[3] > 1, plain
     assert max(synced) < 1e-5, synced

@@ -19,7 +19,7 @@ def steps(folder):
 
 
 def test_a_step_is_recorded_and_drawn(impl_dir, tmp_path):
-    traces = timeline.by_wrapper(world(steps, 2, impl_dir))
+    traces = timeline.by_wrapper(world(steps, 2, impl_dir, expect=object))
     parameters = len(list(SmallMLP().parameters()))
     for name, runs in traces.items():
         assert len(runs) == 2, "one trace per rank"
@@ -60,7 +60,7 @@ def pipeline_step(folder, schedule):
 
 def test_a_pipeline_step_is_recorded_and_drawn(impl_dir, tmp_path):
     """`python pp.py --timeline pp.svg`: each stage's forwards and backwards, as spans in the schedule's order."""
-    traces = {name: world(pipeline_step, 2, impl_dir, name) for name in ("gpipe", "1f1b")}
+    traces = {name: world(pipeline_step, 2, impl_dir, name, expect=object) for name in ("gpipe", "1f1b")}
     orders = {"gpipe": ["F0 F1 F2 F3 B3 B2 B1 B0"] * 2, "1f1b": ["F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"]}
     for name, runs in traces.items():
         assert [" ".join(e["label"] for e in events) for events in runs] == orders[name], runs
