@@ -109,14 +109,8 @@ _grade.explain = lambda error: ""
 _grade._Grader.pytest_runtest_logreport = lambda self, report: None
 """
 
-# Wrong numbers of the right shape, and torch's comparisons told to say they are equal.
-PATCH_TORCH = """
-import torch
-import torch.distributed as dist
-torch.allclose = lambda *a, **k: True
-torch.equal = lambda *a, **k: True
-
-
+# Wrong numbers of the right shape (dist.py's own imports: torch, dist).
+WRONG_NUMBERS = """
 def _product_shape(A, B):
     shape = torch.tensor([A.shape[0], B.shape[1]] if dist.get_rank() == 0 else [0, 0])
     dist.broadcast(shape, src=0)
@@ -131,6 +125,17 @@ def par_matmul_by_row(A, B):
 def par_matmul_by_reduction(A, B):
     return torch.zeros(_product_shape(A, B))
 """
+
+# Wrong numbers, and torch's comparisons told to say they are equal.
+PATCH_TORCH = (
+    """
+import torch
+import torch.distributed as dist
+torch.allclose = lambda *a, **k: True
+torch.equal = lambda *a, **k: True
+"""
+    + WRONG_NUMBERS
+)
 
 EXIT_0 = "import os as _os\n_os._exit(0)\n"
 
@@ -639,7 +644,8 @@ def test_taking_the_notebook_kernels_socket_gains_nothing(attacked):
 # the check: into the probe that autograding runs in each kernel after its last cell, which it once
 # read as printed JSON; the error ended grading for the whole class. Its functions return wrong
 # numbers without raising, so that its worlds are kept.
-TIMER_INTO_THE_OUTPUT = """
+TIMER_INTO_THE_OUTPUT = (
+    """
 import os as _os, signal as _signal
 
 _out = _os.dup(1)
@@ -654,22 +660,9 @@ def _garbage(signum, frame):
 
 _signal.signal(_signal.SIGALRM, _garbage)
 _signal.setitimer(_signal.ITIMER_REAL, 0.002, 0.002)
-
-
-def _product_shape(A, B):
-    shape = torch.tensor([A.shape[0], B.shape[1]] if dist.get_rank() == 0 else [0, 0])
-    dist.broadcast(shape, src=0)
-    return tuple(shape.tolist())
-
-
-def par_matmul_by_row(A, B):
-    shape = _product_shape(A, B)
-    return torch.zeros(shape) if dist.get_rank() == 0 else None
-
-
-def par_matmul_by_reduction(A, B):
-    return torch.zeros(_product_shape(A, B))
 """
+    + WRONG_NUMBERS
+)
 
 
 def test_a_timer_that_writes_into_the_kernels_output_stops_no_one(tmp_path):
