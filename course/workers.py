@@ -292,16 +292,17 @@ def _own_descriptors(first: dict, outputs: set) -> bool:
     return True
 
 
-def _signal_state() -> tuple:
+def _signal_state() -> list:
     """What the kernel holds of this process's signals and timers, beyond Python's handlers: the
     signals caught, ignored and blocked (handlers set from C, a mask) and its POSIX timers (Linux)."""
-    try:
-        with open("/proc/self/status") as f:
-            masks = [line for line in f if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]
-        with open("/proc/self/timers") as f:
-            return masks, f.read()
-    except OSError:  # not Linux, or a kernel without the timers' listing
-        return [], ""
+    found = []
+    for path, kept in (("/proc/self/status", ("SigBlk", "SigIgn", "SigCgt")), ("/proc/self/timers", "")):
+        try:
+            with open(path) as f:
+                found += [line for line in f if line.startswith(kept)]
+        except OSError:  # not Linux, or a kernel without the timers' listing
+            pass
+    return found
 
 
 class _Baseline:

@@ -73,6 +73,11 @@ def ignores_a_signal_from_c():
     return os.getpid()
 
 
+def sets_a_timer_from_c():
+    ctypes.CDLL(None).timer_create(0, None, ctypes.byref(ctypes.c_void_p()))  # CLOCK_REALTIME, SIGALRM when armed
+    return os.getpid()
+
+
 def sets_a_timer_and_a_handler():
     signal.signal(signal.SIGALRM, lambda *args: print("a timer of an earlier call", flush=True))
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -178,6 +183,7 @@ def test_each_call_reads_the_code_under_test_again(tmp_path):
         starts_a_thread_threading_does_not_see,
         keeps_its_callers_output,
         ignores_a_signal_from_c,
+        sets_a_timer_from_c,
     ],
 )
 def test_a_call_that_leaves_what_cannot_be_undone_ends_its_world(changes):
