@@ -17,7 +17,8 @@ Only the students' own work is graded, and only by the instructor's checks:
   files are the ones graded.)
 - Kernels run the cells of the notebooks (execute()), --jobs at a time, each student's notebooks
   shared among --jobs kernels. A kernel never holds the submission's code: each check runs it
-  in processes of its own, and a probe after the last cell proves it. Each cell has a wall-clock limit
+  in processes of its own, and a probe after the last cell proves it (else that student's notebooks
+  are not graded, with the reason). Each cell has a wall-clock limit
   (--cell-timeout); every world of workers has its own (COURSE_TIMEOUT,
   COURSE_COLLECTIVE_TIMEOUT). A submission that hangs, crashes or does not import scores 0 on the
   checks it fails, with the reason; its other exercises, and the other students, are graded.
@@ -201,13 +202,48 @@ def take_in(submission: str, student: str, out: str, assignments: dict) -> tuple
     return code, problems
 
 
-# Run after the graded cells, in the same kernel: what it holds of the submission's own code.
-_PROBE = "import json, os\nfrom course.in_notebook import submission_modules\nprint(json.dumps(submission_modules(os.environ['COURSE_IMPL'])))"
+# Run after the graded cells, in the same kernel: what it holds of the submission's own code, shown
+# as data of a type of its own. Never printed: a worker can write into the kernel's output streams
+# (a descriptor it kept, a timer), whereas display data comes from the kernel's own process only.
+PROBE_MIME = "application/vnd.ddp-course.held+json"
+_PROBE = (
+    "import os\nfrom IPython.display import display\nfrom course.in_notebook import submission_modules\n"
+    f"display({{{PROBE_MIME!r}: submission_modules(os.environ['COURSE_IMPL'])}}, raw=True)"
+)
+
+
+def _probe_failure(probe) -> str:
+    """Why the kernel's probe does not prove that it held none of the submission's code ('' when it does)."""
+    shown = [
+        output["data"][PROBE_MIME]
+        for output in probe.outputs
+        if output.get("output_type") == "display_data" and PROBE_MIME in output.get("data", {})
+    ]
+    if len(shown) != 1 or not isinstance(shown[0], list) or not all(isinstance(name, str) for name in shown[0]):
+        said = sorted({str(output.get("ename") or output.get("output_type")) for output in probe.outputs})
+        return f"the kernel that ran its checks could not be probed (it showed {said}): its results cannot be trusted"
+    if shown[0]:
+        return f"the kernel that ran its checks held the submission's code ({', '.join(shown[0])}): its results cannot be trusted"
+    return ""
 
 
 def output_file(out: str, student: str) -> str:
     """What a student's code printed while its checks ran, and the library lines it caused."""
     return os.path.join(out, "feedback", student, "output.txt")
+
+
+def _not_graded(cells: list, reason: str) -> None:
+    """The cells' outputs become the reason they are not graded (none, when reason is '')."""
+    import nbformat
+
+    if not reason:
+        return
+    for cell in cells:
+        cell.outputs = [
+            nbformat.v4.new_output(
+                "error", ename="NotGraded", evalue=f"the notebook could not be graded: {reason}", traceback=[]
+            )
+        ]
 
 
 async def execute(out: str, student: str, assignments: dict, code: str, cell_timeout: int) -> float:
@@ -217,7 +253,8 @@ async def execute(out: str, student: str, assignments: dict, code: str, cell_tim
     their outputs, which nbgrader then grades, are the checks' own. One kernel serves several
     notebooks: a kernel is started once, not once per exercise. It never holds the
     submission's code: each check runs it in processes of its own (course.in_notebook.check),
-    and a probe after the last cell proves it, or grading stops. Returns the seconds it took.
+    and a probe after the last cell proves it (shown as data, which no worker can write), or none of
+    these notebooks' checks is graded, with the reason. Returns the seconds it took.
     """
     import nbformat
     from nbclient import NotebookClient
@@ -251,23 +288,10 @@ async def execute(out: str, student: str, assignments: dict, code: str, cell_tim
             if attempt == 1 and all(cell.execution_count is None for cell in cells):
                 continue
             reason = f"{type(error).__name__}: {error}".strip().splitlines()[0]
-            for cell in cells:
-                if cell.execution_count is None:
-                    cell.outputs = [
-                        nbformat.v4.new_output(
-                            "error",
-                            ename="NotGraded",
-                            evalue=f"the notebook could not be graded: {reason}",
-                            traceback=[],
-                        )
-                    ]
+            _not_graded([cell for cell in cells if cell.execution_count is None], reason)
         else:
-            said = [o["text"] for o in probe.outputs if o.get("name") == "stdout"]
-            if not said:
-                raise RuntimeError(f"the kernel that graded {student} could not be probed: {probe.outputs}")
-            held = json.loads("".join(said))
-            if held:
-                raise RuntimeError(f"the kernel that graded {student} held the submission's code: {held}")
+            # Every check of that student's fails, with the reason: what a kernel shows never stops the class.
+            _not_graded(cells, _probe_failure(probe))
         break
     for assignment, book in books.items():
         nbformat.write(book, paths[assignment])

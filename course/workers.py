@@ -19,9 +19,11 @@ list of their return values, indexed by rank. It never hangs and never leaves a 
 - ``keep=True`` (the checks): a world whose call succeeded and left its workers as it found them
   serves the next call with the same settings, instead of new processes (a world costs about
   0.1 s of start-up and warm-up, a call on a kept one a few ms). Each call still gets the code
-  under test read afresh, and the random state, environment, working folder, threads and
-  defaults the world's first call found; a call that fails, times out, starts a thread, replaces
-  a function of torch or ends the process group stops its world. Kept workers end with this
+  under test read afresh, and the random state, environment, working folder, threads, defaults,
+  signal handlers and mask the world's first call found, with no timer set; a call that fails,
+  times out, starts a thread, replaces a function of torch, ends the process group, sets a signal
+  handler from C or keeps a descriptor that is not the world's own (its caller's output, a file)
+  stops its world. Kept workers end with this
   process (``stop_kept`` ends them sooner).
 
 What went wrong is diagnosed in course/failure.py; ``WorldFailed.failure`` carries it.
@@ -29,7 +31,9 @@ What went wrong is diagnosed in course/failure.py; ``WorldFailed.failure`` carri
 
 from __future__ import annotations
 
+import _thread
 import atexit
+import collections
 import dataclasses
 import faulthandler
 import gc
@@ -41,6 +45,7 @@ import pickle
 import random
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -243,6 +248,61 @@ def _watched() -> list:
 
 
 _GONE = object()
+_TIMERS = [getattr(signal, name) for name in ("ITIMER_REAL", "ITIMER_VIRTUAL", "ITIMER_PROF") if hasattr(signal, name)]
+
+
+def _listing(folder: str) -> set:
+    try:
+        return set(os.listdir(folder))
+    except OSError:  # not Linux
+        return set()
+
+
+def _descriptors() -> dict:
+    """This process's open descriptors but stdout and stderr (each call's own): what each reaches
+    (its type, device and inode)."""
+    found = {}
+    for fd in (_listing("/proc/self/fd") or _listing("/dev/fd")) - {"1", "2"}:
+        try:
+            st = os.fstat(int(fd))
+        except OSError:  # the listing's own, closed by now
+            continue
+        found[int(fd)] = (stat.S_IFMT(st.st_mode), st.st_dev, st.st_ino)
+    return found
+
+
+def _outputs() -> set:
+    """What this call's stdout and stderr reach."""
+    return {(st.st_dev, st.st_ino) for st in map(os.fstat, (1, 2))}
+
+
+def _own_descriptors(first: dict, outputs: set) -> bool:
+    """Whether every descriptor but stdout and stderr is the world's own: one its first call found,
+    or one of those a process group opens (a socket, a pipe with both ends here, an epoll's, which
+    reach nothing outside the world); and none reaches this call's output, which a descriptor kept
+    would write into after the call (a notebook kernel's, say)."""
+    now = _descriptors()
+    held = collections.Counter(now.values())
+    for fd, what in now.items():
+        if what[1:] in outputs:
+            return False
+        own = what[0] in (stat.S_IFSOCK, 0) or (what[0] == stat.S_IFIFO and held[what] == 2)
+        if first.get(fd) != what and not own:
+            return False
+    return True
+
+
+def _signal_state() -> list:
+    """What the kernel holds of this process's signals and timers, beyond Python's handlers: the
+    signals caught, ignored and blocked (handlers set from C, a mask) and its POSIX timers (Linux)."""
+    found = []
+    for path, kept in (("/proc/self/status", ("SigBlk", "SigIgn", "SigCgt")), ("/proc/self/timers", "")):
+        try:
+            with open(path) as f:
+                found += [line for line in f if line.startswith(kept)]
+        except OSError:  # not Linux, or a kernel without the timers' listing
+            pass
+    return found
 
 
 class _Baseline:
@@ -253,8 +313,13 @@ class _Baseline:
         self.rng = torch.random.get_rng_state(), random.getstate(), numpy.random.get_state()
         self.threads, self.dtype = torch.get_num_threads(), torch.get_default_dtype()
         self.python_threads = set(threading.enumerate())
+        # Every thread that Python started, or that runs Python, threading's or not.
+        self.started, self.running = _thread._count(), set(sys._current_frames())
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.attributes = _watched()
+        self.handlers = {s: signal.getsignal(s) for s in signal.valid_signals() if signal.getsignal(s) is not None}
+        self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, []) if hasattr(signal, "pthread_sigmask") else None
+        self.descriptors, self.signals = _descriptors(), _signal_state()
 
     def restored(self) -> bool:
         """Restore what a call may change; whether the rest is as the first call found it."""
@@ -268,12 +333,24 @@ class _Baseline:
         torch.set_num_threads(self.threads)
         torch.set_default_dtype(self.dtype)
         torch.set_grad_enabled(True)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # Timers first: a timer's signal after its handler is restored would find the default (an exit).
+        for timer in _TIMERS:
+            signal.setitimer(timer, 0)
+        for signum, handler in self.handlers.items():
+            if signal.getsignal(signum) is not handler:
+                signal.signal(signum, handler)
+        if self.mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
         for folder in impl.loaded():  # the code under test is read again, as in a new worker
             impl.forget(folder)
         if not (dist.is_initialized() and (dist.get_rank(), dist.get_world_size()) == (self.rank, self.world_size)):
             return False
         if not set(threading.enumerate()) <= self.python_threads:
+            return False
+        if _thread._count() > self.started or not set(sys._current_frames()) <= self.running:
+            return False
+        # What cannot be undone from here ends the world: a handler or timer set from C, a descriptor kept.
+        if _signal_state() != self.signals or not _own_descriptors(self.descriptors, _outputs()):
             return False
         return all(
             all(vars(o).get(name, _GONE) is value for name, value in saved.items()) for o, saved in self.attributes

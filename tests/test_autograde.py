@@ -452,13 +452,17 @@ def test_interrupting_a_check_stops_it_and_its_workers(tmp_path, checks_process,
 
 class _Kernels:
     """nbclient's NotebookClient as execute() uses it, with kernels that die as a list says: before
-    their first cell ("start") or after it ("cell"), or not at all (None: every cell runs)."""
+    their first cell ("start") or after it ("cell"), or not at all (None: every cell runs, and the
+    probe shows `probe`, by default that the kernel held nothing)."""
 
-    def __init__(self, deaths):
-        self.deaths, self.started = list(deaths), 0
+    def __init__(self, deaths, probe=None):
+        self.deaths, self.started, self.probe = list(deaths), 0, probe
 
     def __call__(self, nb, **options):
+        from course.autograde import PROBE_MIME
+
         self.started += 1
+        probe = self.probe or [{"output_type": "display_data", "data": {PROBE_MIME: []}, "metadata": {}}]
         death, cells = self.deaths.pop(0), nb.cells
 
         class Client:
@@ -469,7 +473,7 @@ class _Kernels:
                     cell.execution_count = 1
                 if death == "cell":
                     raise RuntimeError("Kernel died")
-                cells[-1].outputs = [{"output_type": "stream", "name": "stdout", "text": "[]"}]
+                cells[-1].outputs = probe
 
         return Client()
 

@@ -109,14 +109,8 @@ _grade.explain = lambda error: ""
 _grade._Grader.pytest_runtest_logreport = lambda self, report: None
 """
 
-# Wrong numbers of the right shape, and torch's comparisons told to say they are equal.
-PATCH_TORCH = """
-import torch
-import torch.distributed as dist
-torch.allclose = lambda *a, **k: True
-torch.equal = lambda *a, **k: True
-
-
+# Wrong numbers of the right shape (dist.py's own imports: torch, dist).
+WRONG_NUMBERS = """
 def _product_shape(A, B):
     shape = torch.tensor([A.shape[0], B.shape[1]] if dist.get_rank() == 0 else [0, 0])
     dist.broadcast(shape, src=0)
@@ -131,6 +125,17 @@ def par_matmul_by_row(A, B):
 def par_matmul_by_reduction(A, B):
     return torch.zeros(_product_shape(A, B))
 """
+
+# Wrong numbers, and torch's comparisons told to say they are equal.
+PATCH_TORCH = (
+    """
+import torch
+import torch.distributed as dist
+torch.allclose = lambda *a, **k: True
+torch.equal = lambda *a, **k: True
+"""
+    + WRONG_NUMBERS
+)
 
 EXIT_0 = "import os as _os\n_os._exit(0)\n"
 
@@ -695,3 +700,95 @@ def test_a_made_up_hang_gains_nothing(tmp_path):
     assert "the world should hang in a collective that rank 1 never joins, and it ended" in found["tests"][0]["output"]
     reference = grade_only(tmp_path / "reference", {}, args, base=SOLUTIONS)
     assert reference["score"] == 2 and [t["status"] for t in reference["tests"]] == ["passed"], reference
+
+# ---- one student cannot stop the class (issue 36) ---------------------------------------------
+# A kept worker's timer writes into the output its check gave it (a notebook kernel's), long after
+# the check: into the probe that autograding runs in each kernel after its last cell, which it once
+# read as printed JSON; the error ended grading for the whole class. Its functions return wrong
+# numbers without raising, so that its worlds are kept.
+TIMER_INTO_THE_OUTPUT = (
+    """
+import os as _os, signal as _signal
+
+_out = _os.dup(1)
+
+
+def _garbage(signum, frame):
+    try:
+        _os.write(_out, b"{ CHEAT: not the probe's JSON\\n")
+    except OSError:
+        pass
+
+
+_signal.signal(_signal.SIGALRM, _garbage)
+_signal.setitimer(_signal.ITIMER_REAL, 0.002, 0.002)
+"""
+    + WRONG_NUMBERS
+)
+
+
+def test_a_timer_that_writes_into_the_kernels_output_stops_no_one(tmp_path):
+    """Graded by `course grade`, and autograded beside a correct classmate: the cheater scores 0 for
+    its wrong numbers, the classmate full marks with feedback of its own, and everyone gets grades."""
+    from tests.test_autograde import autograde, check_scores
+
+    assert_no_points(*grade(tmp_path / "grade", {"dist.py": TIMER_INTO_THE_OUTPUT}), "returned wrong numbers")
+    submissions = tmp_path / "submissions"
+    submissions.mkdir()
+    for student, base, cheats in (("cheater", ROOT, {"dist.py": TIMER_INTO_THE_OUTPUT}), ("honest", SOLUTIONS, {})):
+        _copy_grader(tmp_path / student, cheats, base)[1].rename(submissions / student)
+    out = tmp_path / "class"
+    done = autograde(submissions, out, 2)
+    check_scores(out, done, "cheater", [2], {2: 25})
+    check_scores(out, done, "honest", [2], {})
+    cheater, honest = (results(out / "feedback" / s / "results.json") for s in ("cheater", "honest"))
+    assert all("returned wrong numbers" in t["output"] for t in cheater["tests"]), cheater["tests"]
+    assert all(t["status"] == "passed" and not t["output"] for t in honest["tests"]), honest["tests"]
+    for page in (out / "feedback" / "honest").iterdir():
+        assert "CHEAT" not in page.read_text(), f"the cheater's output reached its classmate's {page.name}"
+
+
+def _shown(data):
+    return {"output_type": "display_data", "data": data, "metadata": {}}
+
+
+def _printed(text):
+    return {"output_type": "stream", "name": "stdout", "text": text}
+
+
+@pytest.mark.parametrize(
+    "probe, reason",
+    [
+        ([_printed("{ not JSON")], "could not be probed"),
+        ([_printed("[]")], "could not be probed"),  # printed, as any worker holding the output can
+        ([_shown({"text/plain": "[]"})], "could not be probed"),
+        ([_printed("{ not JSON"), _shown({"PROBE": []})], ""),
+        ([_shown({"PROBE": ["mlp"]})], r"held the submission's code \(mlp\)"),
+        ([_shown({"PROBE": {"held": 1}})], "could not be probed"),
+    ],
+    ids=["garbage", "printed", "another_type", "garbage_beside", "held", "malformed"],
+)
+def test_what_a_kernels_probe_shows_costs_its_own_student_only(tmp_path, monkeypatch, probe, reason):
+    """Whatever the last probe of a kernel shows, execute() returns: a probe that does not prove the
+    kernel clean fails that student's checks with the reason (their class is graded: autograde's
+    asyncio.gather goes on); one that does leaves the cells as they ran."""
+    import asyncio
+
+    import nbclient
+    import nbformat
+
+    from course.autograde import PROBE_MIME, execute
+    from tests.test_autograde import _Kernels
+
+    probe = [dict(o, data={PROBE_MIME: o["data"]["PROBE"]}) if "PROBE" in o.get("data", {}) else o for o in probe]
+    path = tmp_path / "submitted" / "s" / "ex1" / "01_mlp.ipynb"
+    path.parent.mkdir(parents=True)
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")]), path)
+    monkeypatch.setattr(nbclient, "NotebookClient", _Kernels([None], probe))
+    asyncio.run(execute(str(tmp_path), "s", {"ex1": "01_mlp"}, str(tmp_path), 60))
+    outputs = nbformat.read(path, as_version=4).cells[0].outputs
+    if not reason:
+        assert outputs == [], outputs
+    else:
+        assert [o["ename"] for o in outputs] == ["NotGraded"], outputs
+        assert re.search(reason, outputs[0]["evalue"]), outputs[0]["evalue"]

@@ -1,6 +1,8 @@
 """Kept worlds (course/workers.py, ``run(..., keep=True)``): one world of workers serves the calls
 that follow with its settings, and each call finds what a new world would give it."""
 
+import _thread
+import ctypes
 import os
 import random
 import signal
@@ -54,6 +56,44 @@ def leaves_traces():
 def starts_a_thread():
     threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
     return os.getpid()
+
+
+def starts_a_thread_threading_does_not_see():
+    _thread.start_new_thread(time.sleep, (60,))
+    return os.getpid()
+
+
+def keeps_its_callers_output():
+    os.dup(1)  # to write into long after its call (a notebook kernel's output)
+    return os.getpid()
+
+
+def ignores_a_signal_from_c():
+    ctypes.CDLL(None).signal(signal.SIGUSR2, 1)  # SIG_IGN, behind Python's back
+    return os.getpid()
+
+
+def sets_a_timer_from_c():
+    ctypes.CDLL(None).timer_create(0, None, ctypes.byref(ctypes.c_void_p()))  # CLOCK_REALTIME, SIGALRM when armed
+    return os.getpid()
+
+
+def sets_a_timer_and_a_handler():
+    signal.signal(signal.SIGALRM, lambda *args: print("a timer of an earlier call", flush=True))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.setitimer(signal.ITIMER_REAL, 30)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+    return os.getpid()
+
+
+def signals_and_timers():
+    return {
+        "timer": signal.getitimer(signal.ITIMER_REAL),
+        "SIGALRM": str(signal.getsignal(signal.SIGALRM)),
+        "SIGTERM": str(signal.getsignal(signal.SIGTERM)),
+        "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+        "pid": os.getpid(),
+    }
 
 
 def replaces_all_reduce():
@@ -135,13 +175,32 @@ def test_each_call_reads_the_code_under_test_again(tmp_path):
     assert run(mark_of, 2, str(tmp_path), keep=True) == [2, 2]
 
 
-@pytest.mark.parametrize("changes", [starts_a_thread, replaces_all_reduce])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        starts_a_thread,
+        replaces_all_reduce,
+        starts_a_thread_threading_does_not_see,
+        keeps_its_callers_output,
+        ignores_a_signal_from_c,
+        sets_a_timer_from_c,
+    ],
+)
 def test_a_call_that_leaves_what_cannot_be_undone_ends_its_world(changes):
     pids = run(changes, 2, keep=True)
     assert workers.kept_workers() == []
     assert set(run(pid, 2, keep=True)).isdisjoint(pids)
     assert run(all_reduce_is_torchs, 2, keep=True) == [True, True]
     wait_for(lambda: not any(alive(p) for p in pids), 5)
+
+
+def test_a_calls_timers_signal_handlers_and_mask_are_undone():
+    found = run(signals_and_timers, 2, keep=True)
+    pids = run(sets_a_timer_and_a_handler, 2, keep=True)
+    again = run(signals_and_timers, 2, keep=True)
+    assert [f.pop("pid") for f in again] == pids, "restored, not ended"
+    assert again == [{k: v for k, v in f.items() if k != "pid"} for f in found]
+    assert again[0]["timer"] == (0.0, 0.0)
 
 
 def test_a_call_may_leave_a_new_group_of_the_same_shape():
