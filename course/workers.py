@@ -695,7 +695,10 @@ class _World:
             return None
         if time.monotonic() - self.still[1] < _STILL:
             return None
-        return failure.deadlock([record for _, record in boards], self.world_size)
+        try:
+            return failure.deadlock([record for _, record in boards], self.world_size)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError):  # a board the rank's code overwrote
+            return None
 
     def _receive(self, rank: int, conn) -> bool:
         """Take what a rank sent; whether it can run another call."""
