@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course import env, workers
+from course import env, failure, workers
 from course.failure import diagnose
 from course.flags import SCRIPT_TIME_LIMIT
 from course.launch import WorldFailed, add_launch_arguments, launch, launch_options, run
@@ -433,16 +433,16 @@ DEADLOCKS = {  # the function, its world, whether collectives are checked, the k
 def test_a_deadlock_is_reported_within_3_s(deadlock, how, capfd):
     fn, world_size, checked, kind, waits = DEADLOCKS[deadlock]
     start = time.monotonic()
-    failure = how(fn, world_size, checked)
+    found = how(fn, world_size, checked)
     reported, seconds = time.time(), time.monotonic() - start
     out, err = capfd.readouterr()
     blocked = [float(t) for t in re.findall(r"blocks at (\S+)", out)]
     assert len(blocked) == world_size, out
     assert reported - max(blocked) < 3, f"reported {reported - max(blocked):.1f} s after the deadlock"
     assert seconds < 25, "found, not at the collective timeout (30 s)"
-    if failure is not None:
-        assert failure.kind == kind and [(f.collective, f.peer) for f in failure.ranks] == waits, failure.report()
-        err = failure.report()
+    if found is not None:
+        assert found.kind == kind and [(f.collective, f.peer) for f in found.ranks] == waits, found.report()
+        err = found.report()
     line = line_with(fn, f"dist.{waits[0][0]}(")
     assert err.startswith("Deadlock" if kind == "p2p_deadlock" else "Ranks [0, 1] waited in a collective"), err
     assert f"rank 0 waits in {waits[0][0]}" in err and f"test_launch.py:{line} in {fn.__name__}" in err, err
@@ -466,6 +466,48 @@ def test_a_slow_peer_is_not_a_deadlock():
     start = time.monotonic()
     assert run(slow_sender, 3, timeout=60, collective_timeout=30) == [[0.0] * 3, [0.0] * 3, [2.0] * 3]
     assert time.monotonic() - start >= 4
+
+
+def waiting(rank, kind, **facts):
+    """A rank's board, as course/instrument.py's Waits writes it."""
+    record = dict(rank=rank, kind=kind, state="waited", when=0.0, collective="", frames=[], started={}, offers=[])
+    return record | facts
+
+
+def message(rank, direction, to, offers=()):
+    own = [["0", direction, to]]
+    call = "send" if direction == "send" else "recv"
+    return waiting(
+        rank, "message", collective=call, peer=to, group="0", direction=direction, to=to, offers=own + list(offers)
+    )
+
+
+def collective(rank, seq, call="allreduce", started=None):
+    facts = dict(group="0", members=[0, 1], seq=seq, call=call, root=-1)
+    return waiting(rank, "collective", collective="all_reduce", started=started or {"0": seq}, **facts)
+
+
+@pytest.mark.parametrize(
+    "boards, stuck",
+    [
+        ([message(0, "recv", 1), message(1, "recv", 0)], True),
+        # rank 1 waits in its own send, its receive from rank 0 started already: rank 0's send can end
+        ([message(0, "send", 1), message(1, "send", 0, offers=[["0", "recv", 0]])], False),
+        # the same send and receive on another group do not meet
+        ([message(0, "send", 1), message(1, "send", 0, offers=[["1", "recv", 0]])], True),
+        # a receive from any rank meets rank 0's send
+        ([message(0, "send", 1), message(1, "recv", None)], False),
+        # both in the third all_reduce: slow, not stuck
+        ([collective(0, 3), collective(1, 3)], False),
+        # rank 1 started the third all_reduce (async_op) and waits in a message: rank 0's all_reduce can end
+        ([collective(0, 3), message(1, "recv", 0) | {"started": {"0": 3}}], False),
+        ([collective(0, 3), message(1, "recv", 0) | {"started": {"0": 2}}], True),
+        # the third collective is an all_reduce on rank 0, the launcher's barrier on rank 1
+        ([collective(0, 3), collective(1, 3, call="barrier")], True),
+    ],
+)
+def test_a_deadlock_is_what_no_peer_can_answer(boards, stuck):
+    assert (failure.deadlock(boards, 2) is not None) == stuck
 
 
 def late_to_broadcast():
