@@ -82,6 +82,7 @@ class RankFact:
     reduce_op: str = ""  # and its reduce op ("SUM")
     dtype: str = ""  # and its tensor's dtype ("float32")
     differs: tuple = ()  # what of the collective differs between the ranks: of _ARGUMENTS's names
+    instance: tuple = ()  # the collective it waited in when it failed: (group, its number on it, what was called)
 
     def argument(self) -> str:
         """What differs of its collective, as its function names it: 'with src=1', 'with op=MAX',
@@ -124,6 +125,7 @@ class Failure:
     limit: float = 0.0  # for kind "timeout": the world's limit in seconds
     interrupted: bool = False  # the user pressed Ctrl-C: a "timeout" they chose
     longer: str = ""  # for kind "timeout": how the user can give the world more time, where they can
+    slow: bool = False  # for kind "timeout": every rank was in the same collective when its time ran out
 
     def fact(self, rank: int) -> RankFact | None:
         return next((f for f in self.ranks if f.rank == rank), None)
@@ -181,6 +183,12 @@ class Failure:
                 " one rank skipped a collective or called a different one:"
             )
         if self.kind == "timeout":
+            if self.slow:
+                call = self.ranks[0].collective or "collective"
+                return (
+                    f"Every rank was in the same {call} when its time ran out (world of {w}): it was slow, not"
+                    " mismatched (a busy machine, or more data than the time allows). Where each rank was:"
+                )
             if self.interrupted:
                 return f"Interrupted: stopped all {w} workers. Where each rank was:"
             ranks = [f.rank for f in self.ranks]
@@ -300,8 +308,9 @@ def _call_details(tb) -> dict:
     return details
 
 
-def rank_report(rank: int, exc: BaseException, when: float, p2p: dict | None = None) -> dict:
-    """What a worker sends when fn raised: plain data only. ``p2p``: the message it waited for."""
+def rank_report(rank: int, exc: BaseException, when: float, p2p: dict | None = None, wait: dict | None = None) -> dict:
+    """What a worker sends when fn raised: plain data only. ``p2p``: the message it waited for; ``wait``:
+    what it waited in when it raised, as course/instrument.py's Waits says it."""
     frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
     report = dict(
         rank=rank,
@@ -317,6 +326,8 @@ def rank_report(rank: int, exc: BaseException, when: float, p2p: dict | None = N
         report.update(collective=p2p["collective"], peer=p2p["peer"])
     if isinstance(exc, ArgumentsDiffer):
         report["agreement"] = exc.facts
+    if instance(wait):
+        report["instance"] = list(instance(wait))
     return report
 
 
@@ -339,8 +350,8 @@ def unwaited_report(rank: int, when: float, pending: dict) -> dict:
 
 def _fact(report: dict) -> RankFact:
     error, full = report.get("error", ""), report.get("full_message", "")
-    if report.get("state") == "unwaited":
-        state = "unwaited"
+    if report.get("state") in ("unwaited", "waited"):  # said by the worker: nothing raised
+        state = report["state"]
     elif error == "SystemExit":
         state = "no_result"
     elif any(m in full for m in _SECONDARY):
@@ -359,6 +370,7 @@ def _fact(report: dict) -> RankFact:
         collective=report.get("collective", ""),
         shape=report.get("shape", ""),
         peer=report.get("peer"),
+        instance=tuple(report.get("instance", ())),
     )
     if error == "SystemExit":
         fact.message = f"it called sys.exit({report.get('message', '')})"
@@ -453,10 +465,60 @@ def diagnose(reports: list, ended: list, world_size: int) -> Failure:
         )
         failure.kind = "p2p_deadlock" if shown and p2p else "wait"
         failure.ranks = shown
+        if _in_one_collective(shown, world_size):
+            # It timed out on a rank before the slowest came (a loaded machine): nothing was skipped.
+            failure.kind, failure.slow = "timeout", True
     return failure
 
 
+def instance(wait: dict | None) -> tuple:
+    """What names a collective alike on every rank, from what course/instrument.py's Waits says a rank
+    waits in: its group, its number on that group, what was called and its root (() for a message)."""
+    if not wait or wait["kind"] != "collective":
+        return ()
+    return (wait["group"], wait["seq"], wait["call"], wait["root"])
+
+
+def _in_one_collective(facts: list, world_size: int) -> bool:
+    """Whether every rank of the world waited in one collective, the same by its number and arguments."""
+    first = facts[0].instance if facts else ()
+    return len(facts) == world_size and bool(first) and all(f.instance == first for f in facts)
+
+
+def _may_end(wait: dict, waits: dict) -> bool:
+    """Whether what one rank waits in can still end, by what its peers wait in and have started (records of
+    course/instrument.py's Waits, by rank): a message, once its peer started the one that matches it; a
+    collective, once every member started it, and none waits in another of that number."""
+    if wait["kind"] == "message":
+        wanted = "recv" if wait["direction"] == "send" else "send"
+        peers = [wait["to"]] if wait["to"] is not None else [r for r in waits if r != wait["rank"]]
+        return any(
+            [wait["group"], wanted] == offer[:2] and offer[2] in (wait["rank"], None)
+            for peer in peers
+            for offer in waits[peer]["offers"]
+        )
+    for member in wait["members"]:
+        other = waits[member]
+        if other["kind"] == "collective" and (other["group"], other["seq"]) == (wait["group"], wait["seq"]):
+            if other["call"] != wait["call"]:
+                return False
+        elif other["started"].get(wait["group"], 0) < wait["seq"]:
+            return False
+    return True
+
+
+def deadlock(waits: list, world_size: int) -> Failure | None:
+    """The failure of a world whose every rank waits (``waits``: each rank's record, as course/instrument.py's
+    Waits says it) in what no peer can ever answer: each waits for a peer that waits too, or that has
+    finished (it waits in the launcher's barrier), so nothing can move. None where a wait may still end."""
+    by_rank = {w["rank"]: w for w in waits}
+    if sorted(by_rank) != list(range(world_size)) or any(_may_end(w, by_rank) for w in waits):
+        return None
+    return diagnose(waits, [], world_size)
+
+
 def timed_out(facts: list, world_size: int, limit: float, interrupted: bool = False) -> Failure:
-    return Failure(
-        "timeout", world_size, sorted(facts, key=lambda f: f.rank), None, limit=limit, interrupted=interrupted
-    )
+    facts = sorted(facts, key=lambda f: f.rank)
+    failure = Failure("timeout", world_size, facts, None, limit=limit, interrupted=interrupted)
+    failure.slow = not interrupted and _in_one_collective(facts, world_size)
+    return failure

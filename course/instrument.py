@@ -12,6 +12,10 @@
   its tensor's shape and dtype. torch's check compares neither root nor reduce op, and reports a
   shape or dtype that differs as different collectives. A broadcast whose src differs between ranks
   then fails at once, naming the src, instead of waiting for the collective timeout.
+- ``Waits``: what the rank's main thread is blocked in now (a send, a receive, a collective) and what it
+  has started that a peer may wait for, on its ``Board``, which the parent reads at any moment: a
+  world whose every rank waits for what no peer will ever do is reported at once
+  (course/failure.py's ``deadlock``), not at the collective timeout.
 - ``Loops``: where a rank that runs loops, for the parent that stopped its world. One stack cannot
   tell a loop from what it calls again and again: largest_world looping for ever over t_sync_of
   showed as stuck in t_sync_of, or in a check's function that t_sync_of was.
@@ -23,10 +27,17 @@
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import faulthandler
+import mmap
 import os
 import signal
+import struct
 import sys
+import threading
+import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -58,7 +69,9 @@ class _Request:
     def wait(self, *args, **kwargs):
         self._tracker.pending.pop(id(self), None)
         self._tracker.waiting = self._entry
-        result = self._work.wait(*args, **kwargs)
+        waits = self._tracker.waits
+        with waits.waiting(*_message_record(waits, self._entry)) if waits else contextlib.nullcontext():
+            result = self._work.wait(*args, **kwargs)
         self._tracker.waiting = None
         return result
 
@@ -73,6 +86,7 @@ class PointToPoint:
         self.pending: dict = {}  # id of a request not yet waited for -> its entry
         self.waiting: dict | None = None  # the entry of the message a wait() is blocked on
         self.carriers: dict = {}  # a group -> the group that carries its messages instead
+        self.waits: Waits | None = None  # told of each wait()
 
     def carry_on(self, group: ProcessGroup, carrier: ProcessGroup) -> None:
         """Send and receive the messages of ``group`` on ``carrier``, a group of the same ranks."""
@@ -88,7 +102,11 @@ class PointToPoint:
             call, frame = _caller(method)
             peer = args[1] if method != "recv_anysource" and len(args) > 1 else None
             carrier = self.carriers.get(group, group)
-            request = _Request(original(carrier, *args, **kwargs), self, dict(collective=call, peer=peer, frame=frame))
+            entry = dict(collective=call, peer=peer, frame=frame, direction=_DIRECTION[method][0])
+            known = _group_of(group)
+            if known is not None:  # for the waits board: peers by their rank in the world
+                entry.update(group=known[0], to=known[1][peer] if peer is not None and peer < len(known[1]) else None)
+            request = _Request(original(carrier, *args, **kwargs), self, entry)
             self.pending[id(request)] = request._entry
             return request
 
@@ -96,6 +114,36 @@ class PointToPoint:
 
     def never_waited(self) -> dict | None:
         return next(iter(self.pending.values()), None)
+
+    def offers(self) -> list:
+        """[group, "send" or "recv", peer's world rank (None: any)] of each message started and not yet
+        waited for to its end (one may have ended already: a peer waiting for it may then be wrongly
+        thought able to end, never the reverse)."""
+        entries = [*self.pending.values(), *([self.waiting] if self.waiting else [])]
+        return [[e["group"], e["direction"], e["to"]] for e in entries if "group" in e]
+
+
+def _message_record(waits: Waits, entry: dict) -> tuple:
+    """(record, literal) of a message's wait, for the waits board; (None, "") where its group is not known."""
+    if "group" not in entry:
+        return None, ""
+    frames = [list(entry["frame"])] if entry["frame"][0] else []
+    facts = dict(group=entry["group"], direction=entry["direction"], to=entry["to"])
+    return waits.record("message", entry["collective"], frames, peer=entry["peer"], **facts)
+
+
+_groups: dict = {}
+
+
+def _group_of(group: ProcessGroup) -> tuple | None:
+    """(its name, the world ranks of its members) of a group, the same on every rank; None for a group
+    that torch.distributed does not know (a backend's own)."""
+    if group not in _groups:
+        try:
+            _groups[group] = (group.group_name, dist.get_process_group_ranks(group))
+        except (KeyError, RuntimeError, ValueError):
+            _groups[group] = None
+    return _groups[group]
 
 
 # The process group's collective methods, each with torch's name for it (its OpType) and the
@@ -180,6 +228,164 @@ class Agreement:
                 dtypes=[str(_DTYPES[r[3]]).removeprefix("torch.") if r[3] >= 0 else None for r in records],
                 shapes=[r[5 : 5 + min(r[4], _DIMENSIONS)] if r[4] >= 0 else None for r in records],
             )
+
+
+_BOARD_BYTES = 1 << 16
+_HEAD = struct.Struct("<QI")  # the board's generation (odd while it is written), the length of what it says
+
+
+class Board:
+    """A rank's waits board: a file in the world's folder, mapped into the rank, that its parent reads at any
+    moment without asking the rank (a rank blocked in C answers no signal in Python). It says a Python
+    literal: (the wait's record, collectives started by group, messages offered), or nothing."""
+
+    def __init__(self, path: str):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, _BOARD_BYTES)
+        self.map = mmap.mmap(fd, _BOARD_BYTES)
+        os.close(fd)
+        self.generation = 0
+
+    def write(self, said: bytes) -> None:
+        if len(said) > _BOARD_BYTES - _HEAD.size:
+            said = b""  # too much to say: nothing, so the parent thinks the rank may still move
+        self.generation += 1
+        _HEAD.pack_into(self.map, 0, self.generation, 0)
+        self.map[_HEAD.size : _HEAD.size + len(said)] = said
+        self.generation += 1
+        _HEAD.pack_into(self.map, 0, self.generation, len(said))
+
+
+def read_board(path: str) -> tuple | None:
+    """(generation, the wait's record with "started" and "offers", or None) of a rank's board; None while it
+    is written, or where there is none. Read as a literal: the rank runs code that is not trusted."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_BOARD_BYTES)
+            f.seek(0)
+            again = f.read(_HEAD.size)
+    except OSError:
+        return None
+    if len(data) < _HEAD.size or again != data[: _HEAD.size]:
+        return None
+    generation, length = _HEAD.unpack_from(data)
+    if generation % 2:
+        return None
+    if not length:
+        return generation, None
+    try:
+        record, started, offers = ast.literal_eval(data[_HEAD.size : _HEAD.size + length].decode())
+        return generation, dict(record, started=started, offers=offers)
+    except Exception:  # noqa: BLE001 - whatever a rank wrote there: it says nothing
+        return None
+
+
+def _called_from(depth: int, outermost) -> tuple:
+    """(the torch.distributed function the code called, [its frame] or [] where the launcher called it).
+    ``outermost``: the worker's own frame; those above it are its parent's, copied by fork."""
+    frame, call = sys._getframe(depth), ""
+    while frame is not None and frame is not outermost and is_plumbing(frame.f_code.co_filename):
+        if frame.f_code.co_filename.endswith(C10D_FILE):
+            call = frame.f_code.co_name  # the outermost: broadcast_object_list, not the broadcast it calls
+        frame = frame.f_back
+    if frame is None or frame is outermost:  # the launcher's barrier after the function returned
+        return "", []
+    return call, [[frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name]]
+
+
+class Waits:
+    """Says on the rank's board what its main thread is blocked in: a message's wait() (told by
+    PointToPoint), or a collective of a group torch.distributed knows, from its call (under the collective
+    check, the ranks compare it there first) to the end of its Work's wait(). With it, what the rank has
+    started that a peer may wait for: messages (PointToPoint.offers) and, by group, how many collectives.
+    A record is a report as failure.rank_report makes one, so the parent words a deadlock as any other."""
+
+    def __init__(self, rank: int, board: Board, messages: PointToPoint):
+        self.rank, self.board, self.messages = rank, board, messages
+        messages.waits = self
+        self.stack: list = []  # (record, its literal) of the waits the rank is in, innermost last
+        self.started: dict = {}  # a group's name -> how many collectives the rank started on it
+        self.works = weakref.WeakKeyDictionary()  # a started collective's Work -> (record, its literal)
+        self.broken: dict | None = None  # the record of the first wait of this call that raised
+
+    def install(self) -> None:
+        """Called by the worker's own function, the outermost of the rank's frames."""
+        self.outermost = sys._getframe(1)
+        for method in _CALLS:
+            if method in vars(ProcessGroup):
+                setattr(ProcessGroup, method, self._watched(method, vars(ProcessGroup)[method]))
+        original, works, waiting = dist.Work.wait, self.works, self.waiting
+
+        def wait(work, *args, **kwargs):
+            said = works.pop(work, None)
+            if said is None:
+                return original(work, *args, **kwargs)
+            with waiting(*said):
+                return original(work, *args, **kwargs)
+
+        dist.Work.wait = wait
+
+    def clear(self) -> None:
+        """At each call: nothing waited yet."""
+        self.stack.clear()
+        self.broken = None
+        self._say()
+
+    def record(self, kind: str, collective: str, frames: list, **facts) -> tuple:
+        """(record, its literal) of a wait that begins now."""
+        record = dict(
+            kind=kind, rank=self.rank, state="waited", when=time.time(), collective=collective, frames=frames, **facts
+        )
+        return record, repr(record)
+
+    def _watched(self, method: str, original):
+        def watched(group, *args, **kwargs):
+            known = _group_of(group)
+            if known is None:
+                return original(group, *args, **kwargs)
+            name, members = known
+            self.started[name] = self.started.get(name, 0) + 1
+            call, frames = _called_from(2, self.outermost)
+            options = next((a for a in args if type(a).__name__.endswith("Options")), None)
+            said = self.record(
+                "collective",
+                call,
+                frames,
+                group=name,
+                members=members,
+                seq=self.started[name],
+                call=method,
+                root=getattr(options, "rootRank", -1),  # a broadcast from a src of its own on each rank hangs
+            )
+            with self.waiting(*said):
+                work = original(group, *args, **kwargs)
+            if work is not None:
+                self.works[work] = said
+            return work
+
+        return watched
+
+    @contextlib.contextmanager
+    def waiting(self, record: dict | None, literal: str = ""):
+        """While the main thread waits in what record says (None: something the parent cannot judge)."""
+        self.stack.append((record, literal))
+        self._say()
+        try:
+            yield
+        except BaseException:
+            self.broken = self.broken or record
+            raise
+        finally:
+            self.stack.pop()
+            self._say()
+
+    def _say(self) -> None:
+        record, literal = self.stack[-1] if self.stack else (None, "")
+        # Another Python thread may yet send what this one waits for: the parent must not judge it.
+        if record is None or threading.active_count() > 1:
+            self.board.write(b"")
+        else:
+            self.board.write(f"({literal}, {self.started!r}, {self.messages.offers()!r})".encode())
 
 
 class Loops:

@@ -64,7 +64,16 @@ import torch.distributed as dist
 from course import env, failure, impl, sandbox
 from course.device import bound_device
 from course.device import select as select_device
-from course.instrument import Agreement, Loops, PointToPoint, check_ddp_on_an_unchecked_group, unchecked_group
+from course.instrument import (
+    Agreement,
+    Board,
+    Loops,
+    PointToPoint,
+    Waits,
+    check_ddp_on_an_unchecked_group,
+    read_board,
+    unchecked_group,
+)
 from course.layout import ROOT
 
 
@@ -364,6 +373,7 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
     die_with_parent()
     sandbox.adopt_orphans()  # a daemon the student starts stays ours, to be stopped
     stack_file = open(os.path.join(settings.stack_dir, f"rank{rank}.stack"), "w")
+    board = Board(_board(settings.stack_dir, rank))  # mapped: no descriptor to keep
     private_descriptors({conn.fileno(), stack_file.fileno()})
     drop_streams()  # until the first call brings its caller's
     # Before any code under test: under "namespaces" this process forks, and only the child returns.
@@ -379,6 +389,8 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
         check_ddp_on_an_unchecked_group()
     messages = PointToPoint()
     messages.install()
+    waits = Waits(rank, board, messages)
+    waits.install()
     loops = Loops(stack_file)
     torch.set_num_threads(settings.threads)
     baseline = None
@@ -412,6 +424,7 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
                 baseline = _Baseline()
             messages.pending.clear()
             messages.waiting = None
+            waits.clear()
             result = fn(*args)
             never_waited = messages.never_waited()
             if never_waited:
@@ -429,7 +442,7 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
                     # waits for it (the parent stops the world as soon as every rank has answered).
                     dist.destroy_process_group()
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-            _send(conn, ("error", failure.rank_report(rank, exc, time.time(), messages.waiting)))
+            _send(conn, ("error", failure.rank_report(rank, exc, time.time(), messages.waiting, waits.broken)))
         finally:
             _end_descendants()
             sys.stdout.flush()
@@ -454,6 +467,11 @@ def _end_descendants() -> None:
                 break
         except ChildProcessError:
             break
+
+
+def _board(folder: str, rank: int) -> str:
+    """Where a rank says what it waits in (course/instrument.py's Board), in its world's folder."""
+    return os.path.join(folder, f"rank{rank}.waits")
 
 
 def _store(settings: _WorkerSettings, rank: int):
@@ -640,6 +658,9 @@ def sandbox_level() -> sandbox.Level:
 
 
 _POLL = 0.25  # seconds between looks at whether a worker's process has ended
+# How long every rank's waits board must stay as it was before a deadlock is reported: a rank that has
+# just been answered may not have run since to say so (a loaded machine), a message may be on its way.
+_STILL = 1.0
 # Between the two asks for the stack of a rank that runs: a loop that does not end goes round in it
 # (and what it calls returns) many times over.
 _LOOP_INTERVAL = 0.1
@@ -713,6 +734,7 @@ class _World:
         deadline = time.monotonic() + self.timeout
         grace_end = None  # after a first failure, peers get a moment to report theirs
         kept = []
+        self.still = (None, 0.0)  # the boards as last read while every rank waited, and since when
         while self.pending:
             end = deadline if grace_end is None else min(deadline, grace_end)
             left = end - time.monotonic()
@@ -725,6 +747,9 @@ class _World:
                 kept.append(self._receive(rank, self.conns[rank]))
             if (self.reports or self.ended) and grace_end is None:
                 grace_end = time.monotonic() + 1.0
+            stuck = self._deadlock() if grace_end is None else None
+            if stuck is not None:
+                raise WorldFailed(stuck)
         if self.reports or self.ended:
             self.ended += self._where_running()  # a rank that never reported: where it is
             raise WorldFailed(failure.diagnose(self.reports, self.ended, self.world_size))
@@ -732,6 +757,25 @@ class _World:
             raise WorldFailed(failure.timed_out(self._where_running(), self.world_size, self.timeout))
         self.reusable = all(kept)
         return [self.results[r] for r in range(self.world_size)]
+
+    def _boards(self) -> list | None:
+        """Every rank's board, where every rank waits in something it says; else None."""
+        boards = [read_board(_board(self.stack_dir, r)) for r in range(self.world_size)]
+        return boards if all(b is not None and b[1] is not None for b in boards) else None
+
+    def _deadlock(self) -> failure.Failure | None:
+        """A world where every rank waits, as its board has said for _STILL seconds, and no peer can
+        ever answer any: nothing can move, whatever the time limit (course/failure.py's deadlock)."""
+        boards = self._boards() if len(self.pending) == self.world_size else None
+        if boards is None or boards != self.still[0]:
+            self.still = (boards, time.monotonic())
+            return None
+        if time.monotonic() - self.still[1] < _STILL:
+            return None
+        try:
+            return failure.deadlock([record for _, record in boards], self.world_size)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError):  # a board the rank's code overwrote
+            return None
 
     def _receive(self, rank: int, conn) -> bool:
         """Take what a rank sent; whether it can run another call."""
@@ -794,6 +838,9 @@ class _World:
             # Written at the rank's next line of Python: none comes from a rank in a long call into C.
             self._ask(spinning, lambda r: failure.loop_frames(self._stack(r, offsets[r])), seconds=0.5)
             facts.update({r: failure.running(r, self._stack(r, offsets[r])) for r in spinning})
+        for r in running:  # the collective it waits in, by its number: to tell a slow one from a mismatch
+            board = read_board(_board(self.stack_dir, r))
+            facts[r].instance = failure.instance(board[1] if board else None)
         return [facts[r] for r in running]
 
     def _ask(self, ranks: list, answered: Callable, seconds: float) -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course import env, workers
+from course import env, failure, workers
 from course.failure import diagnose
 from course.flags import SCRIPT_TIME_LIMIT
 from course.launch import WorldFailed, add_launch_arguments, launch, launch_options, run
@@ -368,6 +368,169 @@ def test_a_send_recv_deadlock_is_not_called_a_collective_mismatch(ring):
         (r, "send", (r + 1) % 3, sends, "blocking_ring") for r in range(3)
     ]
     assert f"rank 0 waits in send to rank 1 at test_launch.py:{sends} in blocking_ring" in f.report()
+
+
+# --- a deadlock reported within 3 s, whatever the time limits (issue 38) -----------------------------
+# Each rank prints when it is about to block: a worker's output is the caller's (capfd reads it), and
+# the report's delay is measured from the last rank that blocked, not from the world's start.
+
+
+def about_to_block():
+    print(f"rank {dist.get_rank()} blocks at {time.time()!r}", flush=True)
+
+
+def ring_of_blocking_sends():
+    """Exercise 5's exchange written with blocking calls: every rank sends first, no rank receives."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    t = torch.ones(10)
+    about_to_block()
+    dist.send(t, (rank + 1) % size)
+    dist.recv(t, (rank - 1) % size)
+
+
+def both_receive_first():
+    """Exercise 15's two stages, each receiving before it sends."""
+    t = torch.ones(4)
+    about_to_block()
+    dist.recv(t, 1 - dist.get_rank())
+    dist.send(t, 1 - dist.get_rank())
+
+
+def one_more_step():
+    """Exercise 8's uneven shards: rank 0 averages a last batch, rank 1 has finished (its function returned,
+    the launcher's barrier waits for rank 0). Unchecked collectives: checked, the ranks' comparison of
+    all_reduce with that barrier names the mismatch at once."""
+    about_to_block()
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(3))
+
+
+def in_a_script(fn, world_size, checked):
+    """``fn`` run as a script runs it (launch: the report printed), with a long time limit: found, not
+    timed out. None: a script has no failure to return."""
+    with pytest.raises(SystemExit):
+        launch(fn, world_size, time_limit=60, check_collectives=checked)
+
+
+def in_a_check(fn, world_size, checked):
+    """``fn`` run as a check runs it (the checks' sandboxed worlds); the failure."""
+    from tests.helpers import world
+
+    with pytest.raises(WorldFailed) as caught:
+        world(fn, world_size, keep=False, debug=checked, timeout=60, collective_timeout=30)
+    return caught.value.failure
+
+
+DEADLOCKS = {  # the function, its world, whether collectives are checked, the kind, what each rank waits in
+    "ring": (ring_of_blocking_sends, 3, True, "p2p_deadlock", [("send", 1), ("send", 2), ("send", 0)]),
+    "both receive first": (both_receive_first, 2, True, "p2p_deadlock", [("recv", 1), ("recv", 0)]),
+    "one more step": (one_more_step, 2, False, "wait", [("all_reduce", None), ("", None)]),
+}
+
+
+@pytest.mark.parametrize("how", [in_a_script, in_a_check])
+@pytest.mark.parametrize("deadlock", sorted(DEADLOCKS))
+def test_a_deadlock_is_reported_within_3_s(deadlock, how, capfd):
+    fn, world_size, checked, kind, waits = DEADLOCKS[deadlock]
+    start = time.monotonic()
+    found = how(fn, world_size, checked)
+    reported, seconds = time.time(), time.monotonic() - start
+    out, err = capfd.readouterr()
+    blocked = [float(t) for t in re.findall(r"blocks at (\S+)", out)]
+    assert len(blocked) == world_size, out
+    assert reported - max(blocked) < 3, f"reported {reported - max(blocked):.1f} s after the deadlock"
+    assert seconds < 25, "found, not at the collective timeout (30 s)"
+    if found is not None:
+        assert found.kind == kind and [(f.collective, f.peer) for f in found.ranks] == waits, found.report()
+        err = found.report()
+    line = line_with(fn, f"dist.{waits[0][0]}(")
+    assert err.startswith("Deadlock" if kind == "p2p_deadlock" else "Ranks [0, 1] waited in a collective"), err
+    assert f"rank 0 waits in {waits[0][0]}" in err and f"test_launch.py:{line} in {fn.__name__}" in err, err
+    if deadlock == "one more step":
+        assert "rank 1 waits at the end of the run (its function had returned)" in err, err
+    assert stray_workers() == []
+
+
+def slow_sender():
+    """Rank 0 sends 4 s late, rank 1 waits in its receive, rank 2 has finished: two ranks wait, nothing is stuck."""
+    t = torch.full((3,), float(dist.get_rank()))
+    if dist.get_rank() == 0:
+        time.sleep(4)
+        dist.send(t, 1)
+    elif dist.get_rank() == 1:
+        dist.recv(t, 0)
+    return t.tolist()
+
+
+def test_a_slow_peer_is_not_a_deadlock():
+    start = time.monotonic()
+    assert run(slow_sender, 3, timeout=60, collective_timeout=30) == [[0.0] * 3, [0.0] * 3, [2.0] * 3]
+    assert time.monotonic() - start >= 4
+
+
+def waiting(rank, kind, **facts):
+    """A rank's board, as course/instrument.py's Waits writes it."""
+    record = dict(rank=rank, kind=kind, state="waited", when=0.0, collective="", frames=[], started={}, offers=[])
+    return record | facts
+
+
+def message(rank, direction, to, offers=()):
+    own = [["0", direction, to]]
+    call = "send" if direction == "send" else "recv"
+    return waiting(
+        rank, "message", collective=call, peer=to, group="0", direction=direction, to=to, offers=own + list(offers)
+    )
+
+
+def collective(rank, seq, call="allreduce", started=None):
+    facts = dict(group="0", members=[0, 1], seq=seq, call=call, root=-1)
+    return waiting(rank, "collective", collective="all_reduce", started=started or {"0": seq}, **facts)
+
+
+@pytest.mark.parametrize(
+    "boards, stuck",
+    [
+        ([message(0, "recv", 1), message(1, "recv", 0)], True),
+        # rank 1 waits in its own send, its receive from rank 0 started already: rank 0's send can end
+        ([message(0, "send", 1), message(1, "send", 0, offers=[["0", "recv", 0]])], False),
+        # the same send and receive on another group do not meet
+        ([message(0, "send", 1), message(1, "send", 0, offers=[["1", "recv", 0]])], True),
+        # a receive from any rank meets rank 0's send
+        ([message(0, "send", 1), message(1, "recv", None)], False),
+        # both in the third all_reduce: slow, not stuck
+        ([collective(0, 3), collective(1, 3)], False),
+        # rank 1 started the third all_reduce (async_op) and waits in a message: rank 0's all_reduce can end
+        ([collective(0, 3), message(1, "recv", 0) | {"started": {"0": 3}}], False),
+        ([collective(0, 3), message(1, "recv", 0) | {"started": {"0": 2}}], True),
+        # the third collective is an all_reduce on rank 0, the launcher's barrier on rank 1
+        ([collective(0, 3), collective(1, 3, call="barrier")], True),
+    ],
+)
+def test_a_deadlock_is_what_no_peer_can_answer(boards, stuck):
+    assert (failure.deadlock(boards, 2) is not None) == stuck
+
+
+def late_to_broadcast():
+    """Rank 1 comes to the broadcast after rank 0's time there ran out, as a starved rank does."""
+    if dist.get_rank() == 1:
+        time.sleep(2)
+    dist.broadcast_object_list([dist.get_rank()], src=0)
+
+
+@pytest.mark.parametrize("debug", [True, False])
+def test_every_rank_in_the_same_collective_is_slow_not_mismatched(debug):
+    """Issue 38: under heavy load, two ranks in the same broadcast_object_list read as a collective that not
+    every rank joined."""
+    failed, _ = timed_failure(late_to_broadcast, 2, debug=debug, collective_timeout=1.5)
+    f = failed.failure
+    line = line_with(late_to_broadcast, "broadcast_object_list")
+    assert f.kind == "timeout" and f.slow, f.report()
+    assert f.report().startswith("Every rank was in the same broadcast_object_list when its time ran out"), f.report()
+    for rank in (0, 1):
+        assert re.search(
+            rf"rank {rank} waits in broadcast_object_list( of shape \[\d+\])? at test_launch.py:{line} in late_to_broadcast",
+            f.report(),
+        ), f.report()
 
 
 def chain_then_all_reduce():
