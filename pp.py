@@ -2,7 +2,8 @@
 """Exercise 15: pipeline parallelism, GPipe then 1F1B, from point-to-point messages.
 
     python pp.py --world-size 2 --schedule 1f1b     # the MLP trained on a pipeline of 2 stages
-    python pp.py --world-size 4 --timeline pp.svg   # one step of each schedule, drawn stage by stage
+    python pp.py --world-size 2 --timeline pp.svg --dim-in 512 --dim-hidden 1024 --n-layers 8 --batch-size 256 \
+        --micro-batches 8                           # one step of each schedule, drawn stage by stage
 
 In exercises 3 to 11 every rank holds the whole model. Here each rank holds a stage: a run of
 consecutive layers. A batch is cut into m micro-batches. For each one, stage s receives the

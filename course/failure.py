@@ -233,10 +233,17 @@ class Failure:
             return "\n".join([head] + ["  " + line for line in self._rank_lines()])
         if self.kind == "error":
             first = self.fact(self.first)
-            others = [f.rank for f in self.ranks if f.rank != self.first]
-            tail = (
-                f"\n(ranks {others} failed after it, most likely because rank {first.rank} stopped.)" if others else ""
+            others = [f for f in self.ranks if f.rank != self.first]
+            alike = all(
+                f.state == "raised" and (f.error, f.file, f.line) == (first.error, first.file, first.line)
+                for f in others
             )
+            if others and alike:  # the mistake is every rank's own, not one rank's that stopped the others
+                tail = f"\n(Every rank raised this {first.error} at the same line.)"
+            elif others:
+                tail = f"\n(ranks {[f.rank for f in others]} failed after it, most likely because rank {first.rank} stopped.)"
+            else:
+                tail = ""
             return f"Rank {first.rank} of {self.world_size} failed first:\n{first.traceback.strip() or first.message}{tail}"
         if self.kind == "crash":
             frames = stack_frames(self.fact(self.first).traceback)[::-1]

@@ -157,7 +157,7 @@ def check_flat_shard(folder):
             assert nbytes == piece.numel() * piece.element_size(), said(
                 "a shard that is a view of the whole flat tensor",
                 f"{where}: the shard's storage holds {nbytes} bytes, the shard {piece.numel() * 4}: a view of the"
-                " whole flat tensor keeps all of it alive; return a tensor of its own (.clone())",
+                " whole flat tensor keeps all of it alive, where the docstring asks for a tensor of its own",
             )
 
 
@@ -214,17 +214,26 @@ SHARD_LENGTH = 4  # elements per rank in the collectives' probe
 
 
 def gathers(folder):
-    """Probe: free, then gather_into (float32 and bfloat16), each gather logged."""
+    """Probe: free, then gather_into (float32 and bfloat16) from a shard that is an nn.Parameter, as a unit's
+    is, each gather logged."""
     fsdp = load(folder).fsdp
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    shard = torch.arange(SHARD_LENGTH, dtype=torch.float32) + 10 * rank + 0.5  # exact in bfloat16 too
+    shard = nn.Parameter(torch.arange(SHARD_LENGTH, dtype=torch.float32) + 10 * rank + 0.5)  # exact in bfloat16 too
     out = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         full = torch.full((SHARD_LENGTH * world_size,), -1.0, dtype=dtype)
         fsdp.free(full)
         out[f"freed_{name}"] = full.untyped_storage().nbytes()
+        out[f"freed_shape_{name}"] = list(full.shape)
+        if full.shape != (SHARD_LENGTH * world_size,):  # every rank alike: nothing to gather into
+            return out
         with CommLog() as log:
-            fsdp.gather_into(full, shard)
+            try:
+                fsdp.gather_into(full, shard)
+            except RuntimeError as error:
+                if SYMPTOMS["history"] not in str(error):
+                    raise  # the failure's own report, with the line of the code under test
+                return out | {"gather_error": str(error)}
         out[f"gathered_{name}"], out[f"gather_log_{name}"] = full.clone(), log.summary()
     return out
 
@@ -255,10 +264,25 @@ def check_gather(folder, world_size=3):
     shards = [torch.arange(SHARD_LENGTH, dtype=torch.float32) + 10 * r + 0.5 for r in range(world_size)]
     for rank, result in enumerate(got):
         for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            length = SHARD_LENGTH * world_size
+            assert result[f"freed_shape_{name}"] == [length], said(
+                "free replaces full with another tensor",
+                f"after free(full) of a tensor of {length} elements, full has shape {result[f'freed_shape_{name}']}:"
+                " free gave full other data, a new tensor, where it releases the memory under full and leaves full"
+                " its shape (gather_into fills it again, and the views of full that autograd saved keep theirs)",
+            )
             assert result[f"freed_{name}"] == 0, said(
                 "free does not release the storage",
-                f"after free(full), full's storage still holds {result[f'freed_{name}']} bytes: resize the storage"
-                " to 0 (full.untyped_storage()), so that the memory goes even while views of full live on",
+                f"after free(full), full's storage still holds {result[f'freed_{name}']} bytes: the memory under"
+                " full stays, shared by the views of full that live on (dropping a name, or a view, releases none"
+                " of it)",
+            )
+            assert "gather_error" not in result, said(
+                "the shard given to the all-gather with its autograd history",
+                f"gather_into(full, shard), with shard an nn.Parameter as a unit's is, failed on rank {rank} (torch:"
+                f" {result.get('gather_error', '')[:90]}...): the all-gather got a tensor that requires grad. Give"
+                " it the shard's numbers without their history (a Parameter's .to() its own dtype is the Parameter"
+                " itself)",
             )
             log, full = result[f"gather_log_{name}"], result[f"gathered_{name}"]
             expected = torch.cat(shards).to(dtype)
@@ -404,6 +428,8 @@ SYMPTOMS = {
     "freed": "for storage of size 0",  # a view of a freed buffer used: it was not gathered again
     "written": "is being modified inplace",  # an all-gather into full where autograd sees it
     "changed": "modified by an inplace operation",  # the same, seen in the backward
+    "unread": "parameters freed before the module's forward",  # the tests' own hook's words
+    "history": "A view was created in no_grad mode",  # an all-gather given a shard that requires grad
 }
 
 
@@ -425,10 +451,13 @@ def sharded_steps(folder, zero3, steps, bf16=False, frozen=False, again=False):
         return out
     model = stack(frozen)
     layers = [model[i] for i in UNITS]  # the units keep the layer modules: hooks on them see the forward
+    out["flat_sizes"] = flat_sizes(fsdp, [[p for p in m.parameters() if p.requires_grad] for m in layers])
     seen, now = [], {}
 
     def remember(k):
         def hook(module, inputs):
+            if not readable(module.weight):  # reading it would crash the process, in the module's forward too
+                raise RuntimeError(f"{SYMPTOMS['unread']} of unit {k}")
             seen[-1].append([module.weight.detach().clone()] + ([module.bias.detach().clone()] if k == 0 else []))
             now["gathered"].mark(f"forward {k}")
 
@@ -467,6 +496,15 @@ def sharded_steps(folder, zero3, steps, bf16=False, frozen=False, again=False):
             out["grad_bytes"] = storage_bytes([p.grad for p in shards_of(model) if p.grad is not None])
         optimizer.step()
         out["history"].append([p.detach().clone() for p in shards_of(model)])
+    seen.append([])  # evaluation, a forward with no backward to come: not a step's, nor sampled with its memory
+    now["gathered"] = Gathered()
+    try:
+        with torch.no_grad():
+            model(global_batch(CONFIG, 0, world_size)[0][: CONFIG.batch_size])
+        out["no_grad"] = None
+    except RuntimeError as error:
+        out["no_grad"] = f"{type(error).__name__}: {str(error)[:200]}"
+    seen.pop()
     out["param_bytes"] = storage_bytes(shards_of(model))
     out["state_bytes"] = sum(
         t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)
@@ -479,7 +517,7 @@ def sharded_steps(folder, zero3, steps, bf16=False, frozen=False, again=False):
 def stepped(steps, again=False):
     """What sharded_steps returns: up to where it stopped, if it did (refuse_unsharded says why)."""
     units = len(UNITS)
-    wrapped = {"alone": str, "children": many(str), "shapes": many(many(int))}
+    wrapped = {"alone": str, "children": many(str), "shapes": many(many(int)), "flat_sizes": maybe(many(int))}
     sample = {"at": str, "alive": many(int), "bytes": int, "numel": maybe(int)}
     complete = wrapped | {
         "history": many(many(torch.Tensor, units), steps),
@@ -493,6 +531,15 @@ def stepped(steps, again=False):
         "frozen_bias": maybe(torch.Tensor),
     }
     return either({"alone": str}, wrapped, wrapped | {"error": str}, complete)
+
+
+def flat_sizes(fsdp, groups):
+    """The sizes of flat_shard's pieces of each group of tensors on this rank; None before it is written (the
+    units are then judged alone)."""
+    try:
+        return [fsdp.flat_shard(tensors, dist.get_rank(), dist.get_world_size()).numel() for tensors in groups]
+    except NotImplementedError:
+        return None
 
 
 def passed_through(fsdp):
@@ -539,10 +586,24 @@ def whole(results, step, k, sizes=SIZES):
     return torch.cat([r["history"][step][k] for r in results])[: sizes[k]]
 
 
-def refuse_unsharded(results):
-    """shard_layers wraps exactly the children that train, and ZeRO-3's backward runs: the facts that stop
-    every check of a run before its numbers."""
+def refuse_flat_shard(got, sizes, rank, world_size):
+    """flat_shard's pieces of units of `sizes` trainable parameters are 1/W of them padded to a multiple of W: a
+    fact that every check of units builds on, said as flat_shard's."""
+    expected = [padded(n, world_size) // world_size for n in sizes]
+    assert got == expected, said(
+        "flat_shard's pieces not 1/W of the padded parameters",
+        f"on rank {rank} of {world_size}, flat_shard cuts units of {list(sizes)} trainable parameters into pieces of"
+        f" {got} elements, where 1/W of them padded to the next multiple of W is {expected}: every unit"
+        " shards with it (flat_shard's own check says more)",
+    )
+
+
+def refuse_unsharded(results, sizes=SIZES):
+    """flat_shard cuts the units' pieces right, shard_layers wraps exactly the children that train, and ZeRO-3's
+    backward runs: the facts that stop every check of a run before its numbers."""
     for rank, result in enumerate(results):
+        if result.get("flat_sizes") is not None:
+            refuse_flat_shard(result["flat_sizes"], sizes, rank, len(results))
         assert result["alone"] == "Tanh", said(
             "a module without parameters wrapped",
             f"shard_layers(nn.Sequential(nn.Tanh())) made its child {result['alone']}: a module without parameters"
@@ -561,10 +622,20 @@ def refuse_unsharded(results):
             " parameters must go, and the gathered full tensor is no parameter)",
         )
         error = result.get("error", "")
+        assert SYMPTOMS["unread"] not in error, said(
+            "parameters freed before the module's forward",
+            f"on rank {rank}, {error.split(' of ')[-1]}'s module was called with freed parameters: the unit freed its"
+            " gathered parameters before the module's forward had run on them",
+        )
         assert SYMPTOMS["freed"] not in error, said(
             "freed parameters read in the backward",
             f"the backward pass read a unit's freed parameters (torch: {error[:100]}...): gather them again before"
             " the unit's backward (pre_backward, a hook on the output of the unit's forward)",
+        )
+        assert SYMPTOMS["history"] not in error, said(
+            "the shard given to the all-gather with its autograd history",
+            f"the all-gather of gather_into failed (torch: {error[:90]}...): it got the shard, which requires grad;"
+            " give it the shard's numbers without their history",
         )
         assert not any(symptom in error for symptom in (SYMPTOMS["written"], SYMPTOMS["changed"])), said(
             "the gather's write seen by autograd",
@@ -634,6 +705,13 @@ def check_steps(folder, world_size, zero3, steps=None):
     refuse_unsharded(results)
     history, _ = one_process(world_size, steps)
     gathers = 2 * len(UNITS) if zero3 else len(UNITS)
+    for rank, result in enumerate(results):
+        assert result.get("no_grad") is None, said(
+            "a unit's forward fails under torch.no_grad()",
+            f"on rank {rank}, the model's forward under torch.no_grad() (as in evaluation) raised"
+            f" {result['no_grad']}: there the output requires no gradient and no backward will come, so there is"
+            " nothing to gather again for",
+        )
     for step in range(steps):
         check_seen(results, step)
         for rank, result in enumerate(results):
@@ -706,8 +784,9 @@ def check_gradient_shards(folder, world_size=2, steps=2):
                     a, b = torch.linalg.lstsq(basis, grad.unsqueeze(1)).solution.reshape(-1).tolist()
                     assert abs(a) < 0.05, said(
                         "the previous step's gradient kept in the shard",
-                        f"in step {step}, rank {rank}'s {what} holds step {step - 1}'s gradient too: set full.grad"
-                        " to None once it is reduce-scattered (a full gradient per unit kept alive is memory too)",
+                        f"in step {step}, rank {rank}'s {what} holds step {step - 1}'s gradient too: step {step - 1}'s"
+                        " full gradient was still in full.grad when this step's backward added to it (and a full"
+                        " gradient per unit kept alive is memory too)",
                     )
                     assert not (twice and abs(b - 1) < 0.05), said(
                         "a second backward replacing the shard's gradient, not adding to it",
@@ -828,7 +907,7 @@ FROZEN_SIZES = (84, 77, 55)  # unit 0's bias frozen
 def check_frozen(folder, world_size=2, steps=1):
     """A frozen parameter stays in its module, whole and unchanged, and out of the reduce-scatter."""
     results = world(sharded_steps, world_size, folder, True, steps, False, True, expect=stepped(steps))
-    refuse_unsharded(results)
+    refuse_unsharded(results, FROZEN_SIZES)
     history, _ = one_process(world_size, steps, frozen=True)
     start = stack()[0].bias.detach()
     for rank, result in enumerate(results):
@@ -1007,9 +1086,16 @@ def load_and_train(folder, files, first, steps):
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - whatever loading raises is the fact to report
         nothing_written(error)
         return {"load_error": f"{type(error).__name__}: {str(error)[:300]}"}
+    moments = [optimizer.state[p] for p in shards_of(model)]
+    shared = [
+        k
+        for k, state in enumerate(moments)
+        if {"exp_avg", "exp_avg_sq"} <= state.keys()
+        and state["exp_avg"].untyped_storage().data_ptr() == state["exp_avg_sq"].untyped_storage().data_ptr()
+    ]
     for step in range(first, steps):
         rank_step(stack_loss(model), optimizer, step)
-    return {"history": [[p.detach().clone() for p in shards_of(model)]]}
+    return {"history": [[p.detach().clone() for p in shards_of(model)]], "shared": shared}
 
 
 def check_checkpoint(folder, saved_on=2, loaded_on=3, steps=1):
@@ -1046,6 +1132,15 @@ def check_checkpoint(folder, saved_on=2, loaded_on=3, steps=1):
         "a checkpoint that does not load on another world size",
         f"loading on {loaded_on} ranks the checkpoint saved on {saved_on} failed: {error}",
     )
+    for k in resumed[0].get("shared", []):
+        raise AssertionError(
+            said(
+                "Adam's two moments one tensor",
+                f"after load_checkpoint into a fresh Adam, exp_avg and exp_avg_sq of {unit_name(k)} are one tensor: the"
+                " zeros checkpoint_state gave the two moments share their memory, so loading the second overwrites the"
+                " first, and each step of Adam updates one through the other",
+            )
+        )
     model = stack()
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     for step in range(2 * steps):
@@ -1086,23 +1181,31 @@ def setup_steps(folder, strategy, steps):
     fsdp = load(folder).fsdp
     torch.manual_seed(0)
     model = Layers()
+    flats = flat_sizes(fsdp, [[p] for p in model.parameters()])
     forward, optimizer = fsdp.setup(model, strategy, LR)
     stepped = [p.numel() for group in optimizer.param_groups for p in group["params"]]
     for step in range(steps):
         rank_step(lambda x, y: forward(x, y)[1], optimizer, step)
-    return {"stepped": stepped, "shards": [p.detach().clone() for p in shards_of(model)]}
+    return {"stepped": stepped, "shards": [p.detach().clone() for p in shards_of(model)], "flat_sizes": flats}
 
 
 def check_setup(folder, world_size=2, steps=1):
     """setup(model, 'zero3') shards the layers and returns an Adam over the shards: training equals one process."""
     results = world(
-        setup_steps, world_size, folder, "zero3", steps, expect={"stepped": many(int), "shards": many(torch.Tensor)}
+        setup_steps,
+        world_size,
+        folder,
+        "zero3",
+        steps,
+        expect={"stepped": many(int), "shards": many(torch.Tensor), "flat_sizes": maybe(many(int))},
     )
     torch.manual_seed(0)
     model = Layers()
     sizes = [p.numel() for p in model.parameters()]
     shards = [padded(n, world_size) // world_size for n in sizes]
     for rank, result in enumerate(results):
+        if result["flat_sizes"] is not None:
+            refuse_flat_shard(result["flat_sizes"], sizes, rank, world_size)
         stepped = (
             f"setup's Adam on rank {rank} steps tensors of {result['stepped']} elements; the layers' shards have"
             f" {shards}"

@@ -146,12 +146,20 @@ def function_in_world(folder, name):
     function = getattr(load(folder).tp, name)
     x, grad = function_data(name, dist.get_rank())
     x.requires_grad_()
+    given = x.detach().clone(), grad.clone()
     with CommLog() as forward:
         out = function.apply(x)
     with CommLog() as backward:
         if out.shape == grad.shape:  # else the judge has the forward's shape to report
             out.backward(grad)
-    return {"out": out.detach(), "grad": x.grad, "forward": kinds(forward), "backward": kinds(backward)}
+    return {
+        "out": out.detach(),
+        "grad": x.grad,
+        "forward": kinds(forward),
+        "backward": kinds(backward),
+        # whether the forward wrote into its input, and the backward into the gradient it was given
+        "wrote": [not torch.equal(x.detach(), given[0]), not torch.equal(grad, given[1])],
+    }
 
 
 def judge_function(name, result, rank, world_size):
@@ -214,6 +222,10 @@ def judge_function(name, result, rank, world_size):
         f"an all-reduce too many in {name}'s backward",
         f"{where} backward returned {world_size} times the sum over the ranks: an all-reduce too many",
     )
+    assert not close(world_size * grad, expected_grad), said(
+        f"{name}'s backward averages over the ranks",
+        f"{where} backward returned 1/{world_size} of the sum over the ranks, their mean: the gradient of x is the sum",
+    )
     assert not (name == "Copy" and close(grad, gs[rank])), said(
         "Copy's backward does not sum over the ranks",
         f"{where} backward returned this rank's gradient unchanged, which is only its own part: the input gradient"
@@ -245,6 +257,13 @@ def check_function(folder, name, world_size=3):
     _, _, forward, backward = FUNCTIONS[name]
     for rank, result in enumerate(results):
         judge_function(name, result, rank, world_size)
+        for way, what, wrote in zip(("forward", "backward"), ("input x", "gradient"), result["wrote"]):
+            assert not wrote, said(
+                f"{name}'s {way} writes into what it was given",
+                f"on rank {rank} of {world_size}, {name}'s {way} changed its {what} in place: it returns a tensor"
+                f" of its own and leaves its {what} as the caller gave it (autograd, or the caller, may read it"
+                " again)",
+            )
         for way, expected in (("forward", forward), ("backward", backward)):
             assert result[way] == expected, said(
                 f"{name}'s {way} starts other collectives than its own",
@@ -464,8 +483,9 @@ def test_forward(impl_dir, parallel, world_size):
     check_forward(impl_dir, world_size, PARALLEL[parallel])
 
 
-def judge_gradient(what, name, results, rank, expected, world_size, sequence_parallel, training=False):
-    """Rank r's gradient of `name` (None: of its input) is its part of one process's, `expected`."""
+def judge_gradient(what, name, results, rank, expected, world_size, sequence_parallel, loss_undivided=False):
+    """Rank r's gradient of `name` (None: of its input) is its part of one process's, `expected`.
+    loss_undivided: train_step returned W times one process's loss (each rank's mean loss not divided by W)."""
     grads = [r["x_grad"] if name is None else r["grads"].get(name) for r in results]
     got = grads[rank]
     whose = f"{what}: rank {rank}'s {'input gradient' if name is None else f'gradient of {name}'}"
@@ -476,7 +496,7 @@ def judge_gradient(what, name, results, rank, expected, world_size, sequence_par
         "a gradient of the wrong shape", f"{whose} is {shape(got)}, expected {shape(expected)}"
     )
     scaled = close(got, world_size * expected)
-    assert not (scaled and training and sequence_parallel), said(
+    assert not (scaled and loss_undivided and sequence_parallel), said(
         "the ranks' mean losses not divided by the world size",
         f"{whose} is {world_size} times one process's: each rank's loss is the mean over its own rows, and one"
         f" process's loss the mean over all of them, which is the sum of the ranks' means divided by {world_size}",
@@ -485,6 +505,12 @@ def judge_gradient(what, name, results, rank, expected, world_size, sequence_par
         "an all-reduce too many in a backward",
         f"{whose} is {world_size} times one process's: a gradient that every rank holds whole was summed over the"
         " ranks again (an all-reduce too many in a backward)",
+    )
+    same = all(g is not None and close(g, got) for g in grads)
+    assert not (same and close(world_size * got, expected)), said(
+        "gradients averaged over the ranks, not summed",
+        f"{whose} is 1/{world_size} of one process's, and the same on every rank: the ranks' shares were"
+        f" averaged (summed, then divided by {world_size}) where one process's gradient is their sum",
     )
     parts = all(g is not None and g.shape == got.shape for g in grads) and close(sum(grads), expected)
     assert not (parts and name is None), said(
@@ -495,7 +521,8 @@ def judge_gradient(what, name, results, rank, expected, world_size, sequence_par
     assert not (parts and whole_on_every_rank(name, sequence_parallel)), said(
         "a replicated parameter's gradient not summed over the ranks' rows",
         f"{whose} is only its own rows' share: the ranks' gradients add up to one process's. Every rank holds all"
-        f" of {name} but uses it on its own rows: pass it through Copy, whose backward sums them",
+        f" of {name} but uses it on its own rows, so its gradient is the sum of the ranks' shares, and no backward"
+        " summed them",
     )
     assert not parts, said(
         "a gradient only the rank's own part",
@@ -629,14 +656,17 @@ def train_in_world(folder, sequence_parallel, steps):
     full = Blocks()
     model = tp.ParallelMLP(list(full.layers), list(full.norms), sequence_parallel)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    rows = []  # the rows of each forward of the model in the first step, as the tests' hook saw them
+    hook = model.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0] if args else None))
     losses, history, grads = [], [], None
     for step in range(steps):
         x, _, y = data(WIDTHS, step=step)
         losses.append(tp.train_step(model, optimizer, x, y))
         if step == 0:
             grads = {n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()}
+            hook.remove()
         history.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return {"losses": losses, "grads": grads, "history": history}
+    return {"losses": losses, "grads": grads, "history": history, "rows": rows}
 
 
 def check_train_steps(folder, world_size, sequence_parallel, steps=STEPS):
@@ -657,11 +687,17 @@ def check_train_steps(folder, world_size, sequence_parallel, steps=STEPS):
         loss = F.cross_entropy(full(x), y)
         loss.backward()
         if step == 0:
+            for rank, result in enumerate(results):
+                judge_rows(what, result["rows"], rank, world_size, sequence_parallel)
+            undivided = all(
+                isinstance(r["losses"][0], float) and close(torch.tensor(r["losses"][0]), world_size * loss.detach())
+                for r in results
+            )
             for name, p in full.named_parameters():
                 for rank in range(world_size):
                     expected = part(name, p.grad, rank, world_size)
                     judge_gradient(
-                        f"{what}, train_step", name, results, rank, expected, world_size, sequence_parallel, True
+                        f"{what}, train_step", name, results, rank, expected, world_size, sequence_parallel, undivided
                     )
         optimizer.step()
         for rank, result in enumerate(results):
@@ -678,6 +714,22 @@ def check_train_steps(folder, world_size, sequence_parallel, steps=STEPS):
                     "parameters after a step not the rank's part of one process's",
                     f"{what}, after step {step}, rank {rank}'s {name} differs from its part of one process's",
                 )
+
+
+def judge_rows(what, rows, rank, world_size, sequence_parallel):
+    """train_step runs the model once a step, on every row tensor parallel, on the rank's block sequence parallel."""
+    expected = ROWS // world_size if sequence_parallel else ROWS
+    assert rows == [expected], said(
+        "every row on every rank, sequence parallel" if sequence_parallel and rows == [ROWS] else "the rows run",
+        f"{what}, train_step ran the model on {' and '.join(map(str, rows)) or 'no'} rows on rank {rank} in a"
+        f" step of {ROWS}: "
+        + (
+            f"sequence parallel, rank r runs its own block of {expected} rows; all {ROWS} on every rank gives the"
+            f" same numbers with {world_size} times the work"
+            if sequence_parallel
+            else f"tensor parallel, every rank runs all {ROWS} rows, once"
+        ),
+    )
 
 
 @pytest.mark.points(2)

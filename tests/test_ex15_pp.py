@@ -9,6 +9,8 @@ recomputes the rest: the textbook orders, one process on the whole batch, and to
 pipelining (PipelineStage with ScheduleGPipe and Schedule1F1B) on the same stages.
 """
 
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,15 +20,17 @@ import torch.nn.functional as F
 from course.checks import said
 from course.launch import WorldFailed
 from tests.comm_log import CommLog
-from tests.helpers import forward_from, load, many, maybe, world
+from tests.helpers import either, forward_from, load, many, maybe, validated, world
 
 WIDTHS = [12, 10, 10, 10, 10, 10, 4]  # six layers: 4 stages hold 2, 2, 1 and 1 of them
 HIDDEN = 10  # the width of every activation that travels between stages
 ROWS = 24  # a batch: 2, 4, 6 or 8 micro-batches of equal size
 LR = 0.2
-# (p stages, [m micro-batches, ...]): (3, 2) has fewer micro-batches than stages. One world call per p.
-ORDER_CASES = [(2, [4]), (3, [6, 2]), (4, [8])]
+# (p stages, [m micro-batches, ...]): (3, 2) has fewer micro-batches than stages, (4, 2) fewer than the
+# warm-up of stage 0 would run without its cap at m. One world call per p.
+ORDER_CASES = [(2, [4]), (3, [6, 2]), (4, [8, 2])]
 NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+FUNCTIONS = {"gpipe": "gpipe", "1f1b": "one_f_one_b"}  # the student's function of each schedule
 
 
 def layers_by_rule(n_layers, p):
@@ -93,6 +97,7 @@ class Recorder:
     def __init__(self, stage, expected_inputs):
         self.events, self.live, self.peak, self.current = [], {}, 0, None
         self.expected = expected_inputs  # what the stage's forward i receives
+        self.seen = []  # (micro-batch, a weak reference to its forward's input or output)
         stage.register_forward_pre_hook(self._forward_starts)
         stage.register_forward_hook(self._forward_ends)
 
@@ -104,13 +109,19 @@ class Recorder:
         (x,) = args
         self.current = self._which(x.detach())
         self.events.append(("F", self.current))
+        self.seen.append((self.current, weakref.ref(x)))
         if stage.first > 0 and not x.requires_grad:
             raise NoGradientBack(f"stage input of micro-batch {self.current} asks for no gradient")
 
     def _forward_ends(self, stage, args, output):
         label = self.current
+        self.seen.append((label, weakref.ref(output)))
         if output.requires_grad:
             output.register_hook(lambda grad: self.events.append(("B", label)))
+
+    def still_held(self):
+        """The micro-batches whose forward's input or output someone still holds."""
+        return sorted({label for label, ref in self.seen if ref() is not None}, key=str)
 
     def __enter__(self):
         pack = lambda tensor: Saved(tensor, self.current, self)  # noqa: E731
@@ -138,6 +149,106 @@ def textbook(schedule, p, m, s):
     return order
 
 
+def spelled(events):
+    """Events as the handout writes them: F0 F1 B0."""
+    return " ".join("".join(map(str, e)) for e in events)
+
+
+def as_events(schedule):
+    """A schedule as plain data, a list of tuples, the first time it is read; None if it is no list of events."""
+    try:
+        return [tuple(e) for e in schedule]
+    except TypeError:
+        return None
+
+
+def schedule_problem(schedule, p, m, made, again):
+    """What keeps the stages' schedules, made[s] as the student's function returned it for stage s (again[s]:
+    read a second time), from running: (concept, sentence), or None. Each must be the same list whenever it is
+    read, one forward and one backward per micro-batch, each backward after its forward, in orders that never
+    leave the stages waiting for each other. Called in the probe, which then runs no pipeline that would hang or
+    fail, and in the judge, which says it."""
+    call = lambda s: f"{FUNCTIONS[schedule]}({m}, {p}, {s}) returned {spelled(made[s]) or 'no events'}"  # noqa: E731
+    for s in range(p):
+        if made[s] is None:
+            return (
+                "a schedule that is not a list of events",
+                f"{FUNCTIONS[schedule]}({m}, {p}, {s}) returned no list of events: a schedule is a list of"
+                ' ("F", i) and ("B", i)',
+            )
+        if again[s] != made[s]:
+            return (
+                "a schedule that runs once only",
+                f"{call(s)} when read once, and {spelled(again[s]) or 'no events'} when read again: Pipeline.run"
+                " reads the same events at every step, so a schedule is a list (a generator is empty once read)",
+            )
+    for s in range(p):
+        wrong = next(
+            (
+                e
+                for e in made[s]
+                if len(e) != 2 or e[0] not in ("F", "B") or not isinstance(e[1], int) or e[1] not in range(m)
+            ),
+            None,
+        )
+        if wrong is not None:
+            return (
+                "an event on no micro-batch",
+                f"{call(s)}: {spelled([wrong])} is no micro-batch's forward or backward; there are m = {m}"
+                f" micro-batches, 0 to {m - 1}, and a stage cannot run more forwards than that",
+            )
+        if sorted(made[s]) != sorted((k, i) for k in "FB" for i in range(m)):
+            return (
+                "not one forward and one backward per micro-batch",
+                f"{call(s)}: each of the {m} micro-batches needs one forward and one backward on every stage",
+            )
+        early = next((i for k, i in made[s] if k == "B" and made[s].index(("B", i)) < made[s].index(("F", i))), None)
+        if early is not None:
+            return (
+                "a backward before its forward",
+                f"{call(s)}: B{early} comes before F{early}; a micro-batch's backward runs from what its forward kept",
+            )
+    # Run the orders together: an event waits for its message, F i for F i of the stage before, B i for B i of
+    # the stage after.
+    done, at = [set() for _ in range(p)], [0] * p
+    while True:
+        ready = [
+            s
+            for s in range(p)
+            if at[s] < 2 * m
+            and (
+                (made[s][at[s]][0] == "F" and (s == 0 or made[s][at[s]] in done[s - 1]))
+                or (made[s][at[s]][0] == "B" and (s == p - 1 or made[s][at[s]] in done[s + 1]))
+            )
+        ]
+        if not ready:
+            break
+        for s in ready:
+            done[s].add(made[s][at[s]])
+            at[s] += 1
+    stuck = [s for s in range(p) if at[s] < 2 * m]
+    if not stuck:
+        return None
+    waits = []
+    for s in stuck:
+        kind, i = made[s][at[s]]
+        peer = s - 1 if kind == "F" else s + 1
+        waits.append(
+            f"stage {s} waits at {kind}{i} for {kind}{i} of stage {peer}, which comes after its {spelled([made[peer][at[peer]]])}"
+        )
+    warmups = ""
+    if schedule == "1f1b":
+        counts = ", ".join(f"stage {s}: {made[s].index(next(e for e in made[s] if e[0] == 'B'))}" for s in range(p))
+        warmups = (
+            f"; forwards before the first backward, by stage: {counts} (which stage can start its backwards first?)"
+        )
+    return (
+        "schedules that wait for each other forever",
+        f"{NAMES[schedule]} with p={p} stages and m={m} micro-batches: the stages' orders can never finish,"
+        f" {'; '.join(waits)}. {'; '.join(call(s) for s in range(p))}{warmups}",
+    )
+
+
 # --- the probes ------------------------------------------------------------------------------------
 
 
@@ -157,23 +268,30 @@ def pipeline_steps(pp, schedule, m, steps, events_from):
     for k in range(layers[0]):  # what this stage receives: the layers before it, applied
         x0 = torch.tanh(x0 @ weights[k].T)
     recorder = Recorder(stage, list(x0.tensor_split(m)))
+    out = {"losses": [], "history": []}
     if events_from == "student":
-        events = {"gpipe": pp.gpipe, "1f1b": pp.one_f_one_b}[schedule](m, p, rank)
+        # Every stage's schedule, judged as lists before any runs: a schedule that would hang or fail is
+        # said as the schedule it is (every rank finds the same, and none runs).
+        made = [getattr(pp, FUNCTIONS[schedule])(m, p, s) for s in range(p)]
+        out["schedules"] = [as_events(events) for events in made]
+        out["again"] = [as_events(events) for events in made]
+        if schedule_problem(schedule, p, m, out["schedules"], out["again"]):
+            return out
+        events = made[rank]
     else:
         events = textbook(schedule, p, m, rank)
     optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
-    out = {"losses": [], "history": []}
     for step in range(steps):
         x, y = batch(step)
         optimizer.zero_grad()
         with CommLog() as log, recorder:
-            loss = pp.Pipeline(stage, m, (ROWS // m, HIDDEN)).run(
-                events, x if rank == 0 else None, y if rank == p - 1 else None
-            )
+            pipeline = pp.Pipeline(stage, m, (ROWS // m, HIDDEN))
+            loss = pipeline.run(events, x if rank == 0 else None, y if rank == p - 1 else None)
         if step == 0:
             out["messages"] = [(e.what, e.peer, e.nbytes) for e in log.started()]
             out["events"] = [list(e) for e in recorder.events]
             out["peak"] = recorder.peak
+            out["held"] = recorder.still_held()  # while the pipeline that ran the step lives
             out["grads"] = [None if w.grad is None else w.grad.clone() for w in stage.weights]
         out["losses"].append(None if loss is None else float(loss))
         optimizer.step()
@@ -190,6 +308,7 @@ def recorded(steps):
         "events": many(many(object)),
         "peak": int,
         "grads": many(maybe(torch.Tensor)),
+        "held": many(object),
     }
 
 
@@ -229,6 +348,13 @@ def on_pipeline(fn, p, *args, expect):
             f"stage {first.rank} ran its forward on a received activation that asks for no gradient: its"
             f" backward then computes no gradient to send back to stage {first.rank - 1} (requires_grad_()"
             " on what arrives, before the forward)",
+        )
+        # torch's batch_isend_irecv reads its list's first operation before anything else
+        assert not (first.error == "IndexError" and "batch_isend_irecv" in first.traceback), said(
+            "batch_isend_irecv given an empty list",
+            f"stage {first.rank} called dist.batch_isend_irecv with no message to send or receive ({first.where()}):"
+            " it refuses an empty list, and some events have nothing to send or receive (the first stage's first"
+            " forward, the last event of a step)",
         )
         # torch's words for a backward from a tensor that has no graph
         assert "does not require grad and does not have a grad_fn" not in first.message, said(
@@ -302,26 +428,46 @@ def check_stage_layers(folder):
         )
 
 
+def made(p):
+    """What pipeline_steps returns when the student's schedules cannot run: every stage's schedule, read twice."""
+    return {"schedules": many(maybe(many(object)), p), "again": many(maybe(many(object)), p)}
+
+
+def refuse_schedules(schedule, p, m, got):
+    """A run on the student's schedules that the probe did not run (schedule_problem) fails as the schedule's
+    mistake, before its numbers are read."""
+    problem = schedule_problem(schedule, p, m, got["schedules"], got["again"])
+    assert problem is None, said(*problem)
+
+
 def runs_on(p, folder, runs):
     """The student's pipelines on p ranks: for each of `runs`, what each stage recorded."""
-    by_rank = on_pipeline(pipelines, p, folder, runs, expect=tuple(recorded(steps) for _, _, steps, _ in runs))
+    whole = tuple(recorded(steps) for _, _, steps, _ in runs)
+    first = tuple(either(made(p), whole[k]) if run[3] == "student" else whole[k] for k, run in enumerate(runs))
+    by_rank = on_pipeline(pipelines, p, folder, runs, expect=first)
+    for k, (schedule, m, _, events_from) in enumerate(runs):
+        if events_from == "student":
+            refuse_schedules(schedule, p, m, by_rank[0][k])
+    validated(by_rank, whole, p)
     return [[mine[k] for mine in by_rank] for k in range(len(runs))]
 
 
 def check_order(folder, schedule):
-    """On every stage, the forwards and backwards that the tests' hooks saw come in the textbook's order."""
+    """On every stage, the schedule's list, and the forwards and backwards that the tests' hooks saw, come in
+    the textbook's order."""
     for p, ms in ORDER_CASES:
         for m, stages in zip(ms, runs_on(p, folder, [(schedule, m, 1, "student") for m in ms])):
             for s, got in enumerate(stages):
-                judge_order(schedule, p, m, s, [tuple(e) for e in got["events"]])
+                judge_order(schedule, p, m, s, got["schedules"][s], f"{FUNCTIONS[schedule]}({m}, {p}, {s}) returned")
+                judge_order(schedule, p, m, s, [tuple(e) for e in got["events"]], f"stage {s} ran")
 
 
-def judge_order(schedule, p, m, s, events):
-    """Stage s runs its forwards and backwards in the schedule's textbook order."""
+def judge_order(schedule, p, m, s, events, did):
+    """Stage s runs its forwards and backwards in the schedule's textbook order; did: who gave the events."""
     name, expected = NAMES[schedule], textbook(schedule, p, m, s)
     forwards = [i for kind, i in events if kind == "F"]
     backwards = [i for kind, i in events if kind == "B"]
-    where = f"{name} with p={p} stages and m={m} micro-batches: stage {s} ran {' '.join(f'{k}{i}' for k, i in events)}"
+    where = f"{name} with p={p} stages and m={m} micro-batches: {did} {spelled(events)}"
     assert "?" not in forwards, said(
         "a forward on no micro-batch's activation",
         f"{where}: a forward's input was no micro-batch's activation (F?): forward i runs on micro-batch i's"
@@ -341,15 +487,21 @@ def judge_order(schedule, p, m, s, events):
             " (the handout's order; torch's ScheduleGPipe runs them in forward order)",
         )
     else:
-        warmup, before = min(p - s - 1, m), events.index(("B", backwards[0]))
-        assert before == min(p - s, m), said(
+        before, wanted = events.index(("B", backwards[0])), min(p - s, m)
+        few = (
+            "its first backward waits for micro-batch 0 to come back from the stages after it while this"
+            " stage could run the next forward"
+        )
+        many = f"the stage holds {before} micro-batches' activations at once where 1F1B needs {wanted}"
+        assert before == wanted, said(
             "1F1B's warm-up forwards miscounted",
-            f"{where}: {before} forwards before the first backward; stage {s} of {p} runs min(p - s - 1, m) ="
-            f" {warmup} warm-up forwards, then one forward and one backward in turn",
+            f"{where}: {before} forward{'s' if before != 1 else ''} before the first backward, where 1F1B's stage {s} of {p} runs {wanted}:"
+            f" {abs(before - wanted)} warm-up forward{'s' if abs(before - wanted) > 1 else ''} too"
+            f" {'few' if before < wanted else 'many'}; {few if before < wanted else many}",
         )
     assert events == expected, said(
         f"the {name} order of forwards and backwards",
-        f"{where}; {name} runs {' '.join(f'{k}{i}' for k, i in expected)}",
+        f"{where}; {name} runs {spelled(expected)}",
     )
 
 
@@ -357,7 +509,8 @@ MEMORY_CASE = (3, [6, 2])  # p = 3 stages; with 2 micro-batches, fewer than stag
 
 
 def check_memory(folder, schedule):
-    """The micro-batches whose activations autograd holds at once: m under GPipe, at most p - s under 1F1B."""
+    """The micro-batches whose activations autograd holds at once: m under GPipe, at most p - s under 1F1B;
+    none of their inputs and outputs after the step."""
     p, ms = MEMORY_CASE
     for m, stages in zip(ms, runs_on(p, folder, [(schedule, m, 1, "student") for m in ms])):
         for s, got in enumerate(stages):
@@ -375,6 +528,12 @@ def check_memory(folder, schedule):
                     f" {p - s}: run each backward as soon as the stages after allow, and let it free what its"
                     " forward kept (no retain_graph)",
                 )
+            assert not got["held"], said(
+                "micro-batches kept after their backward",
+                f"{where} the inputs or outputs of micro-batches {got['held']} still after the step, whose backwards"
+                " had run: backward(i) forgets micro-batch i (nothing of it is kept after it), or the stage keeps"
+                " every micro-batch's input and output until the step ends",
+            )
 
 
 def describe_gradient(where, s, k, got, expected, m, whose="one process's on the whole batch"):
@@ -466,9 +625,10 @@ def check_matches_torch(folder, schedule):
     p, m = 3, 6
     where = f"{NAMES[schedule]} with p={p} stages and m={m} micro-batches"
     whose = f"torch's PipelineStage with Schedule{NAMES[schedule]}'s on the same stages"
-    for s, (got, expected) in enumerate(
-        on_pipeline(with_torch, p, folder, schedule, m, expect=(recorded(1), many(torch.Tensor)))
-    ):
+    whole = (recorded(1), many(torch.Tensor))
+    results = on_pipeline(with_torch, p, folder, schedule, m, expect=(either(made(p), whole[0]), whole[1]))
+    refuse_schedules(schedule, p, m, results[0][0])
+    for s, (got, expected) in enumerate(validated(results, whole, p)):
         for k, g, t in zip(layers_by_rule(len(WIDTHS) - 1, p)[s], got["grads"], expected):
             assert g is not None, f"{where}: stage {s}'s layer {k} got no gradient, its {whose.replace('s on', ' on')}"
             assert close(g, t), describe_gradient(where, s, k, g, t, m, whose)

@@ -917,6 +917,24 @@ def test_loopback_settings_per_platform():
     assert env.loopback_settings("darwin", environ={"GLOO_SOCKET_IFNAME": "en0"}) == {}, "the user's choice wins"
 
 
+def test_an_error_every_rank_raised_is_said_as_every_rank_s():
+    """A ValueError raised by every rank at the same line is not blamed on the first rank's stopping."""
+    reports = [
+        dict(
+            rank=r,
+            when=1.0 + r,
+            error="ValueError",
+            message=f"a width of 10 does not divide by 3 (rank {r})",
+            full_message="",
+            frames=[("/x/tp.py", 140, "my_block")],
+        )
+        for r in range(3)
+    ]
+    f = diagnose(reports, [], 3)
+    assert f.kind == "error" and f.report().endswith("(Every rank raised this ValueError at the same line.)")
+    assert "most likely because" not in f.report()
+
+
 def test_libuv_switch():
     assert env.libuv_available({}) and not env.libuv_available({"USE_LIBUV": "0"})
 

@@ -29,6 +29,7 @@ from tests.test_ex13_fsdp import (
     check_zero2_keeps,
 )
 
+PAD = "    padded = F.pad(flat, (0, -flat.numel() % world_size))\n"
 PIECE = "    return padded.chunk(world_size)[rank].clone()\n"
 REDUCE = "    dist.reduce_scatter_single(shard, full.float())\n    return shard.div_(world_size)\n"
 NEW_SHARD = "    shard = full.new_empty(full.numel() // world_size, dtype=torch.float32)\n"
@@ -68,7 +69,7 @@ MUTANTS = {
         PIECE,
         "    return padded.chunk(world_size)[rank]\n",
         check_flat_shard,
-        "return a tensor of its own",
+        "keeps all of it alive, where the docstring asks for a tensor of its own",
     ),
     # The padding taken to be in front: the views cut from flat's last elements, the padding in the last one.
     "views that take the padding": (
@@ -93,7 +94,51 @@ MUTANTS = {
         "    full.untyped_storage().resize_(0)\n",
         "    del full\n",
         check_gather,
-        "resize the storage to 0",
+        "the memory under full stays",
+    ),
+    "free replaces full with an empty tensor": (
+        "    full.untyped_storage().resize_(0)\n",
+        "    full.data = torch.empty(0)\n",
+        check_gather,
+        "full has shape [0]: free gave full other data, a new tensor",
+    ),
+    "the shard handed to the all-gather as the Parameter itself (Hint 3 read literally)": (
+        GATHER,
+        "    dist.all_gather_single(full.data, shard.to(full.dtype))\n",
+        check_gather,
+        "the all-gather got a tensor that requires grad",
+    ),
+    "the parameters freed before the module's forward": (
+        "        output = self.module(*cast_floats(inputs, self.full.dtype))\n        if self.reshard_after_forward:\n"
+        "            free(self.full)\n",
+        "        if self.reshard_after_forward:\n            free(self.full)\n"
+        "        output = self.module(*cast_floats(inputs, self.full.dtype))\n        if self.reshard_after_forward:\n",
+        lambda folder: check_steps(folder, 2, zero3=True, steps=1),
+        "unit 0's module was called with freed parameters",
+    ),
+    "the re-gather hook registered under torch.no_grad() too": (
+        "            if output.requires_grad:\n                output.register_hook(self.pre_backward)\n",
+        "            output.register_hook(self.pre_backward)\n",
+        lambda folder: check_steps(folder, 2, zero3=True, steps=1),
+        "the model's forward under torch.no_grad() (as in evaluation) raised",
+    ),
+    "an extra padding piece in flat_shard, seen by the frozen parameter's check": (
+        PAD,
+        PAD.replace("-flat.numel() % world_size", "world_size - flat.numel() % world_size"),
+        check_frozen,
+        "flat_shard cuts units of [84, 77, 55] trainable parameters into pieces of [43, 39, 28] elements",
+    ),
+    "an extra padding piece in flat_shard, seen by setup's check": (
+        PAD,
+        PAD.replace("-flat.numel() % world_size", "world_size - flat.numel() % world_size"),
+        check_setup,
+        "flat_shard cuts units of",
+    ),
+    "Adam's two moments given one zeros tensor": (
+        "exp_avg=zeros, exp_avg_sq=zeros.clone()",
+        "exp_avg=zeros, exp_avg_sq=zeros",
+        check_checkpoint,
+        "exp_avg and exp_avg_sq of unit 0 (Linear(12, 7), 91 parameters) are one tensor",
     ),
     "shards gathered in reverse rank order": (
         GATHER,
@@ -209,7 +254,7 @@ MUTANTS = {
         AFTER_BACKWARD,
         "        if self.reshard_after_forward:\n            free(full)\n",
         check_gradient_shards,
-        "set full.grad to None once it is reduce-scattered",
+        "full gradient was still in full.grad when this step's backward added to it",
     ),
     "the shard's gradient replaced, not accumulated": (
         "        self.shard.grad = grad if self.shard.grad is None else self.shard.grad + grad\n",

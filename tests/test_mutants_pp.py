@@ -31,6 +31,7 @@ WAIT_ALL = """    if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()
 """
+WARMUP_ONE_SHORT = "    warmup = min(max(p - s - 2, 0), m)"
 LAST_SENDS_NOTHING = "        return [] if last else [(output.detach(), self.rank + 1)]\n"
 
 MUTANTS = {
@@ -81,7 +82,49 @@ MUTANTS = {
         "    warmup = min(p - s - 1, m)",
         "    warmup = min(p - s, m)",
         lambda folder: check_order(folder, "1f1b"),
-        "min(p - s - 1, m) = 1 warm-up forwards",
+        "1 warm-up forward too many",
+    ),
+    "1F1B's warm-up counted from the wrong end": (
+        "pp.py",
+        "    warmup = min(p - s - 1, m)",
+        "    warmup = min(s, m)",
+        lambda folder: check_order(folder, "1f1b"),
+        "stage 0 waits at B0 for B0 of stage 1, which comes after its F1",
+    ),
+    "1F1B's warm-up not capped at m": (
+        "pp.py",
+        "    warmup = min(p - s - 1, m)",
+        "    warmup = p - s - 1",
+        lambda folder: check_order(folder, "1f1b"),
+        "one_f_one_b(2, 4, 0) returned F0 F1 F2 B-1 B0 B1: F2 is no micro-batch's forward or backward",
+    ),
+    "1F1B's steady phase running each backward before its forward": (
+        "pp.py",
+        '        events += [("F", warmup + i), ("B", i)]',
+        '        events += [("B", i), ("F", warmup + i)]',
+        lambda folder: check_memory(folder, "1f1b"),
+        "B0 comes before F0",
+    ),
+    "1F1B's schedule a generator, empty once read": (
+        "pp.py",
+        '    return events + [("B", i) for i in range(m - warmup, m)]',
+        '    yield from events + [("B", i) for i in range(m - warmup, m)]',
+        check_training,
+        "a schedule is a list (a generator is empty once read)",
+    ),
+    "micro-batches kept after their backward": (
+        "pp.py",
+        "        inputs, output = self.kept.pop(i)",
+        "        inputs, output = self.kept[i]",
+        lambda folder: check_memory(folder, "1f1b"),
+        "the inputs or outputs of micro-batches [0, 1, 2, 3, 4, 5] still after the step",
+    ),
+    "batch_isend_irecv given an empty list": (
+        "pp.py",
+        WAIT_ALL,
+        "    for request in dist.batch_isend_irecv(ops):\n        request.wait()\n",
+        lambda folder: check_gradients(folder, "gpipe"),
+        "called dist.batch_isend_irecv with no message to send or receive (pp.py:",
     ),
     "1F1B's warm-up one forward too long: the memory": (
         "pp.py",
@@ -171,6 +214,15 @@ MUTANTS = {
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])
+
+
+def test_no_order_message_answers_the_todo(tmp_path):
+    """A miscounted 1F1B warm-up is said as too few or too many forwards, never with the count's formula,
+    the answer to the TODO's question."""
+    folder = make_mutant(tmp_path / "mutant", "pp.py", "    warmup = min(p - s - 1, m)", WARMUP_ONE_SHORT)
+    with pytest.raises(AssertionError) as caught:
+        check_order(folder, "1f1b")
+    assert "too few" in str(caught.value) and "p - s - 1" not in str(caught.value), str(caught.value)
 
 
 # Hangs a student causes. Each: the mutant, the check that meets it, what each rank waits in, and the

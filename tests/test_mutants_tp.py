@@ -45,6 +45,7 @@ GATHER_BACKWARD = (
     "        dist.reduce_scatter_single(mine, grad.contiguous())\n"
     "        return mine\n"
 )
+ALL_REDUCE_FORWARD = "        total = x.clone(memory_format=torch.contiguous_format)\n        dist.all_reduce(total)\n        return total\n"
 COLUMN_WEIGHT = "        self.weight = nn.Parameter(full.weight.detach()[mine].clone())\n"
 SHARE = "        share = F.cross_entropy(model(x[rows]), y[rows]) / dist.get_world_size()\n"
 UNEVEN = '        raise ValueError(f"{what}: {total} does not divide by the world size {world_size}")\n'
@@ -86,6 +87,49 @@ MUTANTS = {
         "        total = grad.clone()\n        dist.all_reduce(total)\n        return total\n",
         lambda folder: check_collectives(folder, False),
         "RowParallelLinear's backward started 1 all-reduce, expected none (1 all-reduce too many)",
+    ),
+    "a second all-reduce, in AllReduce's backward, sequence parallel train_step": (
+        "tp.py",
+        "        return grad\n",
+        "        total = grad.clone()\n        dist.all_reduce(total)\n        return total\n",
+        lambda folder: check_train_steps(folder, 3, True, steps=1),
+        "3 times one process's: a gradient that every rank holds whole was summed over the ranks again",
+    ),
+    "Copy's backward averages over the ranks": (
+        "tp.py",
+        COPY_BACKWARD,
+        COPY_BACKWARD.replace("        return total", "        return total / dist.get_world_size()"),
+        lambda folder: check_backward(folder, 2, True),
+        "is 1/2 of one process's, and the same on every rank: the ranks' shares were averaged",
+    ),
+    "Copy's backward averages over the ranks, alone": (
+        "tp.py",
+        COPY_BACKWARD,
+        COPY_BACKWARD.replace("        return total", "        return total / dist.get_world_size()"),
+        lambda folder: check_function(folder, "Copy"),
+        "backward returned 1/3 of the sum over the ranks, their mean",
+    ),
+    "AllReduce sums in place": (
+        "tp.py",
+        ALL_REDUCE_FORWARD,
+        "        dist.all_reduce(x)\n        return x\n",
+        lambda folder: check_function(folder, "AllReduce"),
+        "AllReduce's forward changed its input x in place: it returns a tensor of its own",
+    ),
+    "Copy's backward sums in place": (
+        "tp.py",
+        COPY_BACKWARD,
+        "        dist.all_reduce(grad)\n        return grad\n",
+        lambda folder: check_function(folder, "Copy"),
+        "Copy's backward changed its gradient in place",
+    ),
+    "sequence parallel, every row run on every rank": (
+        "tp.py",
+        SHARE,
+        SHARE.replace("model(x[rows]), y[rows]", "model(x), y"),
+        lambda folder: check_train_steps(folder, 3, True, steps=1),
+        "train_step ran the model on 12 rows on rank 0 in a step of 12: sequence parallel, rank r runs its own block"
+        " of 4 rows; all 12 on every rank gives the same numbers with 3 times the work",
     ),
     "Copy's backward all-reduces twice": (
         "tp.py",
@@ -150,14 +194,14 @@ MUTANTS = {
         "Copy.apply(norm.weight), Copy.apply(norm.bias)",
         "norm.weight, norm.bias",
         lambda folder: check_backward(folder, 2, True),
-        "uses it on its own rows: pass it through Copy",
+        "uses it on its own rows, so its gradient is the sum of the ranks' shares, and no backward summed them",
     ),
     "the row layer's bias used on the rows without Copy": (
         "tp.py",
         "out + Copy.apply(self.bias)",
         "out + self.bias",
         lambda folder: check_backward(folder, 3, True),
-        "holds all of layers.1.bias but uses it on its own rows: pass it through Copy",
+        "holds all of layers.1.bias but uses it on its own rows, so its gradient is the sum of the ranks' shares",
     ),
     "the norm's gradients summed when every rank holds all the rows": (
         "tp.py",
