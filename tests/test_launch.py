@@ -417,7 +417,7 @@ def in_a_check(fn, world_size, checked):
     from tests.helpers import world
 
     with pytest.raises(WorldFailed) as caught:
-        world(fn, world_size, keep=False, debug=checked, timeout=60, collective_timeout=30)
+        world(fn, world_size, expect=None, keep=False, debug=checked, timeout=60, collective_timeout=30)
     return caught.value.failure
 
 
