@@ -28,19 +28,17 @@ LR = 0.2
 STEPS = 3
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all-reduce", "all-gather", "reduce-scatter"
-# The process group methods that CommLog records, by what they do.
+# The collectives that CommLog records (course/compat.py's names), by what they do.
 KINDS = {
     "allreduce": ALL_REDUCE,
     "allreduce_coalesced": ALL_REDUCE,
     "allgather": ALL_GATHER,
-    "all_gather_single": ALL_GATHER,
-    "_allgather_base": ALL_GATHER,
+    "all_gather_into_tensor": ALL_GATHER,
     "allgather_coalesced": ALL_GATHER,
     "allgather_into_tensor_coalesced": ALL_GATHER,
     "all_gather_single_coalesced": ALL_GATHER,
     "reduce_scatter": REDUCE_SCATTER,
-    "reduce_scatter_single": REDUCE_SCATTER,
-    "_reduce_scatter_base": REDUCE_SCATTER,
+    "reduce_scatter_tensor": REDUCE_SCATTER,
     "reduce_scatter_tensor_coalesced": REDUCE_SCATTER,
     "reduce_scatter_single_coalesced": REDUCE_SCATTER,
 }

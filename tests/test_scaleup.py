@@ -358,6 +358,10 @@ def test_device_and_backend_choice():
         choose("cuda", None, 0, gpus=0, ranks_here=1)
     with pytest.raises(ValueError, match="local rank 2"):
         choose(None, "nccl", 2, gpus=2, ranks_here=4)
+    with pytest.raises(ValueError, match="NCCL needs one per rank; start at most 1 rank"):
+        choose(None, "nccl", 1, gpus=1, ranks_here=2, same_gpus=True)
+    assert choose("cuda", "gloo", 1, gpus=1, ranks_here=2, same_gpus=True) == "cuda:0", "gloo lets ranks share a GPU"
+    assert choose("cuda", "gloo", 3, gpus=2, ranks_here=4, same_gpus=True) == "cuda:1"
     assert env.choose_backend(None, "cuda:0") == "nccl" and env.choose_backend(None, "cpu") == "gloo"
     assert env.choose_backend("gloo", "cuda:0") == "gloo"
     with pytest.raises(ValueError, match="GPU tensors only"):
@@ -382,6 +386,18 @@ def test_amp_type_follows_the_gpu_generation(monkeypatch, major, expected):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(major=major))
     monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)  # emulation works
     assert amp_dtype(torch.device("cuda:0")) == expected
+
+
+def test_two_nccl_ranks_on_one_gpu_stop_with_one_line(monkeypatch, capsys):
+    """Both ranks would take cuda:0, and NCCL would end the world with "Duplicate GPU detected"."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as stop:
+        launch(rank_sum, 2, backend="nccl")
+    assert stop.value.code == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and said.startswith("Cannot start: the rank with local rank 1 has no GPU of its own")
+    assert "--world-size 1" in said and "--backend gloo" in said
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
