@@ -11,11 +11,11 @@ import torch.nn.functional as F
 
 # torch's tensor parallelism, for the comparison's probe: imported here, by the grader, so that the workers it
 # forks find it loaded; each worker would otherwise spend 1 to 3 s importing it.
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from course.checks import said
+from course.compat import cpu_mesh
 from tests.comm_log import CommLog
 from tests.helpers import load, world
 
@@ -686,7 +686,7 @@ def torch_in_world(sequence_parallel):
         else:
             plan[f"layers.{2 * k}"] = ColwiseParallel()
             plan[f"layers.{2 * k + 1}"] = RowwiseParallel()
-    model = parallelize_module(full, init_device_mesh("cpu", (world_size,)), plan)
+    model = parallelize_module(full, cpu_mesh(), plan)
     x, grad, _ = data(WIDTHS)
     mine = rows_of(rank, world_size, sequence_parallel)
     x = x[mine].clone().requires_grad_()
