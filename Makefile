@@ -67,12 +67,13 @@ bench-pp: $(VENV)/.installed
 # Targets that need solutions/. The students' copy (make release) has none: there `make test` is
 # `make grade`, and the others are not defined.
 ifneq ($(wildcard solutions/.),)
-.PHONY: demo lint student release gradescope classroom autograde bench-grade gpu-check
+.PHONY: demo compat lint student release gradescope classroom autograde bench-grade gpu-check
 
 help::
 	@echo ""
 	@echo "Instructors (this repository, with solutions/):"
 	@echo "make demo     run every reference solution on CPU"
+	@echo "make compat TORCH=2.11.0  every exercise's checks and reference script under that torch (a side venv, cached)"
 	@echo "make test     the test suite: the reference solutions and the repository's own checks"
 	@echo "make lint     ruff: the checks and the formatting of pyproject.toml"
 	@echo "make student  regenerate the student files (mlp.py, dist.py, ...) and exercises/*.ipynb from solutions/"
@@ -89,21 +90,11 @@ $(VENV)/.instructors: requirements-instructors.txt $(VENV)/.notebooks
 	$(SETUP) --instructors
 
 demo: $(VENV)/.installed
-	$(PY) solutions/mlp.py --niters 300
-	$(PY) solutions/dist.py --world-size 3
-	$(PY) solutions/mlp.py --world-size 2 --niters 300 --check
-	$(PY) solutions/mydp.py --world-size 2 --niters 300 --compare
-	$(PY) solutions/data.py --world-size 3
-	$(PY) solutions/data.py --world-size 2 --uneven join
-	$(PY) solutions/sync.py --world-size 2
-	$(PY) solutions/zero.py --world-size 2 --niters 300
-	$(PY) solutions/zero.py --world-size 2 --niters 300 --bf16-hook
-	$(PY) solutions/hvd.py --world-size 2 --niters 300
-	$(PY) solutions/cost.py
-	$(PY) solutions/fsdp.py --world-size 2 --niters 50
-	$(PY) solutions/tp.py --world-size 2 --niters 300
-	$(PY) solutions/tp.py --world-size 2 --niters 300 --sequence-parallel
-	$(PY) solutions/pp.py --world-size 2 --schedule 1f1b --niters 300
+	$(PY) -m course.compat --scripts
+
+# The side venv lives in ~/.cache/ddp-course (course/compat.py): a CUDA build of torch is several GB.
+compat: $(VENV)/.installed
+	$(PY) -m course.compat $(if $(TORCH),--torch $(TORCH))
 
 test: $(VENV)/.instructors
 	COURSE_IMPL=solutions $(PYTEST) tests

@@ -58,7 +58,7 @@ def free(full: torch.Tensor) -> None:
 
 
 def gather_into(full: torch.Tensor, shard: torch.Tensor) -> None:
-    """Fill full with every rank's shard, in rank order, cast to full's dtype: one dist.all_gather_single.
+    """Fill full with every rank's shard, in rank order, cast to full's dtype: one dist.all_gather_into_tensor.
 
     full's storage may have been freed: make it full-sized again first. Write through full.data:
     autograd saved views of full in the forward and refuses to use them if it sees full change.
@@ -68,7 +68,7 @@ def gather_into(full: torch.Tensor, shard: torch.Tensor) -> None:
 
 
 def reduce_scatter_mean(full: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of the average over the ranks of full, in float32: one dist.reduce_scatter_single, then 1/W."""
+    """This rank's piece of the average over the ranks of full, in float32: one dist.reduce_scatter_tensor, then 1/W."""
     # TODO(exercise 13): a new float32 tensor of 1/W of full's elements.
     raise NotImplementedError("Exercise 13: reduce_scatter_mean is not written yet, see exercises/13_fsdp.md")
 

@@ -72,8 +72,8 @@ class AllReduce(torch.autograd.Function):
 
 class AllGatherRows(torch.autograd.Function):
     """Into a parallel region from blocks of rows: forward, every rank's rows (n, ...) stacked in
-    rank order, (W n, ...) on every rank (dist.all_gather_single); backward, rank r's block of rows
-    of the gradient, summed over the ranks (dist.reduce_scatter_single).
+    rank order, (W n, ...) on every rank (dist.all_gather_into_tensor); backward, rank r's block of rows
+    of the gradient, summed over the ranks (dist.reduce_scatter_tensor).
     """
 
     @staticmethod
@@ -89,8 +89,8 @@ class AllGatherRows(torch.autograd.Function):
 
 class ReduceScatterRows(torch.autograd.Function):
     """Out of a parallel region into blocks of rows: forward, rank r's block of rows of the sum over
-    the ranks of x (W n, ...), (n, ...) on rank r (dist.reduce_scatter_single); backward, every
-    rank's block of the gradient stacked in rank order (dist.all_gather_single).
+    the ranks of x (W n, ...), (n, ...) on rank r (dist.reduce_scatter_tensor); backward, every
+    rank's block of the gradient stacked in rank order (dist.all_gather_into_tensor).
     """
 
     @staticmethod

@@ -26,11 +26,14 @@ def settings_or_exit():
         raise SystemExit(2) from None
 
 
-def choose(device: str | None, backend: str | None, local_rank: int, ranks_here: int | None, speak: bool) -> tuple:
-    """This rank's device and the world's backend; ``speak``: say why visible GPUs go unused."""
+def choose(
+    device: str | None, backend: str | None, local_rank: int, ranks_here: int | None, speak: bool, same_gpus: bool
+) -> tuple:
+    """This rank's device and the world's backend; ``speak``: say why visible GPUs go unused;
+    ``same_gpus``: every rank here sees the same GPUs (env.choose_device)."""
     gpus = torch.cuda.device_count()
     with settings_or_exit():
-        where = env.choose_device(device, backend, local_rank, gpus, ranks_here)
+        where = env.choose_device(device, backend, local_rank, gpus, ranks_here, same_gpus)
         chosen = env.choose_backend(backend, where)
     if speak and gpus and where == "cpu" and device is None and backend is None:
         print(
@@ -54,7 +57,7 @@ def run_in_external_world(
     with settings_or_exit():
         addr, port = env.rendezvous(world, os.environ, master_addr, port)
     speak = world.rank == 0
-    where, backend = choose(device, backend, world.local_rank, world.local_world_size, speak)
+    where, backend = choose(device, backend, world.local_rank, world.local_world_size, speak, same_gpus=False)
     if speak and world_size != world.world_size:
         print(
             f"note: {world.launcher} started {world.world_size} ranks; --world-size {world_size} does not apply",

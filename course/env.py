@@ -119,14 +119,22 @@ def rendezvous(
 
 
 def choose_device(
-    requested: str | None, backend: str | None, local_rank: int, gpus: int, ranks_here: int | None
+    requested: str | None,
+    backend: str | None,
+    local_rank: int,
+    gpus: int,
+    ranks_here: int | None,
+    same_gpus: bool = False,
 ) -> str:
     """The device one rank computes on: 'cpu' or 'cuda:N'.
 
     ``requested`` is --device (None: choose), ``backend`` --backend (None: choose), ``gpus`` the
-    GPUs this process sees, ``ranks_here`` the ranks on this machine (None: unknown). Chosen: a
-    GPU of its own for every rank when there are enough (rank r of a machine takes cuda:r), the CPU
-    otherwise; with backend gloo the CPU. Raises ValueError for a GPU that is not there.
+    GPUs this process sees, ``ranks_here`` the ranks on this machine (None: unknown), ``same_gpus``
+    whether every rank here sees the same GPUs (the course started them itself; srun may show each
+    task a GPU of its own). Chosen: a GPU of its own for every rank when there are enough (rank r
+    of a machine takes cuda:r), the CPU otherwise; with backend gloo the CPU. Ranks share a GPU only
+    over gloo, asked with --device cuda: NCCL refuses two ranks on one GPU. Raises ValueError for a
+    GPU that is not there.
     """
     if requested is None:
         enough = gpus > 0 and (ranks_here is None or ranks_here <= gpus)
@@ -139,11 +147,14 @@ def choose_device(
         )
     if local_rank < gpus:
         return f"cuda:{local_rank}"
-    if gpus == 1:
+    if gpus == 1 and not same_gpus:
         return "cuda:0"  # the launcher showed each rank only its own GPU (srun --gpus-per-task=1)
+    if backend == "gloo" and same_gpus:
+        return f"cuda:{local_rank % gpus}"
     raise ValueError(
-        f"the rank with local rank {local_rank} has no GPU of its own: this machine shows {gpus} GPU(s);"
-        " start at most one rank per GPU, or pass --device cpu"
+        f"the rank with local rank {local_rank} has no GPU of its own: this machine shows {gpus} GPU(s), and"
+        f" NCCL needs one per rank; start at most {gpus} rank(s) here (--world-size {gpus}), or pass"
+        " --backend gloo (with --device cuda the ranks share the GPUs)"
     )
 
 

@@ -5,10 +5,13 @@
 
 Exercises 1 to 6 (7 adds no device-specific code to 6), 13, 14 and 15: each case runs on the CPU
 with gloo and on the GPUs with nccl, from the same seeds, in a world of one rank per GPU (one GPU
-is enough; exercise 15's pipeline has at most one stage per layer).
+is enough; exercise 15's pipeline has at most one stage per layer). With one GPU, the multi-rank
+cases run once more with two ranks sharing it over gloo (NCCL refuses two ranks on one GPU), so
+that per-rank placement, DDP's device_ids and the ring meet CUDA tensors in a world of two.
 The report gives the largest difference between the two and the median step times; a case that
-fails shows why below the table, and the others still run. The exit status says whether every
-case agreed. Without a GPU it says so and exits 0.
+fails shows why below the table, and the others still run. Last, one process's step time at a
+larger size, on the CPU (a few steps) and on the GPU. The exit status says whether every case
+agreed. Without a GPU it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -34,9 +37,14 @@ from course.student import SOLUTIONS
 # limit must still catch training that ran in bfloat16 by mistake (2.4e-4 from float32 on the
 # CPU). With --amp both sides round to bfloat16's 8-bit mantissa, each its own way; the limit
 # must still catch a learning rate of 0.2 instead of 0.1 (7.4e-2). Both limits come from those
-# CPU figures: no GPU has run this check yet, and the first run should confirm them.
+# CPU figures; the first GPU run (one H100, torch 2.11, 2026-11-26) stayed well within them:
+# 1.0e-7 in float32, 2.0e-4 with --amp.
 TOLERANCE = {False: 1e-5, True: 2e-3}
 MATMUL_SHAPE = (1000, 700, 500)  # no side divides by a small world size: the padding is exercised
+# Exercise 13 trains with Adam at fsdp.py's own rate. At mlp.py's 0.1, set for SGD, Adam diverges
+# and where it ends is chaotic: a 1e-7 nudge of the initial weights moved the final loss by up to 0.9.
+FSDP_LR = 1e-3
+MULTI_RANK = {2, 3, 4, 5, 6, 13, 14, 15}  # the exercises whose cases run on more than one rank
 RING_LENGTH = 100_003  # not a multiple either; its sums over 16 ranks stay below 2**24, exact in float32
 
 
@@ -111,13 +119,15 @@ def tp_on_rank(folder: str, fields: dict):
 
 
 def fsdp_on_rank(folder: str, fields: dict):
-    """Worker: exercise 13's ZeRO-2 and ZeRO-3 training, then ZeRO-3 with bfloat16 gathers, silenced;
-    rank 0 returns each one's figures (final test loss, step time)."""
+    """Worker: exercise 13's ZeRO-2 and ZeRO-3 training, then ZeRO-3 with bfloat16 gathers, then
+    built-in DDP, at fsdp.py's learning rate, silenced; rank 0 returns each one's figures (final
+    test loss, step time)."""
     fsdp = impl.load(folder).fsdp
-    config = fsdp.ModelConfig(**fields)
+    config = replace(fsdp.ModelConfig(**fields), lr=FSDP_LR)
     with contextlib.redirect_stdout(io.StringIO()), ieee_float32():
         runs = [fsdp.train(config, "zero2"), fsdp.train(config, "zero3")]
         runs.append(fsdp.train(replace(config, amp=True), "zero3"))
+        runs.append(fsdp.train(config, "ddp"))
     return [{"test_loss": r["test_loss"], "step_ms": r["step_ms"]} for r in runs] if dist.get_rank() == 0 else None
 
 
@@ -143,26 +153,42 @@ def _train_here(folder: str, fields: dict, device: str) -> dict:
         return _train(folder, fields)
 
 
-def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> list:
+def compare(
+    device: str,
+    world_size: int,
+    config,
+    folder: str = SOLUTIONS,
+    reference: str | None = None,
+    backend: str = "",
+    exercises: set | None = None,
+) -> list:
     """Run every case on the CPU and on ``device`` ("cuda", or "cpu" to check this check); one Row each.
 
+    ``folder`` holds the code run on ``device``, ``reference`` (the same when None) the code run on
+    the CPU: the tests plant a mistake in one of them. ``backend`` on the device: nccl for "cuda"
+    unless given (gloo: ranks may share a GPU). ``exercises``: only their cases (all when None).
     A case that fails still gets its row, with the reason, and the cases after it still run.
     """
-    backend = "nccl" if device == "cuda" else "gloo"
-    on_cpu = dict(backend="gloo", device="cpu")
-    on_device = dict(backend=backend, device=device)
+    reference = reference or folder
+    backend = backend or ("nccl" if device == "cuda" else "gloo")
+    on_cpu = (reference, dict(backend="gloo", device="cpu"))
+    on_device = (folder, dict(backend=backend, device=device))
     ex = impl.load(folder)
     fields = asdict(config)
     stages = min(world_size, config.n_layers)
 
     def alone():
         return _training_difference(
-            ex, [_train_here(folder, fields, where) for where in ("cpu", "cuda:0" if device == "cuda" else "cpu")]
+            ex,
+            [
+                _train_here(code, fields, where)
+                for code, where in ((reference, "cpu"), (folder, "cuda:0" if device == "cuda" else "cpu"))
+            ],
         )
 
     def matmul():
         reference = torch.matmul(*matrices(*MATMUL_SHAPE))
-        products = run(matmul_on_rank, world_size, folder, *MATMUL_SHAPE, **on_device)[0]
+        products = run(matmul_on_rank, world_size, folder, *MATMUL_SHAPE, **on_device[1])[0]
         return max(ex.dist.relative_difference(C, reference) for C in products), None
 
     def data_parallel(wrap_name, amp=False):
@@ -170,37 +196,40 @@ def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> li
         return lambda: _training_difference(
             ex,
             [
-                run(train_on_rank, world_size, folder, fields_here, wrap_name, **where)[0]
-                for where in (on_cpu, on_device)
+                run(train_on_rank, world_size, code, fields_here, wrap_name, **where)[0]
+                for code, where in (on_cpu, on_device)
             ],
         )
 
     def pipeline():
         return _training_difference(
-            ex, [run(pipeline_on_rank, stages, folder, fields, **where)[-1] for where in (on_cpu, on_device)]
+            ex, [run(pipeline_on_rank, stages, code, fields, **where)[-1] for code, where in (on_cpu, on_device)]
         )
 
     def ring():
-        summed = run(ring_on_rank, world_size, folder, RING_LENGTH, **on_device)[0]
+        summed = run(ring_on_rank, world_size, folder, RING_LENGTH, **on_device[1])[0]
         exact = torch.arange(RING_LENGTH, dtype=torch.float32) * (world_size * (world_size + 1) // 2)
         return (summed - exact).abs().max().item(), None
 
     # ParallelMLP pairs the layers: an odd count gets one hidden layer more. One world per device for both rows.
     even = fields | {"n_layers": fields["n_layers"] + fields["n_layers"] % 2}
     tensor_parallel_runs = cache(
-        lambda: [run(tp_on_rank, world_size, folder, even, **where)[0] for where in (on_cpu, on_device)]
+        lambda: [run(tp_on_rank, world_size, code, even, **where)[0] for code, where in (on_cpu, on_device)]
     )
 
     fsdp_runs = cache(
-        lambda: [run(fsdp_on_rank, world_size, folder, fields, **where)[0] for where in (on_cpu, on_device)]
+        lambda: [run(fsdp_on_rank, world_size, code, fields, **where)[0] for code, where in (on_cpu, on_device)]
     )
 
-    def sharded(*which):
-        """The largest difference of the final test loss over the runs `which` of fsdp_on_rank."""
+    def sharded(*which, against_ddp=False):
+        """The largest difference of the final test loss over the runs `which` of fsdp_on_rank, from
+        the CPU's and, `against_ddp`, from built-in DDP's on the same device (equal on the CPU)."""
 
         def measure():
             cpu, other = fsdp_runs()
             difference = max(abs(other[i]["test_loss"] - cpu[i]["test_loss"]) for i in which)
+            if against_ddp:
+                difference = max(difference, *(abs(other[i]["test_loss"] - other[-1]["test_loss"]) for i in which))
             return difference, (cpu[which[-1]]["step_ms"], other[which[-1]]["step_ms"])
 
         return measure
@@ -225,13 +254,13 @@ def compare(device: str, world_size: int, config, folder: str = SOLUTIONS) -> li
         ("4 MyDP --amp", world_size, TOLERANCE[True], data_parallel("mydp", amp=True)),
         ("5 ring all-reduce", world_size, 0.0, ring),
         ("6 OverlappedDP, 1 MiB buckets", world_size, TOLERANCE[False], data_parallel("overlapped")),
-        ("13 ZeRO-2 and ZeRO-3 (final test loss)", world_size, TOLERANCE[False], sharded(0, 1)),
+        ("13 ZeRO-2 and ZeRO-3 (final test loss)", world_size, TOLERANCE[False], sharded(0, 1, against_ddp=True)),
         ("13 ZeRO-3, bfloat16 gathers (final test loss)", world_size, TOLERANCE[True], sharded(2)),
         ("14 tensor parallel (final loss)", world_size, TOLERANCE[False], tensor_parallel(False)),
         ("14 sequence parallel (final loss)", world_size, TOLERANCE[False], tensor_parallel(True)),
         ("15 pipeline, 1F1B", stages, TOLERANCE[False], pipeline),
     ]
-    return [_row(*case) for case in cases]
+    return [_row(*case) for case in cases if exercises is None or int(case[0].split()[0]) in exercises]
 
 
 def _row(case: str, world_size: int, tolerance: float, measure) -> Row:
@@ -258,16 +287,9 @@ def report(rows: list, device_name: str) -> str:
         verdict = "failed, see below" if row.error else "yes" if row.ok else "NO"
         lines.append(f"{row.case:<36}{row.world_size:>6}{row.difference:>12.2e}{row.tolerance:>9.0e}{times}  {verdict}")
     by_case = {row.case: row for row in rows}
-    alone, ddp = by_case["1 MLP, one process"], by_case["3 DDP"]
-    if alone.step_ms and ddp.step_ms:
-        t_comp, t_step = alone.step_ms[1], ddp.step_ms[1]
-        t_sync = max(t_step - t_comp, 0.0)
-        lines.append(
-            f"\nOn {device_name}: one process {t_comp:.2f} ms a step, DDP on {ddp.world_size} ranks {t_step:.2f} ms a step:"
-            f" T_sync is about {t_sync:.2f} ms, T_sync/T_comp = {t_sync / t_comp:.2f}"
-            f" (data parallelism pays when this is below R - 1 = {ddp.world_size - 1});"
-            f" {ddp.world_size * t_comp / t_step:.2f}x the examples per second of one process."
-        )
+    alone, ddp = by_case.get("1 MLP, one process"), by_case["3 DDP"]
+    if alone and alone.step_ms and ddp.step_ms:
+        lines.append("\n" + data_parallel_pays(device_name, alone.step_ms[1], ddp.step_ms[1], ddp.world_size))
     for row in rows:
         if row.error:
             lines.append(f"\n{row.case} failed:\n{row.error.rstrip()}")
@@ -277,6 +299,44 @@ def report(rows: list, device_name: str) -> str:
         + ("" if agreed == len(rows) else " See the rows marked NO or failed.")
     )
     return "\n".join(lines)
+
+
+def data_parallel_pays(device_name: str, t_comp: float, t_step: float, ranks: int) -> str:
+    """What one process's and DDP's step times say, in sentences that hold for any number of ranks."""
+    t_sync = max(t_step - t_comp, 0.0)
+    said = (
+        f"On {device_name}: one process {t_comp:.2f} ms a step, DDP on {ranks} rank(s) {t_step:.2f} ms a step:"
+        f" T_sync is about {t_sync:.2f} ms, T_sync/T_comp = {t_sync / t_comp:.2f}."
+    )
+    if ranks == 1:
+        return said + (
+            " With one rank nothing is shared: that is DDP's cost alone, which R ranks repay when"
+            " T_sync/T_comp stays below R - 1."
+        )
+    speedup = ranks * t_comp / t_step
+    return said + (
+        f" {ranks} ranks process {speedup:.2f}x the examples per second of one process: data parallelism"
+        f" pays when T_sync/T_comp is below R - 1 = {ranks - 1}, and {'does' if speedup > 1 else 'does not'} here."
+    )
+
+
+# A size that shows what a GPU is for: about 5e11 floating-point operations a step, a second or so
+# on a CPU, milliseconds on one GPU. The CPU runs a few steps only, so that the check stays short.
+GPU_SIZE = {"d_hidden": 4096, "batch_size": 2048}
+SIZE_STEPS = {"cpu": 3, "device": 100}
+
+
+def size_up(device: str, config, changes: dict = GPU_SIZE, steps: dict = SIZE_STEPS) -> str:
+    """One process's step time at a larger size on the CPU (a few steps) and on ``device``, in one line."""
+    fields = asdict(config) | changes
+    cpu = _train_here(SOLUTIONS, fields | {"niters": steps["cpu"]}, "cpu")["step_ms"]
+    where = "cuda:0" if device == "cuda" else device
+    other = _train_here(SOLUTIONS, fields | {"niters": steps["device"]}, where)["step_ms"]
+    size = ", ".join(f"{name} {value}" for name, value in changes.items())
+    return (
+        f"At {size}: one process on the CPU {cpu:.1f} ms a step ({steps['cpu']} steps), on {where}"
+        f" {other:.2f} ms a step ({steps['device']} steps): {cpu / other:.0f}x."
+    )
 
 
 def main(argv: list | None = None) -> int:
@@ -292,6 +352,12 @@ def main(argv: list | None = None) -> int:
     print(f"world size {gpus} (one rank per GPU), nccl; CPU reference with gloo; config {config}")
     rows = compare("cuda", gpus, config)
     print(report(rows, "GPU"))
+    if gpus == 1:  # the multi-rank cases once more, with 2 ranks on the one GPU: NCCL would refuse them
+        print("\nTwo ranks sharing the GPU, over gloo (CUDA tensors): the multi-rank cases again.")
+        shared = compare("cuda", 2, config, backend="gloo", exercises=MULTI_RANK)
+        print(report(shared, "GPU, 2 ranks"))
+        rows += shared
+    print("\n" + size_up("cuda", config))
     return 0 if all(row.ok for row in rows) else 1
 
 

@@ -426,7 +426,8 @@ def unchecked_group(timeout=None, use: str = "messages") -> ProcessGroup:
     """A group of every rank whose collectives torch's check does not wrap, for one use: made once
     per world, by every rank at the same point (its first call), with the collective timeout
     ``timeout``. "messages": the default group's sends and receives, and DDP's collectives;
-    "agreement": Agreement's exchanges, which must not interleave with DDP's (Join's included)."""
+    "agreement": Agreement's exchanges, which must not interleave with DDP's (Join's included);
+    "torch": torch's own DTensor code in the checks' probes (course/compat.py, cpu_mesh)."""
     if use not in _unchecked:
         level = dist.get_debug_level()
         dist.set_debug_level(dist.DebugLevel.OFF)

@@ -53,7 +53,7 @@ def launch(
         if outside is not None:
             return run_in_external_world(fn, args, outside, world_size, master_addr, port, backend, device)
         # Asked for the highest local rank: when it has a GPU of its own, every rank has.
-        where, backend = choose(device, backend, world_size - 1, world_size, speak=True)
+        where, backend = choose(device, backend, world_size - 1, world_size, speak=True, same_gpus=True)
         if single_process and world_size == 1:
             select_device(where)
             return [fn(*args)]

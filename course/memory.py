@@ -18,8 +18,10 @@ import weakref
 import torch
 from torch.distributed import ProcessGroup
 
-# The process group methods of all-gathers that write one output tensor (dist.all_gather_single,
-# dist.all_gather_into_tensor), and the others sampled at their start.
+from course.compat import collective
+
+# The process group methods of dist.all_gather_into_tensor, the all-gather that writes one output
+# tensor (from torch 2.13 on, and before: course/compat.py), and the others sampled at their start.
 GATHERS = ("all_gather_single", "_allgather_base")
 SAMPLED = GATHERS + ("reduce_scatter_single", "_reduce_scatter_base", "allreduce", "allgather", "broadcast")
 
@@ -46,7 +48,7 @@ class Gathered:
             tensors = [t for t in args[:2] if isinstance(t, torch.Tensor)]
             if name in GATHERS and tensors:
                 self._follow(tensors[0])
-            self.sample(name, max((t.numel() for t in tensors), default=None))
+            self.sample(collective(name), max((t.numel() for t in tensors), default=None))
             return method(group, *args, **kwargs)
 
         return sampled

@@ -61,7 +61,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from course import env, failure, impl, sandbox
+from course import compat, env, failure, impl, sandbox
 from course.device import bound_device
 from course.device import select as select_device
 from course.instrument import (
@@ -387,6 +387,7 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
     dist.set_debug_level_from_env()  # torch read TORCH_DISTRIBUTED_DEBUG when it was imported
     if dist.get_debug_level() == dist.DebugLevel.DETAIL:
         check_ddp_on_an_unchecked_group()
+    compat.quiet_renamed_collectives()
     messages = PointToPoint()
     messages.install()
     waits = Waits(rank, board, messages)
@@ -406,7 +407,11 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
         try:
             if baseline is None:  # the world's first call
                 gpus = torch.cuda.device_count() if settings.device == "cuda" else 0
-                select_device(env.choose_device(settings.device, settings.backend, rank, gpus, settings.world_size))
+                select_device(
+                    env.choose_device(
+                        settings.device, settings.backend, rank, gpus, settings.world_size, same_gpus=True
+                    )
+                )
                 dist.init_process_group(
                     settings.backend,
                     store=_store(settings, rank),

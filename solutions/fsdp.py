@@ -66,7 +66,7 @@ def free(full: torch.Tensor) -> None:
 
 
 def gather_into(full: torch.Tensor, shard: torch.Tensor) -> None:
-    """Fill full with every rank's shard, in rank order, cast to full's dtype: one dist.all_gather_single.
+    """Fill full with every rank's shard, in rank order, cast to full's dtype: one dist.all_gather_into_tensor.
 
     full's storage may have been freed: make it full-sized again first. Write through full.data:
     autograd saved views of full in the forward and refuses to use them if it sees full change.
@@ -74,17 +74,17 @@ def gather_into(full: torch.Tensor, shard: torch.Tensor) -> None:
     # TODO(exercise 13): the storage back to full size, then the all-gather into it.
     ### BEGIN SOLUTION
     full.untyped_storage().resize_(full.numel() * full.element_size())
-    dist.all_gather_single(full.data, shard.detach().to(full.dtype))
+    dist.all_gather_into_tensor(full.data, shard.detach().to(full.dtype))
     ### END SOLUTION
 
 
 def reduce_scatter_mean(full: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of the average over the ranks of full, in float32: one dist.reduce_scatter_single, then 1/W."""
+    """This rank's piece of the average over the ranks of full, in float32: one dist.reduce_scatter_tensor, then 1/W."""
     # TODO(exercise 13): a new float32 tensor of 1/W of full's elements.
     ### BEGIN SOLUTION
     world_size = dist.get_world_size()
     shard = full.new_empty(full.numel() // world_size, dtype=torch.float32)
-    dist.reduce_scatter_single(shard, full.float())
+    dist.reduce_scatter_tensor(shard, full.float())
     return shard.div_(world_size)
     ### END SOLUTION
 

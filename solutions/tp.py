@@ -83,8 +83,8 @@ class AllReduce(torch.autograd.Function):
 
 class AllGatherRows(torch.autograd.Function):
     """Into a parallel region from blocks of rows: forward, every rank's rows (n, ...) stacked in
-    rank order, (W n, ...) on every rank (dist.all_gather_single); backward, rank r's block of rows
-    of the gradient, summed over the ranks (dist.reduce_scatter_single).
+    rank order, (W n, ...) on every rank (dist.all_gather_into_tensor); backward, rank r's block of rows
+    of the gradient, summed over the ranks (dist.reduce_scatter_tensor).
     """
 
     @staticmethod
@@ -92,7 +92,7 @@ class AllGatherRows(torch.autograd.Function):
         # TODO(exercise 14): all the ranks' rows, rank 0's first.
         ### BEGIN SOLUTION
         everyone = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))
-        dist.all_gather_single(everyone, x.contiguous())
+        dist.all_gather_into_tensor(everyone, x.contiguous())
         return everyone
         ### END SOLUTION
 
@@ -101,15 +101,15 @@ class AllGatherRows(torch.autograd.Function):
         # TODO(exercise 14): this rank's rows of the sum over the ranks of grad.
         ### BEGIN SOLUTION
         mine = grad.new_empty((grad.shape[0] // dist.get_world_size(), *grad.shape[1:]))
-        dist.reduce_scatter_single(mine, grad.contiguous())
+        dist.reduce_scatter_tensor(mine, grad.contiguous())
         return mine
         ### END SOLUTION
 
 
 class ReduceScatterRows(torch.autograd.Function):
     """Out of a parallel region into blocks of rows: forward, rank r's block of rows of the sum over
-    the ranks of x (W n, ...), (n, ...) on rank r (dist.reduce_scatter_single); backward, every
-    rank's block of the gradient stacked in rank order (dist.all_gather_single).
+    the ranks of x (W n, ...), (n, ...) on rank r (dist.reduce_scatter_tensor); backward, every
+    rank's block of the gradient stacked in rank order (dist.all_gather_into_tensor).
     """
 
     @staticmethod
@@ -117,7 +117,7 @@ class ReduceScatterRows(torch.autograd.Function):
         # TODO(exercise 14): this rank's rows of the sum over the ranks of x.
         ### BEGIN SOLUTION
         mine = x.new_empty((x.shape[0] // dist.get_world_size(), *x.shape[1:]))
-        dist.reduce_scatter_single(mine, x.contiguous())
+        dist.reduce_scatter_tensor(mine, x.contiguous())
         return mine
         ### END SOLUTION
 
@@ -126,7 +126,7 @@ class ReduceScatterRows(torch.autograd.Function):
         # TODO(exercise 14): all the ranks' blocks of grad, rank 0's first.
         ### BEGIN SOLUTION
         everyone = grad.new_empty((dist.get_world_size() * grad.shape[0], *grad.shape[1:]))
-        dist.all_gather_single(everyone, grad.contiguous())
+        dist.all_gather_into_tensor(everyone, grad.contiguous())
         return everyone
         ### END SOLUTION
 

@@ -15,6 +15,7 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from course.compat import collective
 from tests.helpers import many
 
 POINT_TO_POINT = ("send", "recv", "recv_anysource")
@@ -22,14 +23,14 @@ COLLECTIVES = (
     "allreduce",
     "allreduce_coalesced",
     "allgather",
-    "all_gather_single",  # torch 2.13's all_gather_single and all_gather_into_tensor
-    "_allgather_base",
+    "all_gather_single",  # dist.all_gather_into_tensor from torch 2.13 on (course/compat.py)
+    "_allgather_base",  # and before
     "allgather_coalesced",
     "all_gather_single_coalesced",
     "allgather_into_tensor_coalesced",
     "reduce_scatter",
-    "reduce_scatter_single",  # torch 2.13's reduce_scatter_single and reduce_scatter_tensor
-    "_reduce_scatter_base",
+    "reduce_scatter_single",  # dist.reduce_scatter_tensor from torch 2.13 on
+    "_reduce_scatter_base",  # and before
     "reduce_scatter_single_coalesced",
     "reduce_scatter_tensor_coalesced",
     "broadcast",
@@ -110,7 +111,7 @@ class CommLog:
         def recorded(group, *args, **kwargs):
             peer = args[1] if name in ("send", "recv") and len(args) > 1 else None
             first = args[0] if args else None
-            event = Event("start", name, len(self.started()), _nbytes(first), peer, _dtype(first))
+            event = Event("start", collective(name), len(self.started()), _nbytes(first), peer, _dtype(first))
             self.events.append(event)
             work = method(group, *args, **kwargs)
             return _Watched(work, self, event) if self._waits else work

@@ -16,6 +16,11 @@ def make_mutant(dest, file, old, new):
     os.makedirs(dest, exist_ok=True)
     for name in STUDENT_FILES:
         shutil.copy(os.path.join(SOLUTIONS, name), dest)
+    return plant(dest, file, old, new)
+
+
+def plant(dest, file, old, new):
+    """One more mistake in the copy at dest: `old` replaced by `new` in `file`; return dest."""
     path = os.path.join(dest, file)
     with open(path) as f:
         text = f.read()

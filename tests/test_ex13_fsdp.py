@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course.checks import said
+from course.compat import full_tensor
 from course.memory import Gathered
 from tests.comm_log import SUMMARY, CommLog
 from tests.helpers import (
@@ -320,9 +321,9 @@ def check_gather(folder, world_size=3):
                         f" {world_size - 1} one after the other",
                     )
                 )
-            assert log["collectives"] == ["all_gather_single"], said(
-                "not one all_gather_single",
-                f"gather_into started {log['collectives'] or 'no collective'}: one dist.all_gather_single into full",
+            assert log["collectives"] == ["all_gather_into_tensor"], said(
+                "not one all_gather_into_tensor",
+                f"gather_into started {log['collectives'] or 'no collective'}: one dist.all_gather_into_tensor into full",
             )
             assert full.dtype == dtype and log["collective_dtypes"] == [name], said(
                 "shards sent in another dtype than full's",
@@ -348,12 +349,12 @@ def check_reduce_scatter(folder, world_size=3):
                         "an all-reduce where a reduce-scatter belongs",
                         f"reduce_scatter_mean started {log['collectives']}: an all-reduce gives every rank the whole"
                         f" average ({world_size} times the piece it keeps) and sends twice the bytes; one"
-                        " dist.reduce_scatter_single leaves each rank its piece",
+                        " dist.reduce_scatter_tensor leaves each rank its piece",
                     )
                 )
-            assert log["collectives"] == ["reduce_scatter_single"], said(
-                "not one reduce_scatter_single",
-                f"reduce_scatter_mean started {log['collectives'] or 'no collective'}: one dist.reduce_scatter_single",
+            assert log["collectives"] == ["reduce_scatter_tensor"], said(
+                "not one reduce_scatter_tensor",
+                f"reduce_scatter_mean started {log['collectives'] or 'no collective'}: one dist.reduce_scatter_tensor",
             )
             assert log["collective_dtypes"] == ["float32"], said(
                 "gradients reduced in bfloat16",
@@ -391,7 +392,7 @@ def flat_pieces(folder):
         shares = local.numel() == 0 or local.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
         out.append({"shape": list(piece.shape), "local": local.detach().clone(), "shares": shares})
         try:
-            out[-1]["whole"] = piece.full_tensor().detach().clone()
+            out[-1]["whole"] = full_tensor(piece).detach().clone()
         except Exception as error:  # noqa: BLE001 - a DTensor whose pieces do not make its shape: a fact
             nothing_written(error)
             out[-1]["whole_error"] = f"{type(error).__name__}: {str(error)[:200]}"
@@ -737,9 +738,9 @@ def check_steps(folder, world_size, zero3, steps=None):
         check_seen(results, step)
         for rank, result in enumerate(results):
             done = result["logs"][step]["collectives"]
-            assert done.count("all_gather_single") == gathers, said(
+            assert done.count("all_gather_into_tensor") == gathers, said(
                 "not one all-gather before each unit's forward (and backward, ZeRO-3)",
-                f"in step {step}, rank {rank} started {done.count('all_gather_single')} dist.all_gather_single for"
+                f"in step {step}, rank {rank} started {done.count('all_gather_into_tensor')} dist.all_gather_into_tensor for"
                 f" {len(UNITS)} units, expected {gathers}: "
                 + (
                     "one before each unit's forward and one before its backward"
@@ -779,7 +780,7 @@ def check_gradient_shards(folder, world_size=2, steps=2):
         assert "allreduce" not in done["collectives"], said(
             "gradients all-reduced, not reduce-scattered",
             f"rank {rank}'s step started {done['collectives']}: an all-reduce gives every rank the whole averaged"
-            f" gradient, {world_size} times the shard it keeps; reduce-scatter (dist.reduce_scatter_single)",
+            f" gradient, {world_size} times the shard it keeps; reduce-scatter (dist.reduce_scatter_tensor)",
         )
         for step in range(steps):
             twice = step == steps - 1
@@ -815,7 +816,7 @@ def check_gradient_shards(folder, world_size=2, steps=2):
                         " there already, as autograd does for a parameter",
                     )
                 raise AssertionError(describe_ratio(f"its {what}", grad, expected, rank, f"in step {step}, "))
-        scatters = [b for c, b in zip(done["collectives"], done["collective_bytes"]) if c == "reduce_scatter_single"]
+        scatters = [b for c, b in zip(done["collectives"], done["collective_bytes"]) if c == "reduce_scatter_tensor"]
         assert sorted(scatters) == sorted(shard_bytes), said(
             "not one reduce-scatter per unit",
             f"rank {rank}'s backward reduce-scattered {scatters} bytes, one float32 shard per unit is"
@@ -869,7 +870,7 @@ def check_memory(folder, world_size=2):
             at, alive = sample["at"], [by_size.get(n) for n in sample["alive"]]
             if at == "backward":
                 phase = "backward"
-            if phase == "forward" and at == "all_gather_single" and sample["numel"] in by_size:
+            if phase == "forward" and at == "all_gather_into_tensor" and sample["numel"] in by_size:
                 k = by_size[sample["numel"]]
                 assert k == 0 or k - 1 in forwards, said(
                     "units gathered up front, not each before its forward",
@@ -885,7 +886,7 @@ def check_memory(folder, world_size=2):
                     f"when {unit_name(k)}'s forward began on rank {rank}, {', '.join(kept)} still held its gathered"
                     " parameters: free them after the unit's forward (free: the storage, not the name)",
                 )
-            if phase == "backward" and at == "reduce_scatter_single" and sample["numel"] in by_size:
+            if phase == "backward" and at == "reduce_scatter_tensor" and sample["numel"] in by_size:
                 scattered.add(by_size[sample["numel"]])
             if phase == "backward" and at != "end":
                 kept = [unit_name(i) for i in alive if i in scattered and by_size.get(sample["numel"]) != i]
@@ -939,7 +940,7 @@ def check_frozen(folder, world_size=2, steps=1):
         scatters = [
             b
             for c, b in zip(result["logs"][0]["collectives"], result["logs"][0]["collective_bytes"])
-            if c == "reduce_scatter_single"
+            if c == "reduce_scatter_tensor"
         ]
         expected = padded(FROZEN_SIZES[0], world_size) // world_size * 4
         assert expected in scatters, said(
@@ -966,14 +967,14 @@ def check_mixed_precision(folder, world_size=2):
             c: {d for c2, d in zip(log["collectives"], log["collective_dtypes"]) if c2 == c}
             for c in set(log["collectives"])
         }
-        assert kinds.get("all_gather_single") == {"bfloat16"}, said(
+        assert kinds.get("all_gather_into_tensor") == {"bfloat16"}, said(
             "parameters not gathered in bfloat16",
-            f"with param_dtype=torch.bfloat16, rank {rank} all-gathered {kinds.get('all_gather_single')}: gather"
+            f"with param_dtype=torch.bfloat16, rank {rank} all-gathered {kinds.get('all_gather_into_tensor')}: gather"
             " bfloat16 copies of the shards (half the bytes of float32)",
         )
-        assert kinds.get("reduce_scatter_single") == {"float32"}, said(
+        assert kinds.get("reduce_scatter_tensor") == {"float32"}, said(
             "gradients not reduced in float32",
-            f"with param_dtype=torch.bfloat16, rank {rank} reduce-scattered {kinds.get('reduce_scatter_single')}:"
+            f"with param_dtype=torch.bfloat16, rank {rank} reduce-scattered {kinds.get('reduce_scatter_tensor')}:"
             " reduce the gradients in float32",
         )
         shards = [str(s.dtype) for s in result["history"][0]]
@@ -1002,7 +1003,7 @@ def torch_steps(folder, steps, bf16):
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     for step in range(steps):
         rank_step(stack_loss(model), optimizer, step)
-    full = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+    full = {name: full_tensor(p).detach().clone() for name, p in model.named_parameters()}
     return [flat_of([full[f"{i}.{n}"] for n in ("weight", "bias") if f"{i}.{n}" in full]) for i in UNITS]
 
 

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 
 # torch's tensor parallelism, for the comparison's probe: imported here, by the grader, so that the workers it
 # forks find it loaded; each worker would otherwise spend 1 to 3 s importing it.
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from course.checks import said
+from course.compat import cpu_mesh
 from tests.comm_log import CommLog
 from tests.helpers import keyed, load, many, maybe, world
 
@@ -28,19 +28,17 @@ LR = 0.2
 STEPS = 3
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all-reduce", "all-gather", "reduce-scatter"
-# The process group methods that CommLog records, by what they do.
+# The collectives that CommLog records (course/compat.py's names), by what they do.
 KINDS = {
     "allreduce": ALL_REDUCE,
     "allreduce_coalesced": ALL_REDUCE,
     "allgather": ALL_GATHER,
-    "all_gather_single": ALL_GATHER,
-    "_allgather_base": ALL_GATHER,
+    "all_gather_into_tensor": ALL_GATHER,
     "allgather_coalesced": ALL_GATHER,
     "allgather_into_tensor_coalesced": ALL_GATHER,
     "all_gather_single_coalesced": ALL_GATHER,
     "reduce_scatter": REDUCE_SCATTER,
-    "reduce_scatter_single": REDUCE_SCATTER,
-    "_reduce_scatter_base": REDUCE_SCATTER,
+    "reduce_scatter_tensor": REDUCE_SCATTER,
     "reduce_scatter_tensor_coalesced": REDUCE_SCATTER,
     "reduce_scatter_single_coalesced": REDUCE_SCATTER,
 }
@@ -754,7 +752,7 @@ def torch_in_world(sequence_parallel):
         else:
             plan[f"layers.{2 * k}"] = ColwiseParallel()
             plan[f"layers.{2 * k + 1}"] = RowwiseParallel()
-    model = parallelize_module(full, init_device_mesh("cpu", (world_size,)), plan)
+    model = parallelize_module(full, cpu_mesh(), plan)
     x, grad, _ = data(WIDTHS)
     mine = rows_of(rank, world_size, sequence_parallel)
     x = x[mine].clone().requires_grad_()

@@ -31,11 +31,11 @@ from tests.test_ex13_fsdp import (
 
 PAD = "    padded = F.pad(flat, (0, -flat.numel() % world_size))\n"
 PIECE = "    return padded.chunk(world_size)[rank].clone()\n"
-REDUCE = "    dist.reduce_scatter_single(shard, full.float())\n    return shard.div_(world_size)\n"
+REDUCE = "    dist.reduce_scatter_tensor(shard, full.float())\n    return shard.div_(world_size)\n"
 NEW_SHARD = "    shard = full.new_empty(full.numel() // world_size, dtype=torch.float32)\n"
 FORWARD_FREE = "            free(self.full)\n            if output.requires_grad:"
 AFTER_BACKWARD = "        full.grad = None\n        if self.reshard_after_forward:\n            free(full)\n"
-GATHER = "    dist.all_gather_single(full.data, shard.detach().to(full.dtype))\n"
+GATHER = "    dist.all_gather_into_tensor(full.data, shard.detach().to(full.dtype))\n"
 VIEWS = "    return [piece.view(shape) for piece, shape in zip(flat[: sum(sizes)].split(sizes), shapes)]\n"
 VALID = "    valid = shard.detach()[: max(0, min(shard.numel(), numel - start))]\n"
 
@@ -104,7 +104,7 @@ MUTANTS = {
     ),
     "the shard handed to the all-gather as the Parameter itself (Hint 3 read literally)": (
         GATHER,
-        "    dist.all_gather_single(full.data, shard.to(full.dtype))\n",
+        "    dist.all_gather_into_tensor(full.data, shard.to(full.dtype))\n",
         check_gather,
         "the all-gather got a tensor that requires grad",
     ),
@@ -148,13 +148,13 @@ MUTANTS = {
     ),
     "a reduce-scatter without the 1/W": (
         REDUCE,
-        "    dist.reduce_scatter_single(shard, full.float())\n    return shard\n",
+        "    dist.reduce_scatter_tensor(shard, full.float())\n    return shard\n",
         check_reduce_scatter,
         "3.0x the expected average: did you divide by the world size?",
     ),
     "a reduce-scatter without the 1/W, seen in the gradients": (
         REDUCE,
-        "    dist.reduce_scatter_single(shard, full.float())\n    return shard\n",
+        "    dist.reduce_scatter_tensor(shard, full.float())\n    return shard\n",
         check_gradient_shards,
         "2.0x the expected average: did you divide by the world size?",
     ),
@@ -174,7 +174,7 @@ MUTANTS = {
     ),
     "gradients reduced in bfloat16": (
         NEW_SHARD + REDUCE,
-        "    shard = full.new_empty(full.numel() // world_size)\n    dist.reduce_scatter_single(shard, full)\n"
+        "    shard = full.new_empty(full.numel() // world_size)\n    dist.reduce_scatter_tensor(shard, full)\n"
         "    return shard.float().div_(world_size)\n",
         check_reduce_scatter,
         "reduce in float32",
@@ -246,7 +246,7 @@ MUTANTS = {
     ),
     "the all-gather written where autograd sees it": (
         GATHER,
-        "    dist.all_gather_single(full, shard.detach().to(full.dtype))\n",
+        "    dist.all_gather_into_tensor(full, shard.detach().to(full.dtype))\n",
         lambda folder: check_steps(folder, 2, zero3=True, steps=1),
         "write through full.data",
     ),

@@ -38,11 +38,11 @@ CLASSES = span("class Copy(torch.autograd.Function):", "        return grad\n") 
 COPY_BACKWARD = "        total = grad.clone(memory_format=torch.contiguous_format)\n        dist.all_reduce(total)\n        return total\n"
 REDUCE_SCATTER = (
     "        mine = x.new_empty((x.shape[0] // dist.get_world_size(), *x.shape[1:]))\n"
-    "        dist.reduce_scatter_single(mine, x.contiguous())\n"
+    "        dist.reduce_scatter_tensor(mine, x.contiguous())\n"
 )
 GATHER_BACKWARD = (
     "        mine = grad.new_empty((grad.shape[0] // dist.get_world_size(), *grad.shape[1:]))\n"
-    "        dist.reduce_scatter_single(mine, grad.contiguous())\n"
+    "        dist.reduce_scatter_tensor(mine, grad.contiguous())\n"
     "        return mine\n"
 )
 ALL_REDUCE_FORWARD = "        total = x.clone(memory_format=torch.contiguous_format)\n        dist.all_reduce(total)\n        return total\n"

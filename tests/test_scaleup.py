@@ -23,7 +23,7 @@ from course.launch import launch, run
 from course.student import SOLUTIONS
 from tests.comm_log import CommLog
 from tests.helpers import small_config, world
-from tests.mutants import make_mutant
+from tests.mutants import make_mutant, plant
 from tests.test_launch import descendants, rank_sum
 
 # A script's own work takes a fraction of a second at these sizes: starting processes dominates.
@@ -358,6 +358,10 @@ def test_device_and_backend_choice():
         choose("cuda", None, 0, gpus=0, ranks_here=1)
     with pytest.raises(ValueError, match="local rank 2"):
         choose(None, "nccl", 2, gpus=2, ranks_here=4)
+    with pytest.raises(ValueError, match="NCCL needs one per rank; start at most 1 rank"):
+        choose(None, "nccl", 1, gpus=1, ranks_here=2, same_gpus=True)
+    assert choose("cuda", "gloo", 1, gpus=1, ranks_here=2, same_gpus=True) == "cuda:0", "gloo lets ranks share a GPU"
+    assert choose("cuda", "gloo", 3, gpus=2, ranks_here=4, same_gpus=True) == "cuda:1"
     assert env.choose_backend(None, "cuda:0") == "nccl" and env.choose_backend(None, "cpu") == "gloo"
     assert env.choose_backend("gloo", "cuda:0") == "gloo"
     with pytest.raises(ValueError, match="GPU tensors only"):
@@ -382,6 +386,18 @@ def test_amp_type_follows_the_gpu_generation(monkeypatch, major, expected):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(major=major))
     monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)  # emulation works
     assert amp_dtype(torch.device("cuda:0")) == expected
+
+
+def test_two_nccl_ranks_on_one_gpu_stop_with_one_line(monkeypatch, capsys):
+    """Both ranks would take cuda:0, and NCCL would end the world with "Duplicate GPU detected"."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as stop:
+        launch(rank_sum, 2, backend="nccl")
+    assert stop.value.code == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and said.startswith("Cannot start: the rank with local rank 1 has no GPU of its own")
+    assert "--world-size 1" in said and "--backend gloo" in said
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
@@ -499,6 +515,84 @@ def test_gpu_check_keeps_the_table_when_a_case_fails(tmp_path):
     text = gpu_check.report(rows, "CPU")
     assert "failed, see below" in text and "lost the ring" in text and "rank 1" in text, text
     assert "12 of 13 cases agree with the CPU." in text, text
+
+
+def planted(dest, mistakes: list) -> str:
+    """The reference in dest with each mistake (file, old, new) made; return dest."""
+    make_mutant(dest, *mistakes[0])
+    for mistake in mistakes[1:]:
+        plant(dest, *mistake)
+    return str(dest)
+
+
+LAYERS = "        self.layers = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in zip(sizes, sizes[1:]))\n"
+# A mistake in each exercise's own code, none of which mlp.train runs.
+OWN_MISTAKES = [
+    (  # C's row blocks gathered in the wrong order
+        "dist.py",
+        "    return torch.cat([piece[:size] for piece, size in zip(pieces, rows)])\n",
+        "    return torch.cat([piece[:size] for piece, size in zip(pieces[::-1], rows)])\n",
+    ),
+    ("dist.py", "        chunks[recv].add_(incoming)\n", "        chunks[recv].copy_(incoming)\n"),
+    ("mydp.py", "        mean = grad / dist.get_world_size()\n", "        mean = grad.clone()\n"),  # no 1/W
+    ("mydp.py", "        bucket.buffer.div_(dist.get_world_size())\n", ""),
+    (  # each rank keeps the other's piece. (No 1/W would not show: Adam's step ignores the scale.)
+        "fsdp.py",
+        "    return padded.chunk(world_size)[rank].clone()\n",
+        "    return padded.chunk(world_size)[world_size - 1 - rank].clone()\n",
+    ),
+    (  # Copy's backward sums nothing
+        "tp.py",
+        "        total = grad.clone(memory_format=torch.contiguous_format)\n        dist.all_reduce(total)\n",
+        "        total = grad.clone(memory_format=torch.contiguous_format)\n",
+    ),
+    (  # nor AllReduce's forward
+        "tp.py",
+        "        total = x.clone(memory_format=torch.contiguous_format)\n        dist.all_reduce(total)\n",
+        "        total = x.clone(memory_format=torch.contiguous_format)\n",
+    ),
+    ("pp.py", "    return F.cross_entropy(logits, targets) / m\n", "    return F.cross_entropy(logits, targets)\n"),
+]
+
+
+def test_gpu_check_rows_are_stable_under_a_nudge(tmp_path):
+    """Initial weights 1e-7 apart on the two sides: every row still agrees. A row whose training is
+    chaotic (exercise 13's Adam at 0.1 was) would turn a rounding difference into a failure."""
+    nudge = "        with torch.no_grad():\n            for layer in self.layers:\n                layer.weight.add_(1e-7)\n"
+    folder = make_mutant(tmp_path, "mlp.py", LAYERS, LAYERS + nudge)
+    rows = gpu_check.compare("cpu", 2, small_config(impl.load(SOLUTIONS).mlp), folder, reference=SOLUTIONS)
+    assert all(row.ok for row in rows), gpu_check.report(rows, "nudged CPU")
+
+
+def test_every_gpu_check_row_fails_on_a_planted_mistake(tmp_path):
+    """Mistakes on one side only, as a GPU-only bug would be: mlp.py's learning rate halved fails
+    exercise 1's and 3's rows (built-in DDP: none of the course's code but mlp.py's); a mistake in
+    each other exercise's own code fails its rows."""
+    config = small_config(impl.load(SOLUTIONS).mlp)
+    halved = planted(tmp_path / "lr", [("mlp.py", "lr=config.lr)", "lr=config.lr / 2)")])
+    rows = gpu_check.compare("cpu", 2, config, halved, reference=SOLUTIONS, exercises={1, 3})
+    assert len(rows) == 3 and not any(row.ok for row in rows), gpu_check.report(rows, "CPU, learning rate halved")
+    own = planted(tmp_path / "own", OWN_MISTAKES)
+    rows = gpu_check.compare("cpu", 2, config, own, reference=SOLUTIONS, exercises=gpu_check.MULTI_RANK - {3})
+    assert len(rows) == 10 and not any(row.ok for row in rows), gpu_check.report(rows, "CPU, mistakes planted")
+
+
+def test_data_parallel_sentences_hold_for_any_world_size():
+    one = gpu_check.data_parallel_pays("GPU", 1.0, 1.2, 1)
+    assert "R - 1 = 0" not in one and "one rank nothing is shared" in one, one
+    two = gpu_check.data_parallel_pays("GPU", 1.0, 1.25, 2)
+    assert "1.60x" in two and "below R - 1 = 1, and does here" in two, two
+    assert "does not here" in gpu_check.data_parallel_pays("GPU", 1.0, 2.5, 2)
+
+
+def test_gpu_check_size_line():
+    """The larger size's line, the CPU standing in for the GPU at a size this machine runs in a second."""
+    config = small_config(impl.load(SOLUTIONS).mlp)
+    line = gpu_check.size_up("cpu", config, {"d_hidden": 64}, {"cpu": 2, "device": 3})
+    assert re.fullmatch(
+        r"At d_hidden 64: one process on the CPU [\d.]+ ms a step \(2 steps\), on cpu [\d.]+ ms a step \(3 steps\): \d+x\.",
+        line,
+    ), line
 
 
 def test_ieee_float32_pins_and_restores():

@@ -1,0 +1,38 @@
+"""course/compat.py: what differs across the supported torch versions, and make compat's cached venv."""
+
+import os
+import warnings
+
+from course import compat
+
+
+def test_one_name_per_collective_whichever_torch_carries_it():
+    # torch 2.13 on: all_gather_single; 2.11 and 2.12: _allgather_base. The handout names neither.
+    assert compat.collective("all_gather_single") == compat.collective("_allgather_base") == "all_gather_into_tensor"
+    assert compat.collective("reduce_scatter_single") == compat.collective("_reduce_scatter_base")
+    assert compat.collective("_reduce_scatter_base") == "reduce_scatter_tensor"
+    assert compat.collective("allreduce") == "allreduce"
+
+
+def test_only_the_renamed_collectives_warnings_are_silenced():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compat.quiet_renamed_collectives()
+        warnings.warn(
+            "`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning, stacklevel=1
+        )
+        warnings.warn(
+            "`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...", FutureWarning, stacklevel=1
+        )
+        warnings.warn("`torch.distributed.something_else` is deprecated.", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["`torch.distributed.something_else` is deprecated."]
+
+
+def test_a_made_venv_is_used_again(tmp_path):
+    """A venv whose torch is the version asked for is the one returned: nothing is installed again."""
+    python = tmp_path / "compat-2.11.0" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\necho 2.11.0+cu130\n")  # what a CUDA build's torch.__version__ says
+    python.chmod(0o755)
+    assert compat.venv_for("2.11.0", cache=str(tmp_path)) == str(python)
+    assert os.path.exists(python)
