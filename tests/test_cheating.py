@@ -701,6 +701,7 @@ def test_a_made_up_hang_gains_nothing(tmp_path):
     reference = grade_only(tmp_path / "reference", {}, args, base=SOLUTIONS)
     assert reference["score"] == 2 and [t["status"] for t in reference["tests"]] == ["passed"], reference
 
+
 # ---- one student cannot stop the class (issue 36) ---------------------------------------------
 # A kept worker's timer writes into the output its check gave it (a notebook kernel's), long after
 # the check: into the probe that autograding runs in each kernel after its last cell, which it once
