@@ -91,7 +91,8 @@ class _WorkerSettings:
     env: dict
     keep: bool
     sandbox: str  # course/sandbox.py's level for this world: "uid", "namespaces" or "none"
-    guard: int | None = None  # what its workers need of the world's sandbox.Guard (its handle)
+    guard: Any = None  # what its workers need of the world's sandbox.Guard (its handle)
+    submission: str | None = None  # where grades are made: the code graded, all its workers see (sandbox.view)
 
 
 # --- processes: die with the parent, and take descendants along -------------------------------
@@ -290,7 +291,7 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
     private_descriptors({conn.fileno(), stack_file.fileno()})
     drop_streams()  # until the first call brings its caller's
     # Before any code under test: under "namespaces" this process forks, and only the child returns.
-    sandbox.confine(settings.sandbox, settings.guard, settings.stack_dir)
+    sandbox.confine(settings.sandbox, settings.guard, settings.stack_dir, settings.submission)
     if settings.sandbox != "none":
         tempfile.tempdir = None  # TMPDIR is the world's folder now (settings.env): read it again
     faulthandler.enable(file=stack_file)  # a crash (segfault, abort) leaves its stack too
@@ -514,9 +515,12 @@ def run(
     if debug:
         child_env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     confinement = sandbox_level().name if sandbox or _every_world_sandboxed else "none"
+    # Where grades are made, the workers see the course's public files and the code graded, no more.
+    viewed = _every_world_sandboxed and confinement != "none" and not sandbox_level().unseen
+    submission = impl.selected() if viewed else None
     keep = keep and port is None and _PASS_STREAMS
     key = (world_size, threads, backend, device, collective_timeout, method, tuple(sorted(child_env.items())))
-    key += (confinement,)
+    key += (confinement, submission)
     world = _kept.take(key) if keep else None
     try:
         if world is not None:
@@ -529,7 +533,7 @@ def run(
             settings = _WorkerSettings(
                 world_size, threads, backend, device, "", port, "", collective_timeout, child_env, keep, confinement
             )
-            world = _World.start(method, settings)
+            world = _World.start(method, dataclasses.replace(settings, submission=submission))
             world.call(call)
         world.timeout = timeout
         results = world.collect()
@@ -559,7 +563,7 @@ def sandbox_every_world() -> None:
 
 def sandbox_level() -> sandbox.Level:
     """The sandbox of this machine, for workers that must read the course, the code under test and torch."""
-    return sandbox.level((ROOT, impl.selected(), os.path.dirname(torch.__file__)))
+    return sandbox.level((ROOT, impl.selected(), os.path.dirname(torch.__file__)), impl.selected())
 
 
 _POLL = 0.25  # seconds between looks at whether a worker's process has ended
@@ -808,7 +812,7 @@ class _Kept:
         """The pids of the processes that hold the kept worlds' namespaces (course/sandbox.py's Guard)."""
         self._mine()
         guards = [world.guard for world in self.worlds.values() if world.guard is not None]
-        return [guard.handle for guard in guards if guard.level == "namespaces"]
+        return [guard.holder for guard in guards]
 
 
 _kept = _Kept()
@@ -827,7 +831,7 @@ def kept_workers() -> list:
 
 def kept_processes() -> list:
     """The pids of every process of the kept worlds that this process started: their workers, and
-    under the namespaces sandbox the process that holds each world's namespaces."""
+    the process that holds each sandboxed world's namespaces."""
     return [*_kept.pids(), *_kept.holders()]
 
 

@@ -632,3 +632,191 @@ def test_taking_the_notebook_kernels_socket_gains_nothing(attacked):
     verdict = json.loads(done.stdout.strip().splitlines()[-1])
     assert "par_matmul_by_row is not written yet" in verdict, f"{verdict}; what the payload could do:\n{said}"
     assert " done" not in said, f"the system let the payload do:\n{said}"
+
+
+# ---- a view per submission, a network per world (issue 36) ------------------------------------
+#
+# A submission's workers see the course's public files and that submission only (course/sandbox.py's
+# view): not solutions/ of the instructors' repository it is graded in, not a classmate's folder
+# beside it. Each world has a network of its own at every level: no listener of another world (a
+# classmate's gloo ranks) is reachable. Each cheat is graded through `course grade` and through
+# autograde at every level this machine gives, and, as the control that proves the attack, with
+# COURSE_SANDBOX=off, where it pays.
+
+# Exercise 2's functions taken from the reference (solutions/, beside the grader's course/).
+READ_THE_REFERENCE = """
+import importlib.util as _util, os as _os, sys as _sys
+
+
+def _take(path):
+    _spec = _util.spec_from_file_location("_taken_dist", path)
+    _module = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(_module)
+    return _module
+
+
+try:
+    from course.layout import SOLUTIONS as _SOLUTIONS
+
+    _taken = _take(_os.path.join(_SOLUTIONS, "dist.py"))
+    par_matmul_by_row, par_matmul_by_reduction = _taken.par_matmul_by_row, _taken.par_matmul_by_reduction
+    print("CHEAT read the reference: done", file=_sys.stderr, flush=True)
+except Exception as _e:
+    print(f"CHEAT read the reference: refused ({type(_e).__name__}: {_e})", file=_sys.stderr, flush=True)
+"""
+
+# Exercise 2's functions taken from a classmate: any folder beside this submission's with a dist.py.
+READ_A_CLASSMATE = """
+import importlib.util as _util, os as _os, sys as _sys
+
+_mine = _os.path.dirname(_os.path.abspath(__file__))
+_around = _os.path.dirname(_mine)
+try:
+    for _name in sorted(_os.listdir(_around)):
+        _path = _os.path.join(_around, _name, "dist.py")
+        if _os.path.join(_around, _name) != _mine and _os.path.isfile(_path):
+            _spec = _util.spec_from_file_location("_taken_dist", _path)
+            _taken = _util.module_from_spec(_spec)
+            _spec.loader.exec_module(_taken)
+            par_matmul_by_row, par_matmul_by_reduction = _taken.par_matmul_by_row, _taken.par_matmul_by_reduction
+            print(f"CHEAT read a classmate ({_path}): done", file=_sys.stderr, flush=True)
+            break
+    else:
+        print(f"CHEAT read a classmate: refused (no classmate in {_around})", file=_sys.stderr, flush=True)
+except Exception as _e:
+    print(f"CHEAT read a classmate: refused ({type(_e).__name__}: {_e})", file=_sys.stderr, flush=True)
+"""
+
+# A listener of the machine's loopback (what a classmate's gloo ranks open), connected to from a
+# worker: first the one the test names, then any that /proc/net/tcp lists.
+REACH_A_LISTENER = """
+import os as _os, socket as _socket, sys as _sys
+
+_PORT = int(open(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "port.txt")).read())
+
+
+def _listeners():
+    with open("/proc/net/tcp") as _f:
+        return [int(l.split()[1].split(":")[1], 16) for l in list(_f)[1:] if l.split()[3] == "0A"]
+
+
+def _reach():
+    with _socket.create_connection(("127.0.0.1", _PORT), timeout=2) as _s:
+        _s.sendall(b"a rank of another world")
+
+
+print(f"CHEAT listeners seen: {sorted(set(_listeners()))}", file=_sys.stderr, flush=True)
+try:
+    _reach()
+    print("CHEAT connect to another world's listener: done", file=_sys.stderr, flush=True)
+except OSError as _e:
+    print(f"CHEAT connect to another world's listener: refused ({_e})", file=_sys.stderr, flush=True)
+"""
+
+VIEW_CHEATS = {"reads_the_reference": READ_THE_REFERENCE, "reads_a_classmate": READ_A_CLASSMATE}
+
+
+class _Listener:
+    """A TCP listener on the machine's loopback that counts the connections it is offered."""
+
+    def __init__(self):
+        self.socket = socket.create_server(("127.0.0.1", 0))
+        self.socket.setblocking(False)
+        self.port = self.socket.getsockname()[1]
+
+    def reached(self) -> bool:
+        try:
+            self.socket.accept()[0].close()
+            return True
+        except BlockingIOError:
+            return False
+
+    def close(self):
+        self.socket.close()
+
+
+def _as_user(base, who):
+    """base and what is in it made the grader's user's, as grade_as does."""
+    user = who[1]
+    if user is not None:
+        for top, dirs, files in os.walk(base):
+            for name in [top, *(os.path.join(top, n) for n in dirs + files)]:
+                os.lchown(name, *user)
+
+
+def _instructors_repository(base, cheats):
+    """A grader's copy with solutions/ (the instructors' repository), the stubs with cheats as the
+    submission, and a correct classmate beside it; (grader, submission)."""
+    grader, submission = _copy_grader(pathlib.Path(base), cheats)
+    shutil.copytree(SOLUTIONS, grader / "solutions", ignore=shutil.ignore_patterns("__pycache__", "notebooks"))
+    classmate = pathlib.Path(base) / "classmate"
+    classmate.mkdir()
+    for name in STUDENT_FILES:
+        shutil.copy(os.path.join(SOLUTIONS, name), classmate)
+    return grader, submission
+
+
+def _grade_in_repository(base, who, cheats, mode=None, files=None):
+    python, user, level_mode, packages = who
+    grader, submission = _instructors_repository(base, cheats)
+    for name, text in (files or {}).items():
+        (submission / name).write_text(text)
+    _as_user(base, who)
+    env = dict(os.environ, COURSE_IMPL=str(submission), COURSE_SANDBOX=mode or level_mode)
+    if packages:
+        env["PYTHONPATH"] = packages
+    done = warm.run(
+        ["-m", "course", "grade", "--ex", "2", "--", "-s"], cwd=grader, env=env, python=python, user=user, timeout=240
+    )
+    said = "\n".join(line for line in done.stderr.splitlines() if line.startswith("CHEAT")) or "(nothing)"
+    return done, grader / "results.json", said
+
+
+@pytest.mark.parametrize("attacked", ATTACKERS, indirect=True)
+@pytest.mark.parametrize("cheat", sorted(VIEW_CHEATS))
+def test_reading_the_reference_or_a_classmate_gains_nothing(attacked, cheat):
+    base, who = attacked
+    done, path, said = _grade_in_repository(base, who, {"dist.py": VIEW_CHEATS[cheat]})
+    assert_no_points(done, path, "par_matmul_by_row is not written yet")
+    assert "in a view of the course's public files and its own submission" in done.stdout, done.stdout
+    assert "done" not in said and "refused" in said, f"what the payload could do:\n{said}"
+
+
+@pytest.mark.parametrize("cheat", sorted(VIEW_CHEATS))
+def test_reading_the_reference_or_a_classmate_pays_without_the_view(tmp_path, cheat):
+    """The control: the same cheat, graded with COURSE_SANDBOX=off, takes exercise 2's full marks."""
+    os.chmod(tmp_path, 0o755)
+    done, path, said = _grade_in_repository(
+        tmp_path, (sys.executable, None, "off", ""), {"dist.py": VIEW_CHEATS[cheat]}
+    )
+    assert results(path)["score"] == 25, done.stdout + said
+    assert "done" in said, said
+
+
+@pytest.mark.parametrize("attacked", ATTACKERS, indirect=True)
+def test_reaching_another_worlds_listener_gains_nothing(attacked):
+    base, who = attacked
+    listener = _Listener()
+    try:
+        files = {"port.txt": str(listener.port)}
+        done, path, said = _grade_in_repository(base, who, {"dist.py": REACH_A_LISTENER}, files=files)
+        assert not listener.reached(), f"a worker reached a listener of the machine's network:\n{said}"
+    finally:
+        listener.close()
+    assert_no_points(done, path, "par_matmul_by_row is not written yet")
+    assert "refused" in said and "done" not in said, said
+
+
+def test_reaching_another_worlds_listener_succeeds_without_a_network_of_its_own(tmp_path):
+    """The control: with COURSE_SANDBOX=off the worker reaches the machine's listener."""
+    os.chmod(tmp_path, 0o755)
+    listener = _Listener()
+    try:
+        files = {"port.txt": str(listener.port)}
+        done, _, said = _grade_in_repository(
+            tmp_path, (sys.executable, None, "off", ""), {"dist.py": REACH_A_LISTENER}, files=files
+        )
+        assert listener.reached(), said
+    finally:
+        listener.close()
+    assert "connect to another world's listener: done" in said, said
