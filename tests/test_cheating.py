@@ -692,16 +692,13 @@ except Exception as _e:
 REACH_A_LISTENER = """
 import os as _os, socket as _socket, sys as _sys
 
-_PORT = int(open(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "port.txt")).read())
-
-
 def _listeners():
     with open("/proc/net/tcp") as _f:
         return [int(l.split()[1].split(":")[1], 16) for l in list(_f)[1:] if l.split()[3] == "0A"]
 
 
 def _reach():
-    with _socket.create_connection(("127.0.0.1", _PORT), timeout=2) as _s:
+    with _socket.create_connection(("127.0.0.1", PORT), timeout=2) as _s:
         _s.sendall(b"a rank of another world")
 
 
@@ -714,6 +711,10 @@ except OSError as _e:
 """
 
 VIEW_CHEATS = {"reads_the_reference": READ_THE_REFERENCE, "reads_a_classmate": READ_A_CLASSMATE}
+
+
+def _reaching(listener):
+    return f"PORT = {listener.port}\n" + REACH_A_LISTENER
 
 
 class _Listener:
@@ -748,7 +749,7 @@ def _instructors_repository(base, cheats):
     """A grader's copy with solutions/ (the instructors' repository), the stubs with cheats as the
     submission, and a correct classmate beside it; (grader, submission)."""
     grader, submission = _copy_grader(pathlib.Path(base), cheats)
-    shutil.copytree(SOLUTIONS, grader / "solutions", ignore=shutil.ignore_patterns("__pycache__", "notebooks"))
+    shutil.copytree(SOLUTIONS, grader / "solutions", ignore=shutil.ignore_patterns("__pycache__"))
     classmate = pathlib.Path(base) / "classmate"
     classmate.mkdir()
     for name in STUDENT_FILES:
@@ -756,13 +757,11 @@ def _instructors_repository(base, cheats):
     return grader, submission
 
 
-def _grade_in_repository(base, who, cheats, mode=None, files=None):
-    python, user, level_mode, packages = who
-    grader, submission = _instructors_repository(base, cheats)
-    for name, text in (files or {}).items():
-        (submission / name).write_text(text)
+def _grade_in_repository(base, who, cheats):
+    python, user, mode, packages = who
+    grader, _ = _instructors_repository(base, cheats)
     _as_user(base, who)
-    env = dict(os.environ, COURSE_IMPL=str(submission), COURSE_SANDBOX=mode or level_mode)
+    env = dict(os.environ, COURSE_IMPL=str(pathlib.Path(base) / "submission"), COURSE_SANDBOX=mode)
     if packages:
         env["PYTHONPATH"] = packages
     done = warm.run(
@@ -798,8 +797,7 @@ def test_reaching_another_worlds_listener_gains_nothing(attacked):
     base, who = attacked
     listener = _Listener()
     try:
-        files = {"port.txt": str(listener.port)}
-        done, path, said = _grade_in_repository(base, who, {"dist.py": REACH_A_LISTENER}, files=files)
+        done, path, said = _grade_in_repository(base, who, {"dist.py": _reaching(listener)})
         assert not listener.reached(), f"a worker reached a listener of the machine's network:\n{said}"
     finally:
         listener.close()
@@ -812,11 +810,92 @@ def test_reaching_another_worlds_listener_succeeds_without_a_network_of_its_own(
     os.chmod(tmp_path, 0o755)
     listener = _Listener()
     try:
-        files = {"port.txt": str(listener.port)}
         done, _, said = _grade_in_repository(
-            tmp_path, (sys.executable, None, "off", ""), {"dist.py": REACH_A_LISTENER}, files=files
+            tmp_path, (sys.executable, None, "off", ""), {"dist.py": _reaching(listener)}
         )
         assert listener.reached(), said
     finally:
         listener.close()
     assert "connect to another world's listener: done" in said, said
+
+
+def _autograde_class(base, who, listener):
+    """`make autograde` of exercise 2, as who says, in the instructors' repository (a grader's copy
+    with solutions/), on a class: alice, correct, and one student per cheat; the grading folder."""
+    python, user, mode, packages = who
+    base = pathlib.Path(base)
+    grader, _ = _copy_grader(base, {})
+    shutil.copytree(SOLUTIONS, grader / "solutions", ignore=shutil.ignore_patterns("__pycache__"))
+    cheats = {**VIEW_CHEATS, "reaches_a_listener": _reaching(listener)}
+    for student, cheat in [("alice", None), *cheats.items()]:
+        folder = base / "class" / student
+        folder.mkdir(parents=True)
+        for name in STUDENT_FILES:
+            shutil.copy(os.path.join(SOLUTIONS if cheat is None else ROOT, name), folder)
+        if cheat is not None:
+            with open(folder / "dist.py", "a") as f:
+                f.write("\n" + cheat)
+    _as_user(base, who)
+    env = {k: v for k, v in os.environ.items() if k != "COURSE_IMPL"} | {"COURSE_SANDBOX": mode, "HOME": str(base)}
+    if packages:
+        env["PYTHONPATH"] = packages
+    command = ["-m", "course.autograde", str(base / "class"), "--out", str(base / "grading"), "--ex", "2"]
+    done = warm.run(command, cwd=grader, env=env, python=python, user=user, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return base / "grading"
+
+
+def _graded(out, student):
+    found = results(out / "feedback" / student / "results.json")
+    with open(out / "feedback" / student / "output.txt") as f:
+        said = "\n".join(line for line in f.read().splitlines() if line.startswith("CHEAT")) or "(nothing)"
+    return found, said
+
+
+@pytest.mark.parametrize("mode", ["uid", "namespaces"])
+def test_a_class_whose_cheats_read_or_reach_others_is_graded_as_if_they_did_not(tmp_path, mode):
+    """Autograde, at each level: each cheat scores 0 with its reason, and alice, the classmate they
+    go after, full marks with a correct submission's feedback; no grade is advisory. (The grader
+    runs as this process's user and Python: Jupyter's exporters do not run under another Python
+    with this environment's packages, which the attackers above need for a normal user.)"""
+    if mode == "uid" and os.geteuid() != 0:
+        pytest.skip("the uid level needs root")
+    os.chmod(tmp_path, 0o755)
+    base, who = tmp_path, (sys.executable, None, mode, "")
+    listener = _Listener()
+    try:
+        out = _autograde_class(base, who, listener)
+        assert not listener.reached(), "a worker reached a listener of the machine's network"
+    finally:
+        listener.close()
+    alice, _ = _graded(out, "alice")
+    assert alice["score"] == 25 and {(t["status"], t["output"]) for t in alice["tests"]} == {("passed", "")}, alice
+    for student in [*VIEW_CHEATS, "reaches_a_listener"]:
+        found, said = _graded(out, student)
+        assert found["score"] == 0, (student, said)
+        assert all("is not written yet" in t["output"] for t in found["tests"]), found
+        assert "refused" in said and "done" not in said, f"{student}: what the payload could do:\n{said}"
+        assert "extra_data" not in found, found
+    with open(out / "report.json") as f:
+        assert not json.load(f)["advisory"]
+
+
+def test_a_class_whose_cheats_read_or_reach_others_pays_without_a_sandbox(tmp_path):
+    """The control: with COURSE_SANDBOX=off each cheat takes what it went for, and every grade and
+    the class report say they are advisory, and why."""
+    os.chmod(tmp_path, 0o755)
+    listener = _Listener()
+    try:
+        out = _autograde_class(tmp_path, (sys.executable, None, "off", ""), listener)
+        assert listener.reached()
+    finally:
+        listener.close()
+    for student in VIEW_CHEATS:
+        found, said = _graded(out, student)
+        assert found["score"] == 25, (student, said)
+        assert found["extra_data"]["advisory"] == "submission code ran without a sandbox (COURSE_SANDBOX=off)", found
+        assert "This grade is advisory: submission code ran without a sandbox" in found["output"], found
+    assert "done" in _graded(out, "reaches_a_listener")[1]
+    with open(out / "report.json") as f:
+        assert "COURSE_SANDBOX=off" in json.load(f)["advisory"]
+    assert "These grades are advisory" in (out / "report.html").read_text()
