@@ -201,8 +201,15 @@ def _probe(start, enter, submission: str | None, check=lambda: "") -> tuple:
     folder = tempfile.mkdtemp(prefix="course-probe-")
     try:
         guard.own(folder)
-        confined = lambda submission: lambda: enter(guard, folder, submission) or check()  # noqa: E731
-        unseen = _in_child(confined(submission)) if submission is not None else ""
+        confined = lambda entries: lambda: enter(guard, folder, entries) or check()  # noqa: E731
+        unseen = ""
+        if submission is not None:
+            try:
+                entries = view(submission)
+                publish(folder, entries)
+            except OSError as error:
+                unseen = f"{type(error).__name__}: {error}"
+            unseen = unseen or _in_child(confined(entries))
         return (_in_child(confined(None)) if unseen else ""), unseen
     finally:
         guard.stop()
@@ -432,20 +439,13 @@ def _holds(folder: str, path: str) -> bool:
 
 @functools.cache
 def view(submission: str) -> tuple:
-    """What the workers grading ``submission`` see: (path, "dir", "file" or "link"), each at its
-    own place. The machine's folders of _SYSTEM, Python and its packages, the course's public
-    files as the students' copy has them (course/release.py; in the students' copy, all of it),
-    and that submission; not solutions/, nor the grader's or instructors' other files, nor any
-    folder around the submission (its classmates', the grades). Markdown files are left out: an
-    instructors' copy has parts the students' has not, and no check reads one."""
+    """What the workers grading ``submission`` see: (path, "dir", "file" or "link", what is bound
+    there), in the order they are made. The machine's folders of _SYSTEM, Python and its packages,
+    the course's public files as the students' copy has them (publish(), bound from the world's
+    folder: None), and that submission; not solutions/, nor the grader's or instructors' other
+    files, nor any folder around the submission (its classmates', the grades)."""
     from course.layout import ROOT, SOLUTIONS
 
-    try:
-        from course.release import released_files
-    except ImportError:  # the students' copy: every file of it is theirs already
-        public = [ROOT]
-    else:
-        public = [os.path.join(ROOT, p) for p in released_files(ROOT) if not p.endswith(".md")]
     around = (ROOT, os.path.dirname(submission))  # a folder that holds either shows what it must not
 
     def shown(path: str) -> bool:
@@ -455,59 +455,96 @@ def view(submission: str) -> tuple:
 
     python = [sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix, *sys.path]
     python.append(os.path.dirname(os.path.realpath(sys.executable)))
-    candidates = [*_SYSTEM, *filter(shown, map(os.path.abspath, filter(None, python))), *public]
-    if shown(submission) or _holds(ROOT, submission) and submission != ROOT:
+    candidates = [*_SYSTEM, *filter(shown, map(os.path.abspath, filter(None, python)))]
+    if shown(submission):
         candidates.append(submission)
     found = {}
     for path in sorted(set(candidates)):
         if any(_holds(other, path) for other, kind in found.items() if kind == "dir") or not os.path.lexists(path):
             continue
         found[path] = "link" if os.path.islink(path) else "dir" if os.path.isdir(path) else "file"
-    return tuple(found.items())
+    return tuple(sorted([(ROOT, "dir", None), *((p, kind, p) for p, kind in found.items())]))
 
 
-def _enter_view(folder: str, submission: str) -> None:
-    """Make this process's root a view (view()) built in a tmpfs, with folder (the world's) its one
-    writable place. The mounts bound into it are read-only already (_read_only_but), and keep it."""
+@functools.cache
+def _public_files(root: str) -> tuple:
+    """The course's public files, relative to root (course/release.py); () in the students' copy,
+    all of which is public. Markdown files are left out: an instructors' copy has parts the
+    students' has not, and no check reads one."""
+    try:
+        from course.release import released_files
+    except ImportError:
+        return ()
+    return tuple(p for p in released_files(root) if not p.endswith(".md"))
+
+
+def publish(folder: str, entries: tuple) -> None:
+    """Before a world's workers start, in the grader: the course's public files in folder/public,
+    to be seen at the course's place in its view (view()'s ``entries``), with an empty place for
+    what the view binds inside the course (the venv, the submission). In the students' copy, none:
+    the course itself is bound there."""
+    from course.layout import ROOT
+
+    files = _public_files(ROOT)
+    if not files:
+        return
+    public = os.path.join(folder, "public")
+    for path in files:
+        os.makedirs(os.path.dirname(os.path.join(public, path)), exist_ok=True)
+        shutil.copyfile(os.path.join(ROOT, path), os.path.join(public, path))
+    for path, kind, _ in entries:
+        if _holds(ROOT, path) and path != ROOT and kind != "link":
+            place = os.path.join(public, os.path.relpath(path, ROOT))
+            os.makedirs(place if kind == "dir" else os.path.dirname(place), exist_ok=True)
+            if kind == "file":
+                open(place, "w").close()
+    for top, _, names in os.walk(public):  # every user's to read (the uid level's), whatever the umask
+        os.chmod(top, 0o755)
+        for name in names:
+            os.chmod(os.path.join(top, name), 0o644)
+
+
+def _build_view(folder: str, entries: tuple) -> str:
+    """The view of entries (view()) in a tmpfs at folder/view, with folder (the world's) in it; its path."""
+    from course.layout import ROOT
+
     root = os.path.join(folder, "view")
     os.makedirs(root, exist_ok=True)
     _mount("tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=755")
-    for path, kind in (*view(submission), (folder, "world")):
+    public = os.path.join(folder, "public") if _public_files(ROOT) else ROOT
+    for path, kind, source in (*entries, (folder, "world", folder)):
         target = root + path
-        os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
-        if kind == "link":
+        if os.path.lexists(target):  # a place made for it in what is bound above it, or that link
+            pass
+        elif kind == "link":
+            os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
             os.symlink(os.readlink(path), target)
-            continue
-        if kind == "file":
+        elif kind == "file":
+            os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
             open(target, "w").close()
         else:
             os.makedirs(target, mode=0o755, exist_ok=True)
-        _mount(path, target, None, _MS_BIND | (0 if kind == "world" else _MS_REC))
-    _mount(None, root, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
-    cwd = os.getcwd()
-    os.chroot(root)
-    try:
-        os.chdir(cwd)
-    except OSError:  # a working folder outside the view
-        os.chdir(folder)
+        if kind != "link":
+            _mount(source or public, target, None, _MS_BIND | (0 if kind == "world" else _MS_REC))
+    return root
 
 
 # ---- in the worker -----------------------------------------------------------------------------
 
 
-def confine(level_name: str, handle, folder: str, submission: str | None = None) -> None:
+def confine(level_name: str, handle, folder: str, entries: tuple | None = None) -> None:
     """Confine this worker before it runs submission code: ``folder`` is the world's own, ``handle``
-    its Guard's; with ``submission`` (where grades are made), the worker sees only its view().
+    its Guard's; with ``entries`` (where grades are made: view()), the worker sees only them.
 
     Under ``namespaces`` this process forks: it stays outside as its rank's supervisor, and only
     the child, process 1 of the new pid namespace, returns from here.
     """
     if level_name == "uid":
-        _enter_uid(*handle, folder, submission)
+        _enter_uid(*handle, folder, entries)
         die_with_parent()  # again: the kernel clears it when the process changes its user
         _no_unix_sockets()
     elif level_name == "namespaces":
-        _enter_namespaces(handle, folder, submission, fork=True)
+        _enter_namespaces(handle, folder, entries, fork=True)
     elif level_name != "none":
         raise ValueError(f"no sandbox level {level_name!r}")
     if level_name != "none":
@@ -567,38 +604,47 @@ def _join(holder: int, kinds: tuple) -> None:
             os.close(fd)
 
 
-def _read_only_but(folder: str) -> None:
-    """In a mount namespace of this process's own: every mount read-only, but folder."""
+def _read_only_but(folder: str, entries: tuple | None) -> None:
+    """In a mount namespace of this process's own: every mount read-only, but folder; with
+    ``entries``, the root of this process its view (view()), built in folder."""
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done here reaches the grader's mounts
-    _mount(folder, folder, None, _MS_BIND)  # a mount of its own, to be left writable
+    if entries is None:
+        root, writable = "/", folder
+        _mount(folder, folder, None, _MS_BIND)  # a mount of its own, to be left writable
+    else:
+        root = _build_view(folder, entries)
+        writable = root + folder
     for point, flags in _mount_points():
-        writable = point == folder
         try:
-            _mount(None, point, None, _MS_REMOUNT | _MS_BIND | (0 if writable else _MS_RDONLY) | flags)
+            _mount(None, point, None, _MS_REMOUNT | _MS_BIND | (0 if point == writable else _MS_RDONLY) | flags)
         except OSError:
-            if point in ("/", folder):
+            if point in ("/", root, writable):
                 raise
+    if root != "/":
+        cwd = os.getcwd()
+        os.chroot(root)
+        try:
+            os.chdir(cwd)
+        except OSError:  # a working folder outside the view
+            os.chdir(folder)
     if os.access("/", os.W_OK) or not os.access(folder, os.W_OK):
         raise OSError("the worker's mounts did not become read-only")
 
 
-def _enter_uid(uid: int, holder: int, folder: str, submission: str | None) -> None:
-    """As root: the world's network; with a submission, a mount namespace of its own and the view;
+def _enter_uid(uid: int, holder: int, folder: str, entries: tuple | None) -> None:
+    """As root: the world's network; with entries, a mount namespace of its own and that view;
     then the world's uid, with no capability left."""
     _join(holder, ("net",))
-    if submission is not None:
+    if entries is not None:
         _call("unshare", _CLONE_NEWNS)
-        _read_only_but(folder)
-        _enter_view(folder, submission)
+        _read_only_but(folder, entries)
     _take_uid(uid)
 
 
-def _enter_namespaces(holder: int, folder: str, submission: str | None, fork: bool) -> None:
+def _enter_namespaces(holder: int, folder: str, entries: tuple | None, fork: bool) -> None:
     _join(holder, ("user", "net"))  # the world's, shared by its ranks
     _call("unshare", _CLONE_NEWNS | _CLONE_NEWPID)
-    _read_only_but(folder)
-    if submission is not None:
-        _enter_view(folder, submission)
+    _read_only_but(folder, entries)
     if not fork:
         return
     child = os.fork()  # a new pid namespace holds this process's children, not itself

@@ -92,7 +92,7 @@ class _WorkerSettings:
     keep: bool
     sandbox: str  # course/sandbox.py's level for this world: "uid", "namespaces" or "none"
     guard: Any = None  # what its workers need of the world's sandbox.Guard (its handle)
-    submission: str | None = None  # where grades are made: the code graded, all its workers see (sandbox.view)
+    view: tuple | None = None  # where grades are made: all its workers see (sandbox.view: the course, the code graded)
 
 
 # --- processes: die with the parent, and take descendants along -------------------------------
@@ -291,7 +291,7 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
     private_descriptors({conn.fileno(), stack_file.fileno()})
     drop_streams()  # until the first call brings its caller's
     # Before any code under test: under "namespaces" this process forks, and only the child returns.
-    sandbox.confine(settings.sandbox, settings.guard, settings.stack_dir, settings.submission)
+    sandbox.confine(settings.sandbox, settings.guard, settings.stack_dir, settings.view)
     if settings.sandbox != "none":
         tempfile.tempdir = None  # TMPDIR is the world's folder now (settings.env): read it again
     faulthandler.enable(file=stack_file)  # a crash (segfault, abort) leaves its stack too
@@ -517,10 +517,10 @@ def run(
     confinement = sandbox_level().name if sandbox or _every_world_sandboxed else "none"
     # Where grades are made, the workers see the course's public files and the code graded, no more.
     viewed = _every_world_sandboxed and confinement != "none" and not sandbox_level().unseen
-    submission = impl.selected() if viewed else None
+    view = submission_view() if viewed else None
     keep = keep and port is None and _PASS_STREAMS
     key = (world_size, threads, backend, device, collective_timeout, method, tuple(sorted(child_env.items())))
-    key += (confinement, submission)
+    key += (confinement, view)
     world = _kept.take(key) if keep else None
     try:
         if world is not None:
@@ -533,7 +533,7 @@ def run(
             settings = _WorkerSettings(
                 world_size, threads, backend, device, "", port, "", collective_timeout, child_env, keep, confinement
             )
-            world = _World.start(method, dataclasses.replace(settings, submission=submission))
+            world = _World.start(method, dataclasses.replace(settings, view=view))
             world.call(call)
         world.timeout = timeout
         results = world.collect()
@@ -564,6 +564,12 @@ def sandbox_every_world() -> None:
 def sandbox_level() -> sandbox.Level:
     """The sandbox of this machine, for workers that must read the course, the code under test and torch."""
     return sandbox.level((ROOT, impl.selected(), os.path.dirname(torch.__file__)), impl.selected())
+
+
+def submission_view() -> tuple:
+    """What the workers of a world where grades are made see (course/sandbox.py's view): the course
+    and the code under test."""
+    return sandbox.view(impl.selected())
 
 
 _POLL = 0.25  # seconds between looks at whether a worker's process has ended
@@ -606,6 +612,8 @@ class _World:
                 for folder in (workdir, tmp):
                     world.guard.own(folder)
                 extra = {"HOME": workdir, "TMPDIR": tmp}
+                if settings.view is not None:
+                    sandbox.publish(workdir, settings.view)
                 settings = dataclasses.replace(settings, env=settings.env | extra, guard=world.guard.handle)
         except BaseException:
             world.stop()
