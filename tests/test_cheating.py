@@ -899,3 +899,23 @@ def test_a_class_whose_cheats_read_or_reach_others_pays_without_a_sandbox(tmp_pa
     with open(out / "report.json") as f:
         assert "COURSE_SANDBOX=off" in json.load(f)["advisory"]
     assert "These grades are advisory" in (out / "report.html").read_text()
+
+
+def test_a_level_without_a_view_makes_an_advisory_grade(tmp_path):
+    """Where a level is had but its workers cannot be given a view of their own submission (each
+    probe says so here), the grade is made and said to be advisory, with the reason: in its last
+    line and in results.json's extra_data."""
+    probes = (
+        "from course import sandbox\n\n"
+        "_probes = dict(sandbox._PROBES)\n"
+        "sandbox._PROBES.update({n: (lambda p: lambda r, s: (p(r, None)[0], 'no view here'))(p) for n, p in _probes.items()})\n"
+    )
+    (tmp_path / "no_view.py").write_text(probes)
+    environ = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    args = ["--ex", "2", "--results", str(tmp_path / "results.json"), "--", "-p", "no_view", "-k", "test_by_row[1]"]
+    done = warm.grade(*args, impl=SOLUTIONS, cwd=ROOT, env=environ)  # a folder the world's uid can enter
+    assert done.returncode == 0, done.stdout + done.stderr
+    reason = "submission code could read files other than its own (no view here)"
+    assert f"{reason}: this grade is advisory." in done.stdout, done.stdout
+    found = results(tmp_path / "results.json")
+    assert found["score"] == 2 and found["extra_data"] == {"advisory": reason}, found["tests"][0]["output"]
