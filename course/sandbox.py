@@ -12,9 +12,10 @@ of a submission runs, as far as the machine allows (``level()``):
   signalled; root's files, folders and sockets are not theirs to write or connect to. The world's
   own folder (its store, stack files, HOME and TMPDIR) is the one folder made for them. When the
   world ends, every process of its uid dies at once: kill(-1) from a process of that uid, which no
-  fork can outrun (the kernel signals under the lock that fork takes to add a process). This
-  level needs a Python, a course and a submission that every user can read; where they are not
-  (a Python under /root), root gets the next level.
+  fork can outrun (the kernel signals under the lock that fork takes to add a process). A world
+  has a network namespace of its own too, which root makes (a kernel that gives none refuses the
+  level, with the reason). This level needs a Python, a course and a submission that the world's
+  user can read in its view (below); where they are not, root gets the next level.
 - ``namespaces`` (Linux, where the kernel allows user namespaces: a normal user on a laptop or an
   instructor's machine, or root as above). A world gets a holder process that owns a user and a
   network namespace: its ranks join them, so they reach each other over loopback and nothing
@@ -24,6 +25,12 @@ of a submission runs, as far as the machine allows (``level()``):
   its namespace), and no capability left.
 - ``none`` elsewhere (macOS, Windows, a kernel without user namespaces), or COURSE_SANDBOX=off.
   The grade is then advisory.
+
+Where grades are made (workers.sandbox_every_world()), each rank of either level also gets a view
+before it takes its uid or drops its capabilities: its root is a tmpfs with the machine's system
+folders, Python, the course's public files and the one submission graded bound in, read-only, and
+the world's folder, writable (view(), publish()). Where a level is had but no view can be made, the
+level's grades say they are advisory (Level.advisory).
 
 At both levels a worker may not create a unix-domain socket (a seccomp filter, x86-64 and arm64):
 no connection to a socket of the user's or world-writable one (multiprocessing's servers, an SSH
