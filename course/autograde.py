@@ -59,7 +59,7 @@ sys.modules.setdefault("rfc3987_syntax", None)
 from course import env, report, sandbox  # noqa: E402
 from course.failure import parse_stub  # noqa: E402
 from course.grade import CASES_MIME, Check, table, write_results  # noqa: E402
-from course.layout import STUDENT_FILES, graded_exercises  # noqa: E402
+from course.layout import ROOT, STUDENT_FILES, graded_exercises  # noqa: E402
 from course.make_notebooks import dumps, exercise_of, notebook, sources  # noqa: E402
 
 
@@ -522,6 +522,7 @@ def grade_all(submissions: str, out: str, cell_timeout: int, jobs: int = 1, exer
     )
     taken = {student: take_in(os.path.join(submissions, student), student, out, assignments) for student in students}
     codes = {student: code for student, (code, _) in taken.items()}
+    advisory = _advisory(next(iter(codes.values()), None))
     _import_what_follows_the_kernels()
 
     def record(student: str, part: list) -> tuple:
@@ -559,7 +560,8 @@ def grade_all(submissions: str, out: str, cell_timeout: int, jobs: int = 1, exer
         # Exercises graded before and not now are kept: one late student's run replaces no one's grades.
         checks = merge(feedback, collect(out, student, assignments, failures))
         notes = "\n".join(taken[student][1])  # what of the submission could not be read
-        write_results(os.path.join(feedback, "results.json"), checks, executed[student], notes)
+        said = "\n".join(filter(None, [notes, advisory and f"This grade is advisory: {advisory}."]))
+        write_results(os.path.join(feedback, "results.json"), checks, executed[student], said, advisory)
         with open(os.path.join(feedback, "feedback.txt"), "w") as f:
             f.write(f"Autograded checks of {student} (written answers are graded by hand):\n\n{table(checks)}\n")
             f.write(f"{notes}\n" if notes else "")
@@ -568,8 +570,23 @@ def grade_all(submissions: str, out: str, cell_timeout: int, jobs: int = 1, exer
         results[student] = checks
         print(f"{student}: {sum(c.score for c in checks):g}/{sum(c.max_score for c in checks):g}", flush=True)
     export_csv(out)
-    report.write(out, graded_before(out) | results)
+    report.write(out, graded_before(out) | results, advisory)
     return results
+
+
+def _advisory(code: str | None) -> str:
+    """Why the grades of this run are advisory ('' if they are not): the sandbox that the kernels'
+    checks will run submission code in (course/sandbox.py), tried on one student's code folder,
+    which every other student's is like."""
+    import importlib.util
+
+    if code is None:
+        return ""
+    torch = os.path.dirname(importlib.util.find_spec("torch").origin)
+    try:
+        return sandbox.level((ROOT, code, torch), code).advisory
+    except sandbox.NoSandbox as refused:  # COURSE_SANDBOX=required: the checks will refuse to run
+        return str(refused)
 
 
 _CHECKS = "checks.json"  # in feedback/STUDENT/: every check of the student graded so far, by exercise

@@ -221,8 +221,10 @@ def table(checks: list) -> str:
     return "\n".join(lines)
 
 
-def gradescope(checks: list, seconds: float, note: str = "") -> dict:
-    """The results in Gradescope's autograder format (results.json); ``note`` ends its output."""
+def gradescope(checks: list, seconds: float, note: str = "", advisory: str = "") -> dict:
+    """The results in Gradescope's autograder format (results.json); ``note`` ends its output.
+    ``advisory``: why the grade cannot be trusted for credit (course/sandbox.py's Level.advisory),
+    kept in its extra_data."""
     return {
         "score": round(sum(c.score for c in checks), 4),
         "execution_time": round(seconds),
@@ -239,12 +241,12 @@ def gradescope(checks: list, seconds: float, note: str = "") -> dict:
             | ({"extra_data": {"mistake": c.mistake}} if c.mistake else {})  # what course/report.py groups by
             for c in checks
         ],
-    }
+    } | ({"extra_data": {"advisory": advisory}} if advisory else {})
 
 
-def write_results(path: str, checks: list, seconds: float, note: str = "") -> None:
+def write_results(path: str, checks: list, seconds: float, note: str = "", advisory: str = "") -> None:
     """Write results.json in one step and read it back (write_json)."""
-    write_json(path, gradescope(checks, seconds, note))
+    write_json(path, gradescope(checks, seconds, note, advisory))
 
 
 # What results.json says from before the first check until the last: a grader that was stopped
@@ -508,6 +510,7 @@ class _Grader:
         self.fingerprint: Fingerprint | None = None
         self.changed_elsewhere: list = []  # what the other grading processes found changed
         self.sandbox = ""  # the line that says how submission code ran (course/sandbox.py)
+        self.advisory = ""  # why its grade is advisory, if it is
         self.interrupted = False
         self.below = False  # the score is under --fail-under
 
@@ -517,7 +520,7 @@ class _Grader:
         from course import sandbox, workers
 
         try:
-            self.sandbox = workers.sandbox_level().line()
+            self.sandbox, self.advisory = workers.sandbox_level().line(), workers.sandbox_level().advisory
         except sandbox.NoSandbox as refused:  # COURSE_SANDBOX=required: no check may run
             self.broken.append(str(refused))
             session.shouldfail = str(refused)
@@ -593,7 +596,7 @@ class _Grader:
             elif self.broken:
                 write_json(path, not_graded(self.broken))
             else:
-                results = gradescope(self.final, time.monotonic() - self.started, self.sandbox)
+                results = gradescope(self.final, time.monotonic() - self.started, self.sandbox, self.advisory)
                 write_json(path, results)
         except (OSError, RuntimeError, ValueError) as error:  # ValueError: what was read back is not JSON
             self.broken.append(f"results.json: {error}")

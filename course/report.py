@@ -416,6 +416,7 @@ def page(summary: dict) -> str:
 <body>
 <h1>Class report</h1>
 <p>{n} submissions, graded {_e(summary["generated"])}. Everything here is also in report.json.</p>
+{f"<p><strong>These grades are advisory</strong>: {_e(summary['advisory'])}.</p>" if summary.get("advisory") else ""}
 
 <h2 id="mistakes">Most frequent mistakes</h2>
 <p>Failed checks grouped by the mistake each diagnosed (its kind, ranks, collective and place, or the
@@ -440,10 +441,11 @@ check's own assertion), not by the words of its message. Count: students.</p>
 """
 
 
-def write(out: str, results: dict) -> dict:
-    """Write report.html and report.json into out from {student: [Check]}; return the summary."""
+def write(out: str, results: dict, advisory: str = "") -> dict:
+    """Write report.html and report.json into out from {student: [Check]}; return the summary.
+    ``advisory``: why these grades cannot be trusted for credit (course/sandbox.py), said first."""
     rows = records(results)
-    summary = summarize(rows)
+    summary = summarize(rows) | {"advisory": advisory}
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(summary | {"checks": rows}, f, indent=1)
     with open(os.path.join(out, "report.html"), "w") as f:

@@ -12,9 +12,10 @@ of a submission runs, as far as the machine allows (``level()``):
   signalled; root's files, folders and sockets are not theirs to write or connect to. The world's
   own folder (its store, stack files, HOME and TMPDIR) is the one folder made for them. When the
   world ends, every process of its uid dies at once: kill(-1) from a process of that uid, which no
-  fork can outrun (the kernel signals under the lock that fork takes to add a process). This
-  level needs a Python, a course and a submission that every user can read; where they are not
-  (a Python under /root), root gets the next level.
+  fork can outrun (the kernel signals under the lock that fork takes to add a process). A world
+  has a network namespace of its own too, which root makes (a kernel that gives none refuses the
+  level, with the reason). This level needs a Python, a course and a submission that the world's
+  user can read in its view (below); where they are not, root gets the next level.
 - ``namespaces`` (Linux, where the kernel allows user namespaces: a normal user on a laptop or an
   instructor's machine, or root as above). A world gets a holder process that owns a user and a
   network namespace: its ranks join them, so they reach each other over loopback and nothing
@@ -24,6 +25,12 @@ of a submission runs, as far as the machine allows (``level()``):
   its namespace), and no capability left.
 - ``none`` elsewhere (macOS, Windows, a kernel without user namespaces), or COURSE_SANDBOX=off.
   The grade is then advisory.
+
+Where grades are made (workers.sandbox_every_world()), each rank of either level also gets a view
+before it takes its uid or drops its capabilities: its root is a tmpfs with the machine's system
+folders, Python, the course's public files and the one submission graded bound in, read-only, and
+the world's folder, writable (view(), publish()). Where a level is had but no view can be made, the
+level's grades say they are advisory (Level.advisory).
 
 At both levels a worker may not create a unix-domain socket (a seccomp filter, x86-64 and arm64):
 no connection to a socket of the user's or world-writable one (multiprocessing's servers, an SSH
@@ -42,6 +49,7 @@ import ctypes
 import functools
 import os
 import platform
+import shutil
 import signal
 import sys
 import tempfile
@@ -100,11 +108,23 @@ def protect() -> None:
 class Level:
     name: str  # "uid", "namespaces" or "none"
     reason: str  # what it means, or why there is none
+    unseen: str = ""  # why the workers cannot be given a view of their own submission only (view()), if they cannot
+
+    @property
+    def advisory(self) -> str:
+        """Why a grade made at this level is advisory; '' when it is not."""
+        if self.name == "none":
+            return f"submission code ran without a sandbox ({self.reason})"
+        if self.unseen:
+            return f"submission code could read files other than its own ({self.unseen})"
+        return ""
 
     def line(self) -> str:
         """One line for the grade's output."""
         if self.name == "none":
             return f"Submission code ran without a sandbox ({self.reason}): this grade is advisory."
+        if self.unseen:
+            return f"Submission code ran sandboxed: {self.reason}; {self.advisory}: this grade is advisory."
         return f"Submission code ran sandboxed: {self.reason}."
 
 
@@ -113,17 +133,20 @@ class NoSandbox(RuntimeError):
 
 
 _WHAT = {
-    "uid": "each world a user of its own, with no capabilities",
+    "uid": "each world a user and a network namespace of its own, with no capabilities",
     "namespaces": "each world its own user and network namespace, each rank its own read-only mounts and pids",
 }
+_IN_VIEW = ", in a view of the course's public files and its own submission"
 
 
 @functools.cache
-def level(readable: tuple = ()) -> Level:
+def level(readable: tuple = (), submission: str | None = None) -> Level:
     """The sandbox that grading worlds get on this machine (COURSE_SANDBOX), tried once per process.
 
     ``readable``: folders the workers must read (the course, the submission, torch), besides
-    Python's own: the ``uid`` level needs its user to read them all.
+    Python's own: the ``uid`` level needs its user to read them all. ``submission``: the code
+    that is graded, whose view (view()) is tried too: where it cannot be made, the level stays,
+    and says why its grades are advisory.
     """
     mode = os.environ.get("COURSE_SANDBOX", "auto")
     if mode not in ("auto", "required", "off", "uid", "namespaces"):
@@ -138,13 +161,13 @@ def level(readable: tuple = ()) -> Level:
             tried.remove("uid")
         found, problems = None, [] if tried else ["the uid level needs root"]
         for name in tried:
-            problem = _PROBES[name](readable)
+            problem, unseen = _PROBES[name](readable, submission)
             if not problem:
                 found = name
                 break
             problems.append(f"{name}: {problem}")
     if found is not None:
-        return Level(found, _WHAT[found])
+        return Level(found, _WHAT[found] + ("" if unseen or submission is None else _IN_VIEW), unseen)
     if mode != "auto":
         raise NoSandbox(f"COURSE_SANDBOX={mode}, and it is not possible here: {'; '.join(problems)}")
     return Level("none", "; ".join(problems))
@@ -174,38 +197,57 @@ def _needed(readable: tuple) -> list:
     return list(dict.fromkeys(p for p in [*sys.path, *readable] if p and os.path.isdir(p)))
 
 
-def _probe_uid(readable: tuple) -> str:
+def _probe(start, enter, submission: str | None, check=lambda: "") -> tuple:
+    """(why the level cannot be had, why its workers cannot have a view) of a level whose Guard
+    start() makes and whose worker enter(guard, folder, submission) confines; check(), in the
+    confined worker: '' or what it lacks."""
     try:
-        guard = Guard.start("uid")
+        guard = start()
     except OSError as error:
-        return f"no sandbox user could be taken: {error}"
-    needed = _needed(readable)  # here: once its user is taken, what it cannot read is not a folder to it
-    try:
-
-        def body():
-            _take_uid(guard.handle)
-            for folder in needed:
-                if not os.access(folder, os.R_OK | os.X_OK):
-                    return f"its user cannot read {folder}"
-            return ""
-
-        return _in_child(body)
-    finally:
-        guard.stop()
-
-
-def _probe_namespaces(readable: tuple) -> str:
+        return str(error), ""
     folder = tempfile.mkdtemp(prefix="course-probe-")
     try:
-        guard = Guard.start("namespaces")
-    except OSError as error:
-        os.rmdir(folder)
-        return f"the kernel allows no user namespace here ({error})"
-    try:
-        return _in_child(lambda: _enter_namespaces(guard.handle, folder, fork=False) or "")
+        guard.own(folder)
+        confined = lambda entries: lambda: enter(guard, folder, entries) or check()  # noqa: E731
+        unseen = ""
+        if submission is not None:
+            try:
+                entries = view(submission)
+                publish(folder, entries)
+            except OSError as error:
+                unseen = f"{type(error).__name__}: {error}"
+            unseen = unseen or _in_child(confined(entries))
+        return (_in_child(confined(None)) if unseen else ""), unseen
     finally:
         guard.stop()
-        os.rmdir(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _probe_uid(readable: tuple, submission: str | None) -> tuple:
+    needed = _needed(readable)  # once its user is taken, what it cannot read is not a folder to it
+
+    def start():
+        try:
+            return Guard.start("uid")
+        except OSError as error:
+            raise OSError(f"no sandbox user or network namespace could be had: {error}") from error
+
+    def check():
+        return next((f"its user cannot read {f}" for f in needed if not os.access(f, os.R_OK | os.X_OK)), "")
+
+    return _probe(start, lambda guard, folder, sub: _enter_uid(*guard.handle, folder, sub), submission, check)
+
+
+def _probe_namespaces(readable: tuple, submission: str | None) -> tuple:
+    def start():
+        try:
+            return Guard.start("namespaces")
+        except OSError as error:
+            raise OSError(f"the kernel allows no user namespace here ({error})") from error
+
+    return _probe(
+        start, lambda guard, folder, sub: _enter_namespaces(guard.handle, folder, sub, fork=False), submission
+    )
 
 
 _PROBES = {"uid": _probe_uid, "namespaces": _probe_namespaces}
@@ -215,40 +257,42 @@ _PROBES = {"uid": _probe_uid, "namespaces": _probe_namespaces}
 
 
 class Guard:
-    """What confines one world, held by the process that started it: under ``uid`` the world's
-    uid (and the gid of the same number), under ``namespaces`` the process that holds its user
-    and network namespaces. ``handle`` (that uid, that process's pid) is what its workers need."""
+    """What confines one world, held by the process that started it: the process that holds its
+    network namespace (``holder``; under ``namespaces`` its user namespace too), and under ``uid``
+    the world's uid (and the gid of the same number). ``handle`` is what its workers need: under
+    ``uid`` (uid, holder), under ``namespaces`` the holder."""
 
-    def __init__(self, level_name: str, handle: int, release):
-        self.level, self.handle, self._release = level_name, handle, release
+    def __init__(self, level_name: str, handle, holder: int, release):
+        self.level, self.handle, self.holder, self._release = level_name, handle, holder, release
 
     @classmethod
     def start(cls, level_name: str) -> Guard:
-        if level_name == "uid":
-            uid, lock = _take_free_uid()
+        if level_name not in ("uid", "namespaces"):
+            raise ValueError(f"no sandbox level {level_name!r}")
+        uid, lock = _take_free_uid() if level_name == "uid" else (None, None)
+        try:
+            holder = _start_holder(user=level_name == "namespaces")
+        except BaseException:
+            if lock is not None:
+                os.close(lock)
+            raise
 
-            def release():
+        def release():
+            if uid is not None:
                 _kill_every_process_of(uid)
                 os.close(lock)
+            try:
+                os.kill(holder, signal.SIGKILL)
+                os.waitpid(holder, 0)
+            except (ProcessLookupError, ChildProcessError):  # reaped already, with its parent's orphans
+                pass
 
-            return cls("uid", uid, release)
-        if level_name == "namespaces":
-            pid = _start_holder()
-
-            def release():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                except (ProcessLookupError, ChildProcessError):  # reaped already, with its parent's orphans
-                    pass
-
-            return cls("namespaces", pid, release)
-        raise ValueError(f"no sandbox level {level_name!r}")
+        return cls(level_name, (uid, holder) if uid is not None else holder, holder, release)
 
     def own(self, folder: str) -> None:
         """Make folder the world's to write: under ``uid``, its group's."""
         if self.level == "uid":
-            os.chown(folder, 0, self.handle)
+            os.chown(folder, 0, self.handle[0])
             os.chmod(folder, 0o770)
 
     def stop(self) -> None:
@@ -336,8 +380,10 @@ def _kill_every_process_of(uid: int) -> None:
         raise OSError(f"could not stop the processes of uid {uid}")
 
 
-def _start_holder() -> int:
-    """A child that owns a new user and network namespace (its loopback up) until it is killed.
+def _start_holder(user: bool) -> int:
+    """A child that owns a new network namespace (its loopback up), and with ``user`` a new user
+    namespace, until it is killed. Without ``user`` (root, the uid level) the network namespace
+    is root's to make: the world's workers join it before they take their uid.
 
     Once they are made it becomes `sleep`: it keeps no copy of the grader's memory, and, unlike
     the grader, may be entered by the world's workers (/proc/PID/ns/*)."""
@@ -356,8 +402,9 @@ def _start_holder() -> int:
             # The grader is not dumpable (protect()), and the /proc files of a process that is not
             # are root's: this one could not write its own uid_map. It becomes `sleep` below.
             prctl(_PR_SET_DUMPABLE, 1)
-            _call("unshare", _CLONE_NEWUSER | _CLONE_NEWNET)
-            _map_ids(uid, gid)
+            _call("unshare", (_CLONE_NEWUSER if user else 0) | _CLONE_NEWNET)
+            if user:
+                _map_ids(uid, gid)
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 up, loopback, running = 1, 8, 0x40
                 fcntl.ioctl(s, 0x8914, struct.pack("16sh22x", b"lo", up | loopback | running))  # SIOCSIFFLAGS
@@ -386,22 +433,125 @@ def _map_ids(uid: int, gid: int) -> None:
             f.write(text)
 
 
+# ---- what a grading world sees ------------------------------------------------------------------
+
+# The machine's folders that programs need (libraries, devices, settings); the rest of it is not
+# in a view: the home folders, /tmp, /run, /srv, wherever courses, grades and submissions live.
+_SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/dev", "/sys", "/proc")
+
+
+def _holds(folder: str, path: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+@functools.cache
+def view(submission: str) -> tuple:
+    """What the workers grading ``submission`` see: (path, "dir", "file" or "link", what is bound
+    there), in the order they are made. The machine's folders of _SYSTEM, Python and its packages,
+    the course's public files as the students' copy has them (publish(), bound from the world's
+    folder: None), and that submission; not solutions/, nor the grader's or instructors' other
+    files, nor any folder around the submission (its classmates', the grades)."""
+    from course.layout import ROOT, SOLUTIONS
+
+    around = (ROOT, os.path.dirname(submission))  # a folder that holds either shows what it must not
+
+    def shown(path: str) -> bool:
+        if not path or any(_holds(path, p) for p in around):
+            return False
+        return submission == SOLUTIONS or not _holds(SOLUTIONS, path)
+
+    python = [sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix, *sys.path]
+    python.append(os.path.dirname(os.path.realpath(sys.executable)))
+    candidates = [*_SYSTEM, *filter(shown, map(os.path.abspath, filter(None, python)))]
+    if shown(submission):
+        candidates.append(submission)
+    found = {}
+    for path in sorted(set(candidates)):
+        if any(_holds(other, path) for other, kind in found.items() if kind == "dir") or not os.path.lexists(path):
+            continue
+        found[path] = "link" if os.path.islink(path) else "dir" if os.path.isdir(path) else "file"
+    return tuple(sorted([(ROOT, "dir", None), *((p, kind, p) for p, kind in found.items())]))
+
+
+@functools.cache
+def _public_files(root: str) -> tuple:
+    """The course's public files, relative to root (course/release.py); () in the students' copy,
+    all of which is public. Markdown files are left out: an instructors' copy has parts the
+    students' has not, and no check reads one."""
+    try:
+        from course.release import released_files
+    except ImportError:
+        return ()
+    return tuple(p for p in released_files(root) if not p.endswith(".md"))
+
+
+def publish(folder: str, entries: tuple) -> None:
+    """Before a world's workers start, in the grader: the course's public files in folder/public,
+    to be seen at the course's place in its view (view()'s ``entries``), with an empty place for
+    what the view binds inside the course (the venv, the submission). In the students' copy, none:
+    the course itself is bound there."""
+    from course.layout import ROOT
+
+    files = _public_files(ROOT)
+    if not files:
+        return
+    public = os.path.join(folder, "public")
+    for path in files:
+        os.makedirs(os.path.dirname(os.path.join(public, path)), exist_ok=True)
+        shutil.copyfile(os.path.join(ROOT, path), os.path.join(public, path))
+    for path, kind, _ in entries:
+        if _holds(ROOT, path) and path != ROOT and kind != "link":
+            place = os.path.join(public, os.path.relpath(path, ROOT))
+            os.makedirs(place if kind == "dir" else os.path.dirname(place), exist_ok=True)
+            if kind == "file":
+                open(place, "w").close()
+    for top, _, names in os.walk(public):  # every user's to read (the uid level's), whatever the umask
+        os.chmod(top, 0o755)
+        for name in names:
+            os.chmod(os.path.join(top, name), 0o644)
+
+
+def _build_view(folder: str, entries: tuple) -> str:
+    """The view of entries (view()) in a tmpfs at folder/view, with folder (the world's) in it; its path."""
+    from course.layout import ROOT
+
+    root = os.path.join(folder, "view")
+    os.makedirs(root, exist_ok=True)
+    _mount("tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=755")
+    public = os.path.join(folder, "public") if _public_files(ROOT) else ROOT
+    for path, kind, source in (*entries, (folder, "world", folder)):
+        target = root + path
+        if os.path.lexists(target):  # a place made for it in what is bound above it, or that link
+            pass
+        elif kind == "link":
+            os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+            os.symlink(os.readlink(path), target)
+        elif kind == "file":
+            os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+            open(target, "w").close()
+        else:
+            os.makedirs(target, mode=0o755, exist_ok=True)
+        if kind != "link":
+            _mount(source or public, target, None, _MS_BIND | (0 if kind == "world" else _MS_REC))
+    return root
+
+
 # ---- in the worker -----------------------------------------------------------------------------
 
 
-def confine(level_name: str, handle: int | None, folder: str) -> None:
+def confine(level_name: str, handle, folder: str, entries: tuple | None = None) -> None:
     """Confine this worker before it runs submission code: ``folder`` is the world's own, ``handle``
-    its Guard's.
+    its Guard's; with ``entries`` (where grades are made: view()), the worker sees only them.
 
     Under ``namespaces`` this process forks: it stays outside as its rank's supervisor, and only
     the child, process 1 of the new pid namespace, returns from here.
     """
     if level_name == "uid":
-        _take_uid(handle)
+        _enter_uid(*handle, folder, entries)
         die_with_parent()  # again: the kernel clears it when the process changes its user
         _no_unix_sockets()
     elif level_name == "namespaces":
-        _enter_namespaces(handle, folder, fork=True)
+        _enter_namespaces(handle, folder, entries, fork=True)
     elif level_name != "none":
         raise ValueError(f"no sandbox level {level_name!r}")
     if level_name != "none":
@@ -450,25 +600,58 @@ def _mount_points() -> list:
     return points
 
 
-def _enter_namespaces(holder: int, folder: str, fork: bool) -> None:
-    for kind, flag in (("user", _CLONE_NEWUSER), ("net", _CLONE_NEWNET)):  # the world's, shared by its ranks
+def _join(holder: int, kinds: tuple) -> None:
+    """Enter the namespaces of the world's holder: ("user", "net") under namespaces, ("net",) under uid."""
+    flags = {"user": _CLONE_NEWUSER, "net": _CLONE_NEWNET}
+    for kind in kinds:
         fd = os.open(f"/proc/{holder}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            _call("setns", fd, flag)
+            _call("setns", fd, flags[kind])
         finally:
             os.close(fd)
-    _call("unshare", _CLONE_NEWNS | _CLONE_NEWPID)
+
+
+def _read_only_but(folder: str, entries: tuple | None) -> None:
+    """In a mount namespace of this process's own: every mount read-only, but folder; with
+    ``entries``, the root of this process its view (view()), built in folder."""
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done here reaches the grader's mounts
-    _mount(folder, folder, None, _MS_BIND)  # a mount of its own, to be left writable
+    if entries is None:
+        root, writable = "/", folder
+        _mount(folder, folder, None, _MS_BIND)  # a mount of its own, to be left writable
+    else:
+        root = _build_view(folder, entries)
+        writable = root + folder
     for point, flags in _mount_points():
-        writable = point == folder
         try:
-            _mount(None, point, None, _MS_REMOUNT | _MS_BIND | (0 if writable else _MS_RDONLY) | flags)
+            _mount(None, point, None, _MS_REMOUNT | _MS_BIND | (0 if point == writable else _MS_RDONLY) | flags)
         except OSError:
-            if point in ("/", folder):
+            if point in ("/", root, writable):
                 raise
+    if root != "/":
+        cwd = os.getcwd()
+        os.chroot(root)
+        try:
+            os.chdir(cwd)
+        except OSError:  # a working folder outside the view
+            os.chdir(folder)
     if os.access("/", os.W_OK) or not os.access(folder, os.W_OK):
         raise OSError("the worker's mounts did not become read-only")
+
+
+def _enter_uid(uid: int, holder: int, folder: str, entries: tuple | None) -> None:
+    """As root: the world's network; with entries, a mount namespace of its own and that view;
+    then the world's uid, with no capability left."""
+    _join(holder, ("net",))
+    if entries is not None:
+        _call("unshare", _CLONE_NEWNS)
+        _read_only_but(folder, entries)
+    _take_uid(uid)
+
+
+def _enter_namespaces(holder: int, folder: str, entries: tuple | None, fork: bool) -> None:
+    _join(holder, ("user", "net"))  # the world's, shared by its ranks
+    _call("unshare", _CLONE_NEWNS | _CLONE_NEWPID)
+    _read_only_but(folder, entries)
     if not fork:
         return
     child = os.fork()  # a new pid namespace holds this process's children, not itself

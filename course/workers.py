@@ -105,7 +105,8 @@ class _WorkerSettings:
     env: dict
     keep: bool
     sandbox: str  # course/sandbox.py's level for this world: "uid", "namespaces" or "none"
-    guard: int | None = None  # what its workers need of the world's sandbox.Guard (its handle)
+    guard: Any = None  # what its workers need of the world's sandbox.Guard (its handle)
+    view: tuple | None = None  # where grades are made: all its workers see (sandbox.view: the course, the code graded)
 
 
 # --- processes: die with the parent, and take descendants along -------------------------------
@@ -377,7 +378,7 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
     private_descriptors({conn.fileno(), stack_file.fileno()})
     drop_streams()  # until the first call brings its caller's
     # Before any code under test: under "namespaces" this process forks, and only the child returns.
-    sandbox.confine(settings.sandbox, settings.guard, settings.stack_dir)
+    sandbox.confine(settings.sandbox, settings.guard, settings.stack_dir, settings.view)
     if settings.sandbox != "none":
         tempfile.tempdir = None  # TMPDIR is the world's folder now (settings.env): read it again
     faulthandler.enable(file=stack_file)  # a crash (segfault, abort) leaves its stack too
@@ -614,9 +615,12 @@ def run(
     if debug:
         child_env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     confinement = sandbox_level().name if sandbox or _every_world_sandboxed else "none"
+    # Where grades are made, the workers see the course's public files and the code graded, no more.
+    viewed = _every_world_sandboxed and confinement != "none" and not sandbox_level().unseen
+    view = submission_view() if viewed else None
     keep = keep and port is None and _PASS_STREAMS
     key = (world_size, threads, backend, device, collective_timeout, method, tuple(sorted(child_env.items())))
-    key += (confinement,)
+    key += (confinement, view)
     world = _kept.take(key) if keep else None
     try:
         if world is not None:
@@ -629,7 +633,7 @@ def run(
             settings = _WorkerSettings(
                 world_size, threads, backend, device, "", port, "", collective_timeout, child_env, keep, confinement
             )
-            world = _World.start(method, settings)
+            world = _World.start(method, dataclasses.replace(settings, view=view))
             world.call(call)
         world.timeout = timeout
         results = world.collect()
@@ -659,7 +663,13 @@ def sandbox_every_world() -> None:
 
 def sandbox_level() -> sandbox.Level:
     """The sandbox of this machine, for workers that must read the course, the code under test and torch."""
-    return sandbox.level((ROOT, impl.selected(), os.path.dirname(torch.__file__)))
+    return sandbox.level((ROOT, impl.selected(), os.path.dirname(torch.__file__)), impl.selected())
+
+
+def submission_view() -> tuple:
+    """What the workers of a world where grades are made see (course/sandbox.py's view): the course
+    and the code under test."""
+    return sandbox.view(impl.selected())
 
 
 _POLL = 0.25  # seconds between looks at whether a worker's process has ended
@@ -705,6 +715,8 @@ class _World:
                 for folder in (workdir, tmp):
                     world.guard.own(folder)
                 extra = {"HOME": workdir, "TMPDIR": tmp}
+                if settings.view is not None:
+                    sandbox.publish(workdir, settings.view)
                 settings = dataclasses.replace(settings, env=settings.env | extra, guard=world.guard.handle)
         except BaseException:
             world.stop()
@@ -937,7 +949,7 @@ class _Kept:
         """The pids of the processes that hold the kept worlds' namespaces (course/sandbox.py's Guard)."""
         self._mine()
         guards = [world.guard for world in self.worlds.values() if world.guard is not None]
-        return [guard.handle for guard in guards if guard.level == "namespaces"]
+        return [guard.holder for guard in guards]
 
 
 _kept = _Kept()
@@ -956,7 +968,7 @@ def kept_workers() -> list:
 
 def kept_processes() -> list:
     """The pids of every process of the kept worlds that this process started: their workers, and
-    under the namespaces sandbox the process that holds each world's namespaces."""
+    the process that holds each sandboxed world's namespaces."""
     return [*_kept.pids(), *_kept.holders()]
 
 

@@ -793,3 +793,290 @@ def test_what_a_kernels_probe_shows_costs_its_own_student_only(tmp_path, monkeyp
     else:
         assert [o["ename"] for o in outputs] == ["NotGraded"], outputs
         assert re.search(reason, outputs[0]["evalue"]), outputs[0]["evalue"]
+
+
+# ---- a view per submission, a network per world (issue 36) ------------------------------------
+#
+# A submission's workers see the course's public files and that submission only (course/sandbox.py's
+# view): not solutions/ of the instructors' repository it is graded in, not a classmate's folder
+# beside it. Each world has a network of its own at every level: no listener of another world (a
+# classmate's gloo ranks) is reachable. Each cheat is graded through `course grade` and through
+# autograde at every level this machine gives, and, as the control that proves the attack, with
+# COURSE_SANDBOX=off, where it pays.
+
+# Exercise 2's functions taken from the reference (solutions/, beside the grader's course/).
+READ_THE_REFERENCE = """
+import importlib.util as _util, os as _os, sys as _sys
+
+
+def _take(path):
+    _spec = _util.spec_from_file_location("_taken_dist", path)
+    _module = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(_module)
+    return _module
+
+
+try:
+    from course.layout import SOLUTIONS as _SOLUTIONS
+
+    _taken = _take(_os.path.join(_SOLUTIONS, "dist.py"))
+    par_matmul_by_row, par_matmul_by_reduction = _taken.par_matmul_by_row, _taken.par_matmul_by_reduction
+    print("CHEAT read the reference: done", file=_sys.stderr, flush=True)
+except Exception as _e:
+    print(f"CHEAT read the reference: refused ({type(_e).__name__}: {_e})", file=_sys.stderr, flush=True)
+"""
+
+# Exercise 2's functions taken from a classmate: any folder beside this submission's with a dist.py.
+READ_A_CLASSMATE = """
+import importlib.util as _util, os as _os, sys as _sys
+
+_mine = _os.path.dirname(_os.path.abspath(__file__))
+_around = _os.path.dirname(_mine)
+try:
+    for _name in sorted(_os.listdir(_around)):
+        _path = _os.path.join(_around, _name, "dist.py")
+        if _os.path.join(_around, _name) != _mine and _os.path.isfile(_path):
+            _spec = _util.spec_from_file_location("_taken_dist", _path)
+            _taken = _util.module_from_spec(_spec)
+            _spec.loader.exec_module(_taken)
+            par_matmul_by_row, par_matmul_by_reduction = _taken.par_matmul_by_row, _taken.par_matmul_by_reduction
+            print(f"CHEAT read a classmate ({_path}): done", file=_sys.stderr, flush=True)
+            break
+    else:
+        print(f"CHEAT read a classmate: refused (no classmate in {_around})", file=_sys.stderr, flush=True)
+except Exception as _e:
+    print(f"CHEAT read a classmate: refused ({type(_e).__name__}: {_e})", file=_sys.stderr, flush=True)
+"""
+
+# A listener of the machine's loopback (what a classmate's gloo ranks open), connected to from a
+# worker: first the one the test names, then any that /proc/net/tcp lists.
+REACH_A_LISTENER = """
+import os as _os, socket as _socket, sys as _sys
+
+def _listeners():
+    with open("/proc/net/tcp") as _f:
+        return [int(l.split()[1].split(":")[1], 16) for l in list(_f)[1:] if l.split()[3] == "0A"]
+
+
+def _reach():
+    with _socket.create_connection(("127.0.0.1", PORT), timeout=2) as _s:
+        _s.sendall(b"a rank of another world")
+
+
+print(f"CHEAT listeners seen: {sorted(set(_listeners()))}", file=_sys.stderr, flush=True)
+try:
+    _reach()
+    print("CHEAT connect to another world's listener: done", file=_sys.stderr, flush=True)
+except OSError as _e:
+    print(f"CHEAT connect to another world's listener: refused ({_e})", file=_sys.stderr, flush=True)
+"""
+
+VIEW_CHEATS = {"reads_the_reference": READ_THE_REFERENCE, "reads_a_classmate": READ_A_CLASSMATE}
+
+
+def _reaching(listener):
+    return f"PORT = {listener.port}\n" + REACH_A_LISTENER
+
+
+class _Listener:
+    """A TCP listener on the machine's loopback that counts the connections it is offered."""
+
+    def __init__(self):
+        self.socket = socket.create_server(("127.0.0.1", 0))
+        self.socket.setblocking(False)
+        self.port = self.socket.getsockname()[1]
+
+    def reached(self) -> bool:
+        try:
+            self.socket.accept()[0].close()
+            return True
+        except BlockingIOError:
+            return False
+
+    def close(self):
+        self.socket.close()
+
+
+def _as_user(base, who):
+    """base and what is in it made the grader's user's, as grade_as does."""
+    user = who[1]
+    if user is not None:
+        for top, dirs, files in os.walk(base):
+            for name in [top, *(os.path.join(top, n) for n in dirs + files)]:
+                os.lchown(name, *user)
+
+
+def _instructors_repository(base, cheats):
+    """A grader's copy with solutions/ (the instructors' repository), the stubs with cheats as the
+    submission, and a correct classmate beside it; (grader, submission)."""
+    grader, submission = _copy_grader(pathlib.Path(base), cheats)
+    shutil.copytree(SOLUTIONS, grader / "solutions", ignore=shutil.ignore_patterns("__pycache__"))
+    classmate = pathlib.Path(base) / "classmate"
+    classmate.mkdir()
+    for name in STUDENT_FILES:
+        shutil.copy(os.path.join(SOLUTIONS, name), classmate)
+    return grader, submission
+
+
+def _grade_in_repository(base, who, cheats):
+    python, user, mode, packages = who
+    grader, _ = _instructors_repository(base, cheats)
+    _as_user(base, who)
+    env = dict(os.environ, COURSE_IMPL=str(pathlib.Path(base) / "submission"), COURSE_SANDBOX=mode)
+    if packages:
+        env["PYTHONPATH"] = packages
+    done = warm.run(
+        ["-m", "course", "grade", "--ex", "2", "--", "-s"], cwd=grader, env=env, python=python, user=user, timeout=240
+    )
+    said = "\n".join(line for line in done.stderr.splitlines() if line.startswith("CHEAT")) or "(nothing)"
+    return done, grader / "results.json", said
+
+
+@pytest.mark.parametrize("attacked", ATTACKERS, indirect=True)
+@pytest.mark.parametrize("cheat", sorted(VIEW_CHEATS))
+def test_reading_the_reference_or_a_classmate_gains_nothing(attacked, cheat):
+    base, who = attacked
+    done, path, said = _grade_in_repository(base, who, {"dist.py": VIEW_CHEATS[cheat]})
+    assert_no_points(done, path, "par_matmul_by_row is not written yet")
+    assert "in a view of the course's public files and its own submission" in done.stdout, done.stdout
+    assert "done" not in said and "refused" in said, f"what the payload could do:\n{said}"
+
+
+@pytest.mark.parametrize("cheat", sorted(VIEW_CHEATS))
+def test_reading_the_reference_or_a_classmate_pays_without_the_view(tmp_path, cheat):
+    """The control: the same cheat, graded with COURSE_SANDBOX=off, takes exercise 2's full marks."""
+    os.chmod(tmp_path, 0o755)
+    done, path, said = _grade_in_repository(
+        tmp_path, (sys.executable, None, "off", ""), {"dist.py": VIEW_CHEATS[cheat]}
+    )
+    assert results(path)["score"] == 25, done.stdout + said
+    assert "done" in said, said
+
+
+@pytest.mark.parametrize("attacked", ATTACKERS, indirect=True)
+def test_reaching_another_worlds_listener_gains_nothing(attacked):
+    base, who = attacked
+    listener = _Listener()
+    try:
+        done, path, said = _grade_in_repository(base, who, {"dist.py": _reaching(listener)})
+        assert not listener.reached(), f"a worker reached a listener of the machine's network:\n{said}"
+    finally:
+        listener.close()
+    assert_no_points(done, path, "par_matmul_by_row is not written yet")
+    assert "refused" in said and "done" not in said, said
+
+
+def test_reaching_another_worlds_listener_succeeds_without_a_network_of_its_own(tmp_path):
+    """The control: with COURSE_SANDBOX=off the worker reaches the machine's listener."""
+    os.chmod(tmp_path, 0o755)
+    listener = _Listener()
+    try:
+        done, _, said = _grade_in_repository(
+            tmp_path, (sys.executable, None, "off", ""), {"dist.py": _reaching(listener)}
+        )
+        assert listener.reached(), said
+    finally:
+        listener.close()
+    assert "connect to another world's listener: done" in said, said
+
+
+def _autograde_class(base, who, listener):
+    """`make autograde` of exercise 2, as who says, in the instructors' repository (a grader's copy
+    with solutions/), on a class: alice, correct, and one student per cheat; the grading folder."""
+    python, user, mode, packages = who
+    base = pathlib.Path(base)
+    grader, _ = _copy_grader(base, {})
+    shutil.copytree(SOLUTIONS, grader / "solutions", ignore=shutil.ignore_patterns("__pycache__"))
+    cheats = {**VIEW_CHEATS, "reaches_a_listener": _reaching(listener)}
+    for student, cheat in [("alice", None), *cheats.items()]:
+        folder = base / "class" / student
+        folder.mkdir(parents=True)
+        for name in STUDENT_FILES:
+            shutil.copy(os.path.join(SOLUTIONS if cheat is None else ROOT, name), folder)
+        if cheat is not None:
+            with open(folder / "dist.py", "a") as f:
+                f.write("\n" + cheat)
+    _as_user(base, who)
+    env = {k: v for k, v in os.environ.items() if k != "COURSE_IMPL"} | {"COURSE_SANDBOX": mode, "HOME": str(base)}
+    if packages:
+        env["PYTHONPATH"] = packages
+    command = ["-m", "course.autograde", str(base / "class"), "--out", str(base / "grading"), "--ex", "2"]
+    done = warm.run(command, cwd=grader, env=env, python=python, user=user, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return base / "grading"
+
+
+def _graded(out, student):
+    found = results(out / "feedback" / student / "results.json")
+    with open(out / "feedback" / student / "output.txt") as f:
+        said = "\n".join(line for line in f.read().splitlines() if line.startswith("CHEAT")) or "(nothing)"
+    return found, said
+
+
+@pytest.mark.parametrize("mode", ["uid", "namespaces"])
+def test_a_class_whose_cheats_read_or_reach_others_is_graded_as_if_they_did_not(tmp_path, mode):
+    """Autograde, at each level: each cheat scores 0 with its reason, and alice, the classmate they
+    go after, full marks with a correct submission's feedback; no grade is advisory. (The grader
+    runs as this process's user and Python: Jupyter's exporters do not run under another Python
+    with this environment's packages, which the attackers above need for a normal user.)"""
+    if mode == "uid" and os.geteuid() != 0:
+        pytest.skip("the uid level needs root")
+    os.chmod(tmp_path, 0o755)
+    base, who = tmp_path, (sys.executable, None, mode, "")
+    listener = _Listener()
+    try:
+        out = _autograde_class(base, who, listener)
+        assert not listener.reached(), "a worker reached a listener of the machine's network"
+    finally:
+        listener.close()
+    alice, _ = _graded(out, "alice")
+    assert alice["score"] == 25 and {(t["status"], t["output"]) for t in alice["tests"]} == {("passed", "")}, alice
+    for student in [*VIEW_CHEATS, "reaches_a_listener"]:
+        found, said = _graded(out, student)
+        assert found["score"] == 0, (student, said)
+        assert all("is not written yet" in t["output"] for t in found["tests"]), found
+        assert "refused" in said and "done" not in said, f"{student}: what the payload could do:\n{said}"
+        assert "extra_data" not in found, found
+    with open(out / "report.json") as f:
+        assert not json.load(f)["advisory"]
+
+
+def test_a_class_whose_cheats_read_or_reach_others_pays_without_a_sandbox(tmp_path):
+    """The control: with COURSE_SANDBOX=off each cheat takes what it went for, and every grade and
+    the class report say they are advisory, and why."""
+    os.chmod(tmp_path, 0o755)
+    listener = _Listener()
+    try:
+        out = _autograde_class(tmp_path, (sys.executable, None, "off", ""), listener)
+        assert listener.reached()
+    finally:
+        listener.close()
+    for student in VIEW_CHEATS:
+        found, said = _graded(out, student)
+        assert found["score"] == 25, (student, said)
+        assert found["extra_data"]["advisory"] == "submission code ran without a sandbox (COURSE_SANDBOX=off)", found
+        assert "This grade is advisory: submission code ran without a sandbox" in found["output"], found
+    assert "done" in _graded(out, "reaches_a_listener")[1]
+    with open(out / "report.json") as f:
+        assert "COURSE_SANDBOX=off" in json.load(f)["advisory"]
+    assert "These grades are advisory" in (out / "report.html").read_text()
+
+
+def test_a_level_without_a_view_makes_an_advisory_grade(tmp_path):
+    """Where a level is had but its workers cannot be given a view of their own submission (each
+    probe says so here), the grade is made and said to be advisory, with the reason: in its last
+    line and in results.json's extra_data."""
+    probes = (
+        "from course import sandbox\n\n"
+        "_probes = dict(sandbox._PROBES)\n"
+        "sandbox._PROBES.update({n: (lambda p: lambda r, s: (p(r, None)[0], 'no view here'))(p) for n, p in _probes.items()})\n"
+    )
+    (tmp_path / "no_view.py").write_text(probes)
+    environ = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    args = ["--ex", "2", "--results", str(tmp_path / "results.json"), "--", "-p", "no_view", "-k", "test_by_row[1]"]
+    done = warm.grade(*args, impl=SOLUTIONS, cwd=ROOT, env=environ)  # a folder the world's uid can enter
+    assert done.returncode == 0, done.stdout + done.stderr
+    reason = "submission code could read files other than its own (no view here)"
+    assert f"{reason}: this grade is advisory." in done.stdout, done.stdout
+    found = results(tmp_path / "results.json")
+    assert found["score"] == 2 and found["extra_data"] == {"advisory": reason}, found["tests"][0]["output"]

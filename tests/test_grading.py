@@ -461,7 +461,7 @@ def test_a_required_sandbox_that_this_machine_cannot_give_is_a_grader_error(tmp_
     machine without user namespaces, not root): exit status 1, the sentence, no check run, no score."""
     probes = (
         "from course import sandbox\n\n"
-        "sandbox._PROBES.update(uid=lambda readable: 'no user here', namespaces=lambda readable: 'no namespaces here')\n"
+        "sandbox._PROBES.update(uid=lambda *_: ('no user here', ''), namespaces=lambda *_: ('no namespaces here', ''))\n"
     )
     environ = {"COURSE_SANDBOX": "required"} | grading_plugin(tmp_path, "no_sandbox", probes)
     done = warm.grade("--ex", "2", "--", "-p", "no_sandbox", impl=ROOT, cwd=tmp_path, env=environ)
