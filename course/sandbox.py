@@ -217,7 +217,9 @@ def _probe(start, enter, submission: str | None, check=lambda: "") -> tuple:
             except OSError as error:
                 unseen = f"{type(error).__name__}: {error}"
             unseen = unseen or _in_child(confined(entries))
-        return (_in_child(confined(None)) if unseen else ""), unseen
+        # Without a view the workers need what the level gives them as it is (the uid level: a Python
+        # its user can read); with one, the view holds it.
+        return (_in_child(confined(None)) if unseen or submission is None else ""), unseen
     finally:
         guard.stop()
         shutil.rmtree(folder, ignore_errors=True)
@@ -627,6 +629,14 @@ def _read_only_but(folder: str, entries: tuple | None) -> None:
         except OSError:
             if point in ("/", root, writable):
                 raise
+    shm = os.path.join(root, "dev", "shm")
+    if os.path.isdir(shm):
+        # Shared memory of the rank's own: multiprocessing's locks need a writable /dev/shm (torch's
+        # distributed checkpoint imports them), and the machine's, read-only here, is every world's.
+        try:
+            _mount("tmpfs", shm, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "mode=1777,size=256m")
+        except OSError:  # a kernel that refuses: the rank has none, as before
+            pass
     if root != "/":
         cwd = os.getcwd()
         os.chroot(root)

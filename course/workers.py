@@ -663,7 +663,11 @@ def sandbox_every_world() -> None:
 
 def sandbox_level() -> sandbox.Level:
     """The sandbox of this machine, for workers that must read the course, the code under test and torch."""
-    return sandbox.level((ROOT, impl.selected(), os.path.dirname(torch.__file__)), impl.selected())
+    # Only where grades are made are the workers given a view, and only a view lets a sandbox user read
+    # what the grader's user keeps to itself (a Python under /root): elsewhere (the tests' worlds, whose
+    # code under test is a folder of their own) the level is the one that works without.
+    viewed = impl.selected() if _every_world_sandboxed else None
+    return sandbox.level((ROOT, impl.selected(), os.path.dirname(torch.__file__)), viewed)
 
 
 def submission_view() -> tuple:
