@@ -90,11 +90,11 @@ $(VENV)/.instructors: requirements-instructors.txt $(VENV)/.notebooks
 	$(SETUP) --instructors
 
 demo: $(VENV)/.installed
-	$(PY) -m course.compat --scripts
+	$(PY) -m course.compat_check --scripts
 
-# The side venv lives in ~/.cache/ddp-course (course/compat.py): a CUDA build of torch is several GB.
+# The side venv lives in ~/.cache/ddp-course (course/compat_check.py): a CUDA build of torch is several GB.
 compat: $(VENV)/.installed
-	$(PY) -m course.compat $(if $(TORCH),--torch $(TORCH))
+	$(PY) -m course.compat_check $(if $(TORCH),--torch $(TORCH))
 
 test: $(VENV)/.instructors
 	COURSE_IMPL=solutions $(PYTEST) tests

@@ -68,6 +68,7 @@ INSTRUCTORS_ONLY = (
     "course/gradescope.py",
     "course/classroom.py",
     "course/gpu_check.py",
+    "course/compat_check.py",
     "course/student.py",
     "course/make_notebooks.py",
     "bench/grade_time.py",
