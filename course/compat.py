@@ -22,7 +22,6 @@ from __future__ import annotations
 import warnings
 
 OLDEST, NEWEST = "2.11.0", "2.15.0"
-PINNED = "2.13.0"  # requirements.txt: what students install
 
 # The process group's methods of the one-tensor collectives, by the torch.distributed function the
 # handouts name.
