@@ -156,7 +156,10 @@ def level(readable: tuple = (), submission: str | None = None) -> Level:
     if not LINUX:
         found, problems = None, [f"no sandbox on {sys.platform}"]
     else:
-        tried = [name for name in ("uid", "namespaces") if mode in (name, "auto", "required")]
+        # Namespaces first, for root too: its workers see no process but their own, and a world starts
+        # faster (the whole grade of the reference: 26 s against 39 s at the uid level, as root here).
+        # The uid level is for where the kernel gives root no user namespace (a container's default).
+        tried = [name for name in ("namespaces", "uid") if mode in (name, "auto", "required")]
         if os.geteuid() != 0 and "uid" in tried:
             tried.remove("uid")
         found, problems = None, [] if tried else ["the uid level needs root"]
