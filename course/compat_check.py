@@ -43,7 +43,8 @@ SCRIPTS = (
 def venv_for(version: str, cache: str | None = None) -> str:
     """The Python of a side venv with torch==version (and what grading needs), made on first use and
     kept under ~/.cache/ddp-course/compat-VERSION: from PyPI, torch is a CUDA build of several GB."""
-    folder = os.path.join(cache or os.path.expanduser("~/.cache/ddp-course"), f"compat-{version}")
+    cache = cache or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ddp-course")
+    folder = os.path.join(cache, f"compat-{version}")
     python = os.path.join(folder, "bin", "python")
     if _torch_version(python) == version:
         return python
@@ -65,16 +66,16 @@ def _torch_version(python: str) -> str | None:
     return asked.stdout.strip().split("+")[0] if asked.returncode == 0 else None
 
 
-def grade(python: str, exercise: int, implementation: str) -> tuple:
-    """(score, most, seconds) of `python -m course grade --ex N` on the reference ("solutions") or the
-    stubs ("student")."""
+def grade(python: str, exercises: list, implementation: str) -> tuple:
+    """({exercise: (score, most)}, seconds) of one `python -m course grade` of `exercises` on the reference
+    ("solutions") or the stubs ("student"): one grader for all, as a student's `make grade` runs them."""
     from course.layout import ROOT
 
     with tempfile.TemporaryDirectory() as folder:
         results = os.path.join(folder, "results.json")
         started = time.monotonic()
         subprocess.run(
-            [python, "-m", "course", "grade", "--ex", str(exercise), "--results", results],
+            [python, "-m", "course", "grade", *(f"--ex={n}" for n in exercises), "--results", results],
             cwd=ROOT,
             env=dict(os.environ, COURSE_IMPL=implementation),
             capture_output=True,
@@ -82,10 +83,16 @@ def grade(python: str, exercise: int, implementation: str) -> tuple:
         seconds = time.monotonic() - started
         try:
             with open(results) as file:
-                graded = json.load(file)
-        except (OSError, ValueError):  # the grader did not start (torch does not import, say)
-            return 0, 0, seconds
-    return graded["score"], sum(test["max_score"] for test in graded["tests"]), seconds
+                graded = json.load(file)["tests"]
+        except (OSError, ValueError, KeyError):  # the grader did not start (torch does not import, say)
+            graded = []
+    scores = {n: (0.0, 0.0) for n in exercises}
+    for test in graded:
+        # Gradescope's names say which exercise each check is of: "Exercise 5: test_ring[2]".
+        n = int(test["name"].split(":")[0].split()[-1])
+        score, most = scores.get(n, (0.0, 0.0))
+        scores[n] = (score + test["score"], most + test["max_score"])
+    return scores, seconds
 
 
 def run_scripts(python: str, quiet: bool) -> list:
@@ -114,16 +121,16 @@ def check(python: str, exercises: list | None = None, scripts: bool = True) -> b
     version = _torch_version(python)
     print(f"compat: torch {version}, {python}")
     good = True
-    for exercise in graded_exercises() if exercises is None else exercises:
-        score, most, seconds = grade(python, exercise, "solutions")
-        stub_score, _, stub_seconds = grade(python, exercise, "student")
+    exercises = graded_exercises() if exercises is None else exercises
+    if exercises:
+        reference, seconds = grade(python, exercises, "solutions")
+        stubs, stub_seconds = grade(python, exercises, "student")
+        print(f"compat: graded the reference in {seconds:.0f} s, the stubs in {stub_seconds:.0f} s")
+    for exercise in exercises:
+        (score, most), (stub_score, _) = reference[exercise], stubs[exercise]
         ok = score == most > 0 and stub_score == 0
         good &= ok
-        print(
-            f"exercise {exercise:>2}: {'pass' if ok else 'FAIL'}  reference {score:g}/{most:g} ({seconds:.0f} s),"
-            f" stubs {stub_score:g} ({stub_seconds:.0f} s)",
-            flush=True,
-        )
+        print(f"exercise {exercise:>2}: {'pass' if ok else 'FAIL'}  reference {score:g}/{most:g}, stubs {stub_score:g}")
     for script, status, seconds, output in run_scripts(python, quiet=True) if scripts else []:
         good &= status == 0
         print(f"solutions/{script}: {'pass' if status == 0 else f'FAIL (exit {status})'} ({seconds:.0f} s)", flush=True)
@@ -135,13 +142,16 @@ def check(python: str, exercises: list | None = None, scripts: bool = True) -> b
 
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course.compat_check", description=__doc__.splitlines()[0])
-    parser.add_argument("--torch", metavar="VERSION", help=f"the torch to check, {OLDEST} to {NEWEST}")
+    parser.add_argument(
+        "--torch", metavar="VERSION", help=f"the torch to check, {OLDEST} to {NEWEST} (or oldest, newest)"
+    )
     parser.add_argument("--scripts", action="store_true", help="only the reference scripts (alone: here, make demo)")
     parser.add_argument("--ex", type=int, action="append", help="only this exercise's checks (again for more)")
     args = parser.parse_args(argv)
     if args.scripts and not args.torch:
         return int(any(status for _, status, _, _ in run_scripts(sys.executable, quiet=False)))
-    python = venv_for(args.torch) if args.torch else sys.executable
+    version = {"oldest": OLDEST, "newest": NEWEST}.get(args.torch, args.torch)
+    python = venv_for(version) if version else sys.executable
     exercises = [] if args.scripts and not args.ex else args.ex
     return 0 if check(python, exercises, scripts=args.scripts or not args.ex) else 1
 

@@ -148,7 +148,7 @@ def level(readable: tuple = (), submission: str | None = None) -> Level:
     that is graded, whose view (view()) is tried too: where it cannot be made, the level stays,
     and says why its grades are advisory.
     """
-    mode = os.environ.get("COURSE_SANDBOX", "auto")
+    mode = os.environ.get("COURSE_SANDBOX") or "auto"  # set but empty: as if unset
     if mode not in ("auto", "required", "off", "uid", "namespaces"):
         raise ValueError(f"COURSE_SANDBOX is {mode!r}: auto, required, uid, namespaces or off")
     if mode == "off":

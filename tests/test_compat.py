@@ -1,6 +1,7 @@
 """course/compat.py: what differs across the supported torch versions; course/compat_check.py: make compat's
 cached venv."""
 
+import json
 import os
 import warnings
 
@@ -39,3 +40,21 @@ def test_a_made_venv_is_used_again(tmp_path):
 
     assert compat_check.venv_for("2.11.0", cache=str(tmp_path)) == str(python)
     assert os.path.exists(python)
+
+
+def test_one_grade_of_every_exercise_is_split_by_exercise(tmp_path):
+    """make compat grades every exercise in one grader, as a student's make grade does, and reads each
+    exercise's score from the Gradescope names; a grader that wrote nothing scores 0 of 0."""
+    python = tmp_path / "python"
+    tests = [("Exercise 2: test_a", 5, 5), ("Exercise 2: test_b", 0, 10), ("Exercise 11: test_c", 3, 3)]
+    results = {"score": 8, "tests": [{"name": n, "score": s, "max_score": m} for n, s, m in tests]}
+    python.write_text(
+        f'#!/bin/sh\nwhile [ "$1" != --results ]; do shift; done\necho \'{json.dumps(results)}\' > "$2"\n'
+    )
+    python.chmod(0o755)
+    from course import compat_check
+
+    scores, _ = compat_check.grade(str(python), [2, 11, 15], "solutions")
+    assert scores == {2: (5, 15), 11: (3, 3), 15: (0, 0)}
+    python.write_text("#!/bin/sh\nexit 1\n")
+    assert compat_check.grade(str(python), [2], "solutions")[0] == {2: (0, 0)}
