@@ -520,7 +520,8 @@ class _Grader:
         from course import sandbox, workers
 
         try:
-            self.sandbox, self.advisory = workers.sandbox_level().line(), workers.sandbox_level().advisory
+            level = workers.sandbox_level()
+            self.sandbox, self.advisory = level.line(), level.advisory
         except sandbox.NoSandbox as refused:  # COURSE_SANDBOX=required: no check may run
             self.broken.append(str(refused))
             session.shouldfail = str(refused)

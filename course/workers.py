@@ -614,9 +614,10 @@ def run(
     child_env = env.loopback_settings(sys.platform)
     if debug:
         child_env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    confinement = sandbox_level().name if sandbox or _every_world_sandboxed else "none"
+    level = sandbox_level() if sandbox or _every_world_sandboxed else None
+    confinement = level.name if level else "none"
     # Where grades are made, the workers see the course's public files and the code graded, no more.
-    viewed = _every_world_sandboxed and confinement != "none" and not sandbox_level().unseen
+    viewed = _every_world_sandboxed and confinement != "none" and not level.unseen
     view = submission_view() if viewed else None
     keep = keep and port is None and _PASS_STREAMS
     key = (world_size, threads, backend, device, collective_timeout, method, tuple(sorted(child_env.items())))
