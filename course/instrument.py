@@ -444,7 +444,8 @@ def unchecked_group(timeout=None, use: str = "messages") -> ProcessGroup:
     per world, by every rank at the same point (its first call), with the collective timeout
     ``timeout``. "messages": the default group's sends and receives, and DDP's collectives;
     "agreement": Agreement's exchanges, which must not interleave with DDP's (Join's included);
-    "torch": torch's own DTensor code in the checks' probes (course/compat.py, cpu_mesh)."""
+    "torch": torch's own DTensor code in the checks' probes (course/compat.py, cpu_mesh); "given": a group
+    handed to code under test, which must use it rather than the default group (tests/contracts.py)."""
     if use not in _unchecked:
         level = dist.get_debug_level()
         dist.set_debug_level(dist.DebugLevel.OFF)

@@ -18,6 +18,10 @@ The kinds of promise:
   (requires_grad=False), a non-persistent buffer, and values that differ by rank.
 - in_place: what it must change in the tensors it was given, not in new ones: checked by identity
   (the same tensor objects, at the same storage) after the call.
+- dtypes: the input dtypes it must handle and keep: float32, float64 and bfloat16 where a dtype is
+  promised ("the dtype", "bytes of gradients").
+- group: it must use the group it is given: tried on a group of its own (dist.new_group), and every
+  collective it starts must go there, not to the default group.
 
 tests/test_contracts.py walks the student files' docstrings and TODOs: a sentence that makes one of
 these promises must name an entry here or a named check (PROMISES), or wait in PENDING.
@@ -32,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course.checks import said
+from course.instrument import unchecked_group
 from tests.helpers import CONFIG, SmallMLP, global_batch, keyed, load, world
 
 
@@ -46,14 +51,21 @@ class Contract:
     smallest: dict = field(default_factory=dict)  # the smallest legal value of each argument named
     syncs: bool = False  # every parameter and every buffer, on every rank, from rank 0
     in_place: tuple = ()  # what it must change in place, by name
+    dtypes: tuple = ()  # the input dtypes it must handle and keep, by name: "float64"
+    group: bool = False  # it must use the group it is given
 
     @property
     def name(self) -> str:
         return self.function.rsplit(".", 1)[-1]
 
 
+DTYPES = ("float32", "float64", "bfloat16")
+
 CONTRACTS = (
     Contract(1, "mlp.evaluate", "_evaluate", returns="float", world_sizes=(1,)),
+    Contract(2, "dist.par_matmul_by_row", "_by_row", dtypes=DTYPES),
+    Contract(2, "dist.par_matmul_by_reduction", "_by_reduction", dtypes=DTYPES),
+    Contract(6, "mydp.bucket_parameters", "_buckets", dtypes=DTYPES[1:]),
     Contract(
         3,
         "mlp.check_parameter_closeness",
@@ -71,6 +83,7 @@ CONTRACTS = (
         in_place=("running_mean", "running_var"),
     ),
     Contract(10, "hvd.broadcast_parameters", "_broadcast_parameters", world_sizes=(2, 3), syncs=True, in_place=("*",)),
+    Contract(11, "zero.bf16_average_hook", "_hook_on_a_group", group=True),
 )
 
 
@@ -84,6 +97,8 @@ def of_exercise(exercise: int) -> list:
 def cases(contract: Contract, world_size: int) -> list:
     """The cases of a contract in a world of world_size, as dicts of plain data: each names what it
     tries ("plain", "within tolerance", "smallest period", ...) and what the judge expects of it."""
+    if contract.dtypes:
+        return [{"case": f"{dtype} inputs", "dtype": dtype} for dtype in contract.dtypes]
     found = [{"case": "plain"}]
     if contract.within_tolerance and world_size > 1:
         found.append({"case": "within tolerance", "expected": True})
@@ -188,6 +203,59 @@ def _broadcast_parameters(ex, case):
     return {"result": result, "replaced": replaced, "state": {n: t.detach().clone() for n, t in now.items()}}
 
 
+def _matrices(dtype):
+    """A (5 x 7) and B (7 x 3) of this dtype on rank 0, None on the others: 5 and 7 divide by no world."""
+    if dist.get_rank() != 0:
+        return None, None
+    g = torch.Generator().manual_seed(11)
+    dtype = getattr(torch, dtype)
+    return torch.randn(5, 7, generator=g).to(dtype), torch.randn(7, 3, generator=g).to(dtype)
+
+
+def _by_row(ex, case):
+    product = ex.dist.par_matmul_by_row(*_matrices(case["dtype"]))
+    return {"result": product, "dtype": _dtype(product)}
+
+
+def _by_reduction(ex, case):
+    product = ex.dist.par_matmul_by_reduction(*_matrices(case["dtype"]))
+    return {"result": product, "dtype": _dtype(product)}
+
+
+def _dtype(value):
+    return str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else None
+
+
+CAP_BYTES = 160  # two float64 parameters of 10 elements, five of 4 bytes each per element
+
+
+def _buckets(ex, case):
+    params = [nn.Parameter(torch.zeros(10, dtype=getattr(torch, case["dtype"]))) for _ in range(5)]
+    buckets = ex.mydp.bucket_parameters(params, CAP_BYTES)
+    sizes = [[p.numel() * p.element_size() for p in bucket] for bucket in buckets]
+    return {"result": buckets, "bytes": sizes}
+
+
+def _hook_on_a_group(ex, case):
+    group = unchecked_group(use="given")  # DDP segfaults on a group under torch's collective check
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(SmallMLP(), process_group=group)
+    model.register_comm_hook(group, ex.zero.bf16_average_hook)
+    used, original = [], dist.ProcessGroup.allreduce
+
+    def noted(pg, *args, **kwargs):
+        used.append(pg.group_name == group.group_name)
+        return original(pg, *args, **kwargs)
+
+    x, y = global_batch(CONFIG, 0, 1)
+    dist.ProcessGroup.allreduce = noted
+    try:
+        model(x, y)[1].backward()
+    finally:
+        dist.ProcessGroup.allreduce = original
+    return {"result": None, "on_group": used}
+
+
 def probe(folder, exercise):
     """Probe, on every rank: every case of the exercise's contracts for this world, by contract and case."""
     ex = load(folder)
@@ -232,6 +300,25 @@ def broken(contract: Contract, case: dict, got: dict, rank: int, world_size: int
             f"{name} returned {got['result']['value']!r} for ranks whose parameters differ by far less than"
             f" torch.allclose's tolerance; it must return {case['expected']!r}: compare with torch.allclose,"
             f" not exactly{where}",
+        )
+    if contract.dtypes and got.get("dtype") not in (None, case["dtype"]):
+        return said(
+            f"{name} does not keep its inputs' dtype",
+            f"{name} returned a {got['dtype']} tensor for {case['dtype']} inputs; it must keep the inputs' dtype,"
+            f" which share_shapes tells every rank{where}",
+        )
+    too_full = [b for b in got.get("bytes", []) if len(b) > 1 and sum(b) > CAP_BYTES]
+    if contract.dtypes and too_full:
+        return said(
+            f"{name} over cap_bytes for gradients of another dtype than float32",
+            f"{name} put {sum(too_full[0])} bytes of {case['dtype']} gradients in one bucket, cap_bytes={CAP_BYTES}:"
+            f" a bucket holds at most cap_bytes, and a gradient takes element_size() bytes per element{where}",
+        )
+    if contract.group and not (got["on_group"] and all(got["on_group"])):
+        return said(
+            f"{name} ignores the group it is given",
+            f"{name} all-reduced on another group than the one DDP called it with: its collectives go to that"
+            f" group (and its size is that group's){where}",
         )
     if contract.in_place and got.get("replaced"):
         return said(

@@ -28,7 +28,7 @@ PROMISES = {
     "mlp.train | Every rank builds the same data.": "test_ex3_ddp.test_train_shares_batches",
     # exercise 2 and 5: dist.py
     "dist.par_matmul_by_row | Broadcast B to every rank, scatter row blocks of A (dist.scatter), multiply locally, and gather the row blocks of C back to rank 0 (dist.gather). m need not divide by the world size.": "test_ex2_dist.test_by_row",
-    "dist.par_matmul_by_reduction | Return A @ B on every rank, computed by splitting the reduction dimension k.": "test_ex2_dist.test_by_reduction",
+    "dist.par_matmul_by_reduction | Return A @ B on every rank, computed by splitting the reduction dimension k.": "contract dist.par_matmul_by_reduction dtypes",
     "dist.par_matmul_by_reduction | Scatter column blocks of A and row blocks of B, multiply locally into a full m x n partial product, and sum the partial products on every rank with dist.all_reduce.": "test_ex2_dist.test_by_reduction",
     "dist.exchange | Every rank calls it at the same time, each sending to its right and receiving from its left.": "test_ex5_ring.test_ring",
     "dist.exchange | If every rank first sent with the blocking dist.send and only then received, each would wait for a receiver that never comes.": "test_ex5_ring.test_ring",
@@ -36,7 +36,7 @@ PROMISES = {
     "dist.ring_all_reduce | Reduce-scatter: in W - 1 steps every rank passes one chunk on and adds the chunk that arrives to its own, until each rank holds one chunk summed over all ranks.": "test_ex5_ring.test_ring",
     # exercises 4, 6 and 7: mydp.py
     "mydp.MyDP.__init__ | 1. broadcast rank 0's parameters and buffers (dist.broadcast); 2. register a hook (Tensor.register_hook) on every parameter that requires a gradient; the hook returns the gradient all-reduced (dist.all_reduce) and averaged over ranks.": "test_ex4_mydp.test_frozen_parameters",
-    "mydp.bucket_parameters | Group parameters into buckets of at most cap_bytes of gradients; returns a list of lists.": "test_ex6_overlap.test_bucket_parameters",
+    "mydp.bucket_parameters | Group parameters into buckets of at most cap_bytes of gradients; returns a list of lists.": "contract mydp.bucket_parameters dtypes",
     "mydp.OverlappedDP._gradient_ready | 1. make sure self.finish_gradient_synchronization runs once this backward pass ends; 2. count the bucket's ready gradients; 3. launch (self._launch), in bucket order, every complete bucket: every rank must start them in the same order.": "test_ex6_overlap.test_bucket_order",
     "mydp.OverlappedDP.finish_gradient_synchronization | Wait for every bucket's all-reduce and copy the averages into .grad; reset for the next pass.": "test_ex6_overlap.test_overlapped_steps",
     "mydp.accumulation_step | Every piece but the last runs inside model.no_sync(); the last backward pass averages the accumulated gradients across ranks.": "test_ex7_accumulation.test_accumulation_step",
@@ -76,7 +76,7 @@ PROMISES = {
     "zero.ShardedOptimizer.share_parameters | every rank calls the same broadcasts in the same order, each from its owner.": "test_ex11_zero.test_steps",
     "zero.bf16_average_hook | DDP's all-reduce of one bucket of gradients, sent in bfloat16: return a future of the average.": "test_ex11_zero.test_hook",
     "zero.bf16_average_hook | Register it with ddp_model.register_comm_hook(ddp_model.process_group, bf16_average_hook):": "test_ex11_zero.test_hook",
-    "zero.bf16_average_hook | DDP calls it with that group for every bucket, as soon as the bucket's gradients are ready.": "test_ex11_zero.test_hook",
+    "zero.bf16_average_hook | DDP calls it with that group for every bucket, as soon as the bucket's gradients are ready.": "contract zero.bf16_average_hook group",
     "zero.bf16_average_hook | One all-reduce per bucket, in bfloat16, started without waiting for it (async_op=True): the backward pass goes on while it runs.": "test_ex11_zero.test_hook",
     "zero.bf16_average_hook | bucket.buffer() is the bucket's flat float32 gradients.": "test_ex11_zero.test_hook",
     # exercise 12: cost.py

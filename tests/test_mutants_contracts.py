@@ -81,6 +81,36 @@ MUTANTS = {
         lambda folder: check_contracts(folder, 10),
         "put new tensors in place of",
     ),
+    # dtypes: float32 is the only dtype a hand-picked case tries.
+    "par_matmul_by_row casts the product to float32": (
+        "dist.py",
+        "my_C = (my_rows @ B).contiguous()",
+        "my_C = (my_rows @ B).float()",
+        lambda folder: check_contracts(folder, 2),
+        "par_matmul_by_row returned a float32 tensor for float64 inputs; it must keep the inputs' dtype",
+    ),
+    "par_matmul_by_row receives B as float32": (
+        "dist.py",
+        "        B = torch.empty(k, n, dtype=dtype)",
+        "        B = torch.empty(k, n)",
+        lambda folder: check_contracts(folder, 2),
+        "with a different dtype",
+    ),
+    "bucket_parameters counts 4 bytes per element": (
+        "mydp.py",
+        "nbytes = param.numel() * param.element_size()",
+        "nbytes = param.numel() * 4",
+        lambda folder: check_contracts(folder, 6),
+        "bytes of float64 gradients in one bucket, cap_bytes=160",
+    ),
+    # group: a hook run on the default group only cannot show which group it uses.
+    "bf16_average_hook all-reduces on the default group": (
+        "zero.py",
+        "dist.all_reduce(compressed, group=group, async_op=True)",
+        "dist.all_reduce(compressed, async_op=True)",
+        lambda folder: check_contracts(folder, 11),
+        "bf16_average_hook all-reduced on another group than the one DDP called it with",
+    ),
     # syncs: the parameters and buffers easiest to forget.
     "broadcast_parameters skips frozen parameters": (
         "hvd.py",
