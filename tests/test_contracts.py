@@ -35,7 +35,7 @@ PROMISES = {
     "dist.ring_all_reduce | Sum a contiguous tensor over all ranks, in place, with point-to-point messages only.": "test_ex5_ring.test_ring",
     "dist.ring_all_reduce | Reduce-scatter: in W - 1 steps every rank passes one chunk on and adds the chunk that arrives to its own, until each rank holds one chunk summed over all ranks.": "test_ex5_ring.test_ring",
     # exercises 4, 6 and 7: mydp.py
-    "mydp.MyDP.__init__ | 1. broadcast rank 0's parameters and buffers (dist.broadcast); 2. register a hook (Tensor.register_hook) on every parameter that requires a gradient; the hook returns the gradient all-reduced (dist.all_reduce) and averaged over ranks.": "test_ex4_mydp.test_frozen_parameters",
+    "mydp.MyDP.__init__ | 1. broadcast rank 0's parameters and buffers (dist.broadcast); 2. register a hook (Tensor.register_hook) on every parameter that requires a gradient; the hook returns the gradient all-reduced (dist.all_reduce) and averaged over ranks.": "contract mydp.MyDP.__init__ syncs",
     "mydp.bucket_parameters | Group parameters into buckets of at most cap_bytes of gradients; returns a list of lists.": "contract mydp.bucket_parameters dtypes",
     "mydp.OverlappedDP._gradient_ready | 1. make sure self.finish_gradient_synchronization runs once this backward pass ends; 2. count the bucket's ready gradients; 3. launch (self._launch), in bucket order, every complete bucket: every rank must start them in the same order.": "test_ex6_overlap.test_bucket_order",
     "mydp.OverlappedDP.finish_gradient_synchronization | Wait for every bucket's all-reduce and copy the averages into .grad; reset for the next pass.": "test_ex6_overlap.test_overlapped_steps",

@@ -304,5 +304,5 @@ def test_overlapped_steps(impl_dir, wrap_name, world_size):
 
 @pytest.mark.points(1)
 def test_contracts(impl_dir):
-    """Every promise declared for the exercise's functions in tests/contracts.py: buckets of at most cap_bytes for float64 and bfloat16 gradients."""
+    """Every promise declared for the exercise's functions in tests/contracts.py: buckets of at most cap_bytes for float64 and bfloat16 gradients, and OverlappedDP's start from rank 0's every parameter and buffer."""
     check_contracts(impl_dir, 6)

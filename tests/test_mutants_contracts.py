@@ -119,6 +119,20 @@ MUTANTS = {
         lambda folder: check_contracts(folder, 10),
         "0.bias (a frozen parameter) is not rank 0's",
     ),
+    "MyDP broadcasts only the parameters that train": (
+        "mydp.py",
+        "for tensor in list(model.parameters()) + list(model.buffers()):",
+        "for tensor in [p for p in model.parameters() if p.requires_grad] + list(model.buffers()):",
+        lambda folder: check_contracts(folder, 4),
+        "after MyDP(model), rank 1's 0.bias (a frozen parameter) is not rank 0's",
+    ),
+    "OverlappedDP broadcasts the state dict": (
+        "mydp.py",
+        "for state in [*model.parameters(), *model.buffers()]:",
+        "for state in model.state_dict().values():",
+        lambda folder: check_contracts(folder, 6),
+        "after OverlappedDP(model), rank 1's scale (a non-persistent buffer) is not rank 0's",
+    ),
     "broadcast_parameters skips non-persistent buffers": (
         "hvd.py",
         "for tensor in [*model.parameters(), *model.buffers()]:",
