@@ -60,8 +60,8 @@ PROMISES = {
     "sync.average_parameters | Set every parameter of model to its mean over the ranks (dist.all_reduce), in the model's own Parameter objects: the optimizer holds those, and steps whatever values they have.": "test_ex9_sync.test_average_parameters",
     "sync.local_sgd | Train on this rank's batches alone and average the parameters every `period` steps.": "test_ex9_sync.test_local_sgd",
     "sync.local_sgd | The parameters are averaged with average_parameters after steps period, 2 * period, ... and after the last step if it is not one of those, so that every rank ends with the same model. before_average, if given, is called with the number of steps taken just before each averaging.": "test_ex9_sync.test_local_sgd",
-    "sync.local_sgd | Returns the loss of every step, as floats.": "contract sync.local_sgd returns",
-    "sync.local_sgd | the loop; period=1 averages after every step.": "contract sync.local_sgd smallest",
+    "sync.local_sgd | Returns the loss of every step, as floats.": "test_ex9_sync.test_local_sgd",
+    "sync.local_sgd | the loop; period=1 averages after every step.": "test_ex9_sync.test_period_one_is_synchronous",
     # exercise 10: hvd.py
     "hvd.broadcast_parameters | Give every rank rank 0's parameters and buffers (dist.broadcast), in the model's own tensors: an optimizer built before holds the Parameter objects.": "contract hvd.broadcast_parameters in_place",
     "hvd.broadcast_parameters | every parameter and every buffer, from rank 0.": "contract hvd.broadcast_parameters syncs",

@@ -267,5 +267,5 @@ def test_mixed_dtypes(impl_dir):
 
 @pytest.mark.points(1)
 def test_contracts(impl_dir):
-    """Every promise declared for the exercise's functions in tests/contracts.py: their types, broadcast_parameters on a frozen parameter and a non-persistent buffer, in place."""
+    """Every promise declared for the exercise's functions in tests/contracts.py: broadcast_parameters reaches a frozen parameter and a non-persistent buffer, in the model's own tensors."""
     check_contracts(impl_dir, 10)

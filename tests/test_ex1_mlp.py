@@ -277,5 +277,5 @@ def test_cli_types(impl_dir):
 
 @pytest.mark.points(1)
 def test_contracts(impl_dir):
-    """Every promise declared for the exercise's functions in tests/contracts.py: their types, evaluate's float."""
+    """Every promise declared for the exercise's functions in tests/contracts.py: evaluate returns a float."""
     check_contracts(impl_dir, 1)

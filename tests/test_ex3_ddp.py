@@ -106,5 +106,5 @@ def test_rank0_prints(impl_dir):
 
 @pytest.mark.points(2)
 def test_contracts(impl_dir):
-    """Every promise declared for the exercise's functions in tests/contracts.py: their types, check_parameter_closeness's bool, its torch.allclose tolerance and a world of one."""
+    """Every promise declared for the exercise's functions in tests/contracts.py: check_parameter_closeness returns a bool, compares within torch.allclose's tolerance, and answers in a world of one."""
     check_contracts(impl_dir, 3)

@@ -240,5 +240,5 @@ def test_nested_no_sync(impl_dir):
 
 @pytest.mark.points(1)
 def test_contracts(impl_dir):
-    """Every promise declared for the exercise's functions in tests/contracts.py: their types, accumulation_step's float and a single micro-batch."""
+    """Every promise declared for the exercise's functions in tests/contracts.py: accumulation_step returns a float, with one micro-batch too."""
     check_contracts(impl_dir, 7)

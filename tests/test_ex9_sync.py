@@ -864,5 +864,5 @@ def test_non_iid_claims(impl_dir):
 
 @pytest.mark.points(1)
 def test_contracts(impl_dir):
-    """Every promise declared for the exercise's functions in tests/contracts.py: their types, local_sgd's floats at the smallest period, running statistics updated in place."""
+    """Every promise declared for the exercise's functions in tests/contracts.py: the running statistics updated in place."""
     check_contracts(impl_dir, 9)

@@ -27,13 +27,6 @@ MUTANTS = {
         lambda folder: check_contracts(folder, 7),
         "accumulation_step returned a Tensor; it must return a float",
     ),
-    "local_sgd returns tensors": (
-        "sync.py",
-        "        losses.append(loss.item())\n        if step % period",
-        "        losses.append(loss.detach())\n        if step % period",
-        lambda folder: check_contracts(folder, 9),
-        "local_sgd returned a list of Tensor; it must return a list of float",
-    ),
     # returns: 1.0 where a bool is promised, named as the type by the checks that read it.
     "check_parameter_closeness returns 1.0": (
         "mlp.py",
