@@ -83,6 +83,7 @@ class RankFact:
     dtype: str = ""  # and its tensor's dtype ("float32")
     differs: tuple = ()  # what of the collective differs between the ranks: of _ARGUMENTS's names
     instance: tuple = ()  # the collective it waited in when it failed: (group, its number on it, what was called)
+    dropped: tuple = ()  # a message it freed unfinished, never waited for: (function, peer, file, line, func)
 
     def argument(self) -> str:
         """What differs of its collective, as its function names it: 'with src=1', 'with op=MAX',
@@ -173,6 +174,14 @@ class Failure:
             )
         if self.kind == "p2p_deadlock":
             head = f"Deadlock (world of {w}): every rank waits in a send or receive that no peer answers."
+            dropped = next((f for f in self.ranks if f.dropped), None)
+            if dropped:
+                call, peer, file, line, func = dropped.dropped
+                return (
+                    f"{head} Rank {dropped.rank} never waited for its {call} {'to' if 'send' in call else 'from'}"
+                    f" rank {peer} (started at {file}:{line} in {func}): gloo drops a message whose request is freed"
+                    " before it ends, so its peer waits for ever. Wait for every request before returning:"
+                )
             if all(f.collective in ("send", "recv") for f in self.ranks):
                 return head + " Start sends and receives with isend/irecv before waiting for any:"
             # Started without blocking already: the messages themselves do not match.
@@ -315,9 +324,12 @@ def _call_details(tb) -> dict:
     return details
 
 
-def rank_report(rank: int, exc: BaseException, when: float, p2p: dict | None = None, wait: dict | None = None) -> dict:
+def rank_report(
+    rank: int, exc: BaseException, when: float, p2p: dict | None = None, wait: dict | None = None, dropped: list = ()
+) -> dict:
     """What a worker sends when fn raised: plain data only. ``p2p``: the message it waited for; ``wait``:
-    what it waited in when it raised, as course/instrument.py's Waits says it."""
+    what it waited in when it raised, as course/instrument.py's Waits says it; ``dropped``: a message it
+    freed unfinished (PointToPoint.dropped)."""
     frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
     report = dict(
         rank=rank,
@@ -335,6 +347,8 @@ def rank_report(rank: int, exc: BaseException, when: float, p2p: dict | None = N
         report["agreement"] = exc.facts
     if instance(wait):
         report["instance"] = list(instance(wait))
+    if dropped:
+        report["dropped"] = list(dropped)
     return report
 
 
@@ -379,6 +393,9 @@ def _fact(report: dict) -> RankFact:
         peer=report.get("peer"),
         instance=tuple(report.get("instance", ())),
     )
+    if report.get("dropped"):
+        call, peer, (path, line, func) = report["dropped"]
+        fact.dropped = (call, peer, os.path.basename(path), line, func)
     if error == "SystemExit":
         fact.message = f"it called sys.exit({report.get('message', '')})"
     match = re.search(_FINGERPRINT.format(rank=fact.rank), full)

@@ -78,6 +78,14 @@ class _Request:
     def __getattr__(self, name):
         return getattr(self._work, name)
 
+    def __del__(self):
+        # gloo drops a message whose handle is freed before it ends: its peer then waits for ever, and
+        # the deadlock is this rank's not waiting, not the order of the messages.
+        entry = self._tracker.pending.pop(id(self), None)
+        if entry is not None:
+            entry["dropped"] = not self._work.is_completed()
+            self._tracker.pending[object()] = entry  # still never waited for; its id may be reused now
+
 
 class PointToPoint:
     """Patches the process group's send and receive for the life of a worker."""
@@ -115,12 +123,18 @@ class PointToPoint:
     def never_waited(self) -> dict | None:
         return next(iter(self.pending.values()), None)
 
+    def dropped(self) -> list:
+        """[torch.distributed function, peer, [file, line, function]] of the first message freed unfinished
+        and never waited for; [] where there is none."""
+        entry = next((e for e in self.pending.values() if e.get("dropped")), None)
+        return [entry["collective"], entry["peer"], list(entry["frame"])] if entry else []
+
     def offers(self) -> list:
         """[group, "send" or "recv", peer's world rank (None: any)] of each message started and not yet
         waited for to its end (one may have ended already: a peer waiting for it may then be wrongly
         thought able to end, never the reverse)."""
         entries = [*self.pending.values(), *([self.waiting] if self.waiting else [])]
-        return [[e["group"], e["direction"], e["to"]] for e in entries if "group" in e]
+        return [[e["group"], e["direction"], e["to"]] for e in entries if "group" in e and not e.get("dropped")]
 
 
 def _message_record(waits: Waits, entry: dict) -> tuple:
@@ -336,6 +350,9 @@ class Waits:
         record = dict(
             kind=kind, rank=self.rank, state="waited", when=time.time(), collective=collective, frames=frames, **facts
         )
+        dropped = self.messages.dropped()
+        if dropped:
+            record["dropped"] = dropped
         return record, repr(record)
 
     def _watched(self, method: str, original):
@@ -427,7 +444,8 @@ def unchecked_group(timeout=None, use: str = "messages") -> ProcessGroup:
     per world, by every rank at the same point (its first call), with the collective timeout
     ``timeout``. "messages": the default group's sends and receives, and DDP's collectives;
     "agreement": Agreement's exchanges, which must not interleave with DDP's (Join's included);
-    "torch": torch's own DTensor code in the checks' probes (course/compat.py, cpu_mesh)."""
+    "torch": torch's own DTensor code in the checks' probes (course/compat.py, cpu_mesh); "given": a group
+    handed to code under test, which must use it rather than the default group (tests/contracts.py)."""
     if use not in _unchecked:
         level = dist.get_debug_level()
         dist.set_debug_level(dist.DebugLevel.OFF)

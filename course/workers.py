@@ -448,7 +448,13 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
                     # waits for it (the parent stops the world as soon as every rank has answered).
                     dist.destroy_process_group()
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-            _send(conn, ("error", failure.rank_report(rank, exc, time.time(), messages.waiting, waits.broken)))
+            _send(
+                conn,
+                (
+                    "error",
+                    failure.rank_report(rank, exc, time.time(), messages.waiting, waits.broken, messages.dropped()),
+                ),
+            )
         finally:
             _end_descendants()
             sys.stdout.flush()

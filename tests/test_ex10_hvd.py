@@ -8,6 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course.checks import said
 from tests.comm_log import CommLog
+from tests.contracts import check_contracts
 from tests.helpers import (
     CONFIG,
     SMALL_PARAMETERS,
@@ -259,6 +260,12 @@ def test_steps(impl_dir, world_size, kind):
     check_steps(impl_dir, world_size, kind)
 
 
-@pytest.mark.points(3)
+@pytest.mark.points(2)
 def test_mixed_dtypes(impl_dir):
     check_mixed_dtypes(impl_dir)
+
+
+@pytest.mark.points(1)
+def test_contracts(impl_dir):
+    """Every promise declared for the exercise's functions in tests/contracts.py: broadcast_parameters reaches a frozen parameter and a non-persistent buffer, in the model's own tensors."""
+    check_contracts(impl_dir, 10)

@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course.checks import said
 from tests.comm_log import SUMMARY, CommLog
+from tests.contracts import check_contracts
 from tests.helpers import (
     CONFIG,
     SMALL_BUCKET_MB,
@@ -421,6 +422,12 @@ def test_matches_zero_redundancy(impl_dir):
     check_matches_zero_redundancy(impl_dir, 3)
 
 
-@pytest.mark.points(5)
+@pytest.mark.points(4)
 def test_hook(impl_dir):
     check_hook(impl_dir)
+
+
+@pytest.mark.points(1)
+def test_contracts(impl_dir):
+    """Every promise declared for the exercise's functions in tests/contracts.py: the hook's collectives on the group DDP gives it."""
+    check_contracts(impl_dir, 11)

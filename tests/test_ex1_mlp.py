@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from course.checks import said
+from tests.contracts import check_contracts
 from tests.helpers import CONFIG, WIDTHS, SmallMLP, alone, forward_from, keyed, load, many, printed, small_config
 
 
@@ -244,7 +245,7 @@ def test_layers(impl_dir):
     check_layers(impl_dir)
 
 
-@pytest.mark.points(5)
+@pytest.mark.points(4)
 def test_forward(impl_dir):
     check_forward(impl_dir)
 
@@ -272,3 +273,9 @@ def test_step_lines(impl_dir):
 @pytest.mark.scaffold
 def test_cli_types(impl_dir):
     check_cli_types(impl_dir)
+
+
+@pytest.mark.points(1)
+def test_contracts(impl_dir):
+    """Every promise declared for the exercise's functions in tests/contracts.py: evaluate returns a float."""
+    check_contracts(impl_dir, 1)

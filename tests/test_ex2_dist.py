@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from course.checks import said
 from tests.comm_log import ProductFlops
+from tests.contracts import check_contracts
 from tests.helpers import load, many, world
 
 # No world of these checks builds an optimizer: grading them alone need not import torch._dynamo
@@ -194,7 +195,7 @@ def check_matmul(folder, world_size):
     check_by_reduction(folder, world_size)
 
 
-@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.points(2)), 2, 3, 4])
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.points(1)), 2, 3, 4])
 @pytest.mark.points(3)
 def test_by_row(impl_dir, world_size):
     check_by_row(impl_dir, world_size)
@@ -204,3 +205,9 @@ def test_by_row(impl_dir, world_size):
 @pytest.mark.points(4)
 def test_by_reduction(impl_dir, world_size):
     check_by_reduction(impl_dir, world_size)
+
+
+@pytest.mark.points(1)
+def test_contracts(impl_dir):
+    """Every promise declared for the exercise's functions in tests/contracts.py: both products keep float64 and bfloat16 inputs' dtype."""
+    check_contracts(impl_dir, 2)

@@ -6,6 +6,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course.checks import said
+from tests.contracts import assert_returns, check_contracts
 from tests.helpers import SMALL_PARAMETERS, alone, check_equivalence, load, printed, small_config, world
 
 
@@ -35,6 +36,8 @@ def check_train_shares_batches(folder, world_size=2):
             f"after training on {world_size} ranks, {name} differs from one process on batches {world_size} times"
             " as large: does rank r train on the batches i with i % world_size == r, and only those?"
         )
+    for rank, got in enumerate(ranks):
+        assert_returns("mlp.check_parameter_closeness", got["parameters_close"], rank, world_size)
     same = all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in alone_state)
     assert same and ranks[0]["parameters_close"] is True and ranks[1]["parameters_close"] is True, said(
         "ranks ending with different parameters", "train should end with the same parameters on every rank"
@@ -57,7 +60,11 @@ def closeness_verdicts(folder):
 
 def check_closeness(folder, world_size):
     """check_parameter_closeness answers True on every rank when the ranks agree, False on every rank when one differs."""
-    same, differ = zip(*world(closeness_verdicts, world_size, folder, expect=(object, object)))
+    verdicts = world(closeness_verdicts, world_size, folder, expect=(object, object))
+    for rank, verdict in enumerate(verdicts):
+        for value in verdict:
+            assert_returns("mlp.check_parameter_closeness", value, rank, world_size)
+    same, differ = zip(*verdicts)
     assert list(same) == [True] * world_size, said(
         "check_parameter_closeness False though the ranks agree",
         f"check_parameter_closeness should return True on every rank when all ranks agree, got {list(same)}",
@@ -86,7 +93,7 @@ def test_train_shares_batches(impl_dir, world_size):
     check_train_shares_batches(impl_dir, world_size)
 
 
-@pytest.mark.points(3)
+@pytest.mark.points(2)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_closeness(impl_dir, world_size):
     check_closeness(impl_dir, world_size)
@@ -95,3 +102,9 @@ def test_closeness(impl_dir, world_size):
 @pytest.mark.points(1)
 def test_rank0_prints(impl_dir):
     check_rank0_prints(impl_dir)
+
+
+@pytest.mark.points(2)
+def test_contracts(impl_dir):
+    """Every promise declared for the exercise's functions in tests/contracts.py: check_parameter_closeness returns a bool, compares within torch.allclose's tolerance, and answers in a world of one."""
+    check_contracts(impl_dir, 3)

@@ -6,6 +6,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course.checks import said
+from tests.contracts import check_contracts
 from tests.helpers import (
     SMALL_PARAMETERS,
     check_equivalence,
@@ -109,7 +110,7 @@ def test_mydp_steps(impl_dir, world_size):
     check_mydp_steps(impl_dir, world_size)
 
 
-@pytest.mark.points(4)
+@pytest.mark.points(3)
 def test_frozen_parameters(impl_dir):
     check_frozen(impl_dir)
 
@@ -117,3 +118,10 @@ def test_frozen_parameters(impl_dir):
 @pytest.mark.points(2)
 def test_hook_leaves_its_argument(impl_dir):
     check_hook_leaves_its_argument(impl_dir)
+
+
+@pytest.mark.points(1)
+def test_contracts(impl_dir):
+    """Every promise declared for the exercise's functions in tests/contracts.py: MyDP starts every rank
+    from rank 0's parameters and buffers, frozen and non-persistent ones too."""
+    check_contracts(impl_dir, 4)

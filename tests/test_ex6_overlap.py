@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from course.checks import said
 from tests.comm_log import SUMMARY, CommLog
+from tests.contracts import check_contracts
 from tests.helpers import alone, check_equivalence, check_start_sync, describe_ratio, keyed, load, many, maybe, world
 
 KIB = 1024
@@ -270,7 +271,7 @@ def check_bucket_order(folder):
     check_same_training(folder, "Branches", world(train_logged, 2, folder, "Branches", 1, expect=logged(1)), hint)
 
 
-@pytest.mark.points(4)
+@pytest.mark.points(3)
 def test_bucket_parameters(impl_dir):
     check_bucket_parameters(impl_dir)
 
@@ -299,3 +300,9 @@ def test_start_sync(impl_dir):
 @pytest.mark.parametrize("wrap_name, world_size", [("overlapped", 3), ("bucketed", 2)])
 def test_overlapped_steps(impl_dir, wrap_name, world_size):
     check_equivalence(impl_dir, wrap_name, world_size)
+
+
+@pytest.mark.points(1)
+def test_contracts(impl_dir):
+    """Every promise declared for the exercise's functions in tests/contracts.py: buckets of at most cap_bytes for float64 and bfloat16 gradients, and OverlappedDP's start from rank 0's every parameter and buffer."""
+    check_contracts(impl_dir, 6)

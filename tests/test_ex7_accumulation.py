@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from course.checks import said
 from tests.comm_log import CommLog
+from tests.contracts import check_contracts
 from tests.helpers import CONFIG, SMALL_BUCKET_MB, SMALL_PARAMETERS, SmallMLP, global_batch, load, many, world
 
 BUCKETS = 2  # SMALL's three gradients in buckets of SMALL_BUCKET_MB (tests/helpers.py)
@@ -153,7 +154,7 @@ def check_accumulation_step(folder, world_size=2, micro_batches=3, steps=2):
             _same_parameters(what, got["params"], expected["params"])
 
 
-@pytest.mark.points(5)
+@pytest.mark.points(4)
 def test_no_sync_accumulates(impl_dir):
     check_no_sync_accumulates(impl_dir)
 
@@ -235,3 +236,9 @@ def check_nested_no_sync(folder, world_size=2, micro_batches=3):
 @pytest.mark.points(5)
 def test_nested_no_sync(impl_dir):
     check_nested_no_sync(impl_dir)
+
+
+@pytest.mark.points(1)
+def test_contracts(impl_dir):
+    """Every promise declared for the exercise's functions in tests/contracts.py: accumulation_step returns a float, with one micro-batch too."""
+    check_contracts(impl_dir, 7)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from course.checks import said
 from course.launch import WorldFailed
 from tests.comm_log import CommLog
+from tests.contracts import check_contracts
 from tests.helpers import (
     CONFIG,
     SMALL_PARAMETERS,
@@ -856,6 +857,12 @@ def check_non_iid_claims(folder):
     )
 
 
-@pytest.mark.points(4)
+@pytest.mark.points(3)
 def test_non_iid_claims(impl_dir):
     check_non_iid_claims(impl_dir)
+
+
+@pytest.mark.points(1)
+def test_contracts(impl_dir):
+    """Every promise declared for the exercise's functions in tests/contracts.py: the running statistics updated in place."""
+    check_contracts(impl_dir, 9)

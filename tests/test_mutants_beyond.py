@@ -49,6 +49,14 @@ MUTANTS = {
         lambda folder: check_ring(folder, 2),
         "no collective",
     ),
+    # gloo drops a send whose request is freed before it ends: its peer waits for ever, in the right order.
+    "exchange never waits for its send": (
+        "dist.py",
+        "    for request in requests:\n        request.wait()\n",
+        "    requests[1].wait()\n",
+        lambda folder: check_ring(folder, 2),
+        "never waited for its isend",
+    ),
     # Right numbers, no overlap: each bucket's all-reduce ends before autograd goes on.
     "hook waits for its all-reduce": (
         "mydp.py",
