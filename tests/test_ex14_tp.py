@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from course.checks import said
 from course.compat import cpu_mesh
 from tests.comm_log import CommLog
-from tests.helpers import keyed, load, many, maybe, world
+from tests.helpers import either, keyed, load, many, maybe, world
 
 # Two blocks. Only the hidden width 12 divides by 2 and 3: a layer split along another width fails.
 WIDTHS = [7, 12, 5, 12, 5]
@@ -50,17 +50,20 @@ def kinds(log):
 
 class Blocks(nn.Module):
     """The tests' model: per block LayerNorm, Linear, tanh, Linear; tanh between blocks. Exercise 1's
-    MLP with biases and norms; the same weights wherever it is built."""
+    MLP with biases and norms; the same weights wherever it is built. norms: True, False (none), or each
+    block's LayerNorm's options (ODD_NORMS)."""
 
     def __init__(self, widths=WIDTHS, bias=True, norms=True):
         super().__init__()
         torch.manual_seed(0)
         self.layers = nn.ModuleList(nn.Linear(a, b, bias=bias) for a, b in zip(widths, widths[1:]))
-        self.norms = nn.ModuleList(nn.LayerNorm(widths[i]) for i in range(0, len(widths) - 1, 2)) if norms else None
+        options = [{}] * (len(widths) // 2) if norms is True else norms
+        self.norms = nn.ModuleList(nn.LayerNorm(widths[2 * k], **o) for k, o in enumerate(options)) if norms else None
         with torch.no_grad():  # not LayerNorm's ones and zeros: a mistake with them must show
             for norm in self.norms or []:
-                norm.weight.uniform_(0.5, 1.5)
-                norm.bias.uniform_(-0.5, 0.5)
+                for p, low, high in ((norm.weight, 0.5, 1.5), (norm.bias, -0.5, 0.5)):
+                    if p is not None:
+                        p.uniform_(low, high)
 
     def forward(self, x):
         pairs = list(zip(self.layers[::2], self.layers[1::2]))
@@ -366,7 +369,7 @@ def check_shards(folder, world_size):
 
 
 @pytest.mark.points(1)
-@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.points(2)), 3])
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_shards(impl_dir, world_size):
     check_shards(impl_dir, world_size)
 
@@ -374,11 +377,11 @@ def test_shards(impl_dir, world_size):
 # One block, forward and backward, against one process.
 
 
-def model_in_world(folder, widths, sequence_parallel):
+def model_in_world(folder, widths, sequence_parallel, norms=True):
     """Probe: ParallelMLP of the tests' model, forward on this rank's rows and backward from the batch's
     output gradient; the output, the input gradient and the parameters' gradients on this rank."""
     tp = load(folder).tp
-    full = Blocks(widths)
+    full = Blocks(widths, norms=norms)
     model = tp.ParallelMLP(list(full.layers), list(full.norms), sequence_parallel)
     x, grad, _ = data(widths)
     mine = rows_of(dist.get_rank(), dist.get_world_size(), sequence_parallel)
@@ -396,9 +399,9 @@ def model_in_world(folder, widths, sequence_parallel):
 GRADIENTS = {"out": torch.Tensor, "x_grad": maybe(torch.Tensor), "grads": keyed(maybe(torch.Tensor))}
 
 
-def one_process(widths):
+def one_process(widths, norms=True):
     """The judge's run: the tests' model on the whole batch; its output and every gradient."""
-    full = Blocks(widths)
+    full = Blocks(widths, norms=norms)
     x, grad, _ = data(widths)
     x.requires_grad_()
     out = full(x)
@@ -551,6 +554,77 @@ def check_backward(folder, world_size, sequence_parallel):
 @pytest.mark.parametrize("parallel, world_size", CASES)
 def test_backward(impl_dir, parallel, world_size):
     check_backward(impl_dir, world_size, PARALLEL[parallel])
+
+
+# LayerNorms of other kinds: normalise takes any.
+
+# Block 0's norm without a weight or a bias, block 1's with a weight, no bias, and an eps of its own: a
+# normalise that passes None to Copy fails on either, one that leaves out eps computes another output.
+ODD_NORMS = [dict(elementwise_affine=False), dict(bias=False, eps=0.5)]
+ODD_SAID = "LayerNorm(7, elementwise_affine=False) and LayerNorm(5, bias=False, eps=0.5)"
+
+
+def odd_norms_in_world(folder):
+    """Probe: model_in_world of two blocks whose norms are ODD_NORMS, tensor and sequence parallel; what each
+    gave, or the error it raised."""
+    found = {}
+    for parallel, sequence_parallel in PARALLEL.items():
+        try:
+            found[parallel] = model_in_world(folder, WIDTHS, sequence_parallel, ODD_NORMS)
+        except NotImplementedError:  # a stub: the grade says which, as for every check
+            raise
+        except Exception as error:  # noqa: BLE001 - what it raised is the fact to report
+            found[parallel] = {"error": f"{type(error).__name__}: {error}"}
+    return found
+
+
+def check_norms(folder, world_size=2):
+    """normalise runs any LayerNorm, one without a weight and a bias, one with an eps of its own: the outputs and
+    gradients of one process, tensor and sequence parallel."""
+    results = world(
+        odd_norms_in_world, world_size, folder, expect=dict.fromkeys(PARALLEL, either({"error": str}, GRADIENTS))
+    )
+    _, _, expected, x_grad, grads = one_process(WIDTHS, ODD_NORMS)
+    default_eps = one_process(WIDTHS, [dict(o, eps=1e-5) for o in ODD_NORMS])[2]
+    for parallel, sequence_parallel in PARALLEL.items():
+        what = f"{parallel} parallel on {world_size} ranks, with the norms {ODD_SAID}"
+        mine = [r[parallel] for r in results]
+        for rank, result in enumerate(mine):
+            assert "error" not in result, said(
+                "normalise fails on a LayerNorm without weight or bias",
+                f"{what}: rank {rank}'s forward raised {result['error'][:200]}: a LayerNorm may have no weight or no"
+                " bias (None); normalise runs it all the same, with what it has",
+            )
+            rows = rows_of(rank, world_size, sequence_parallel)
+            assert not (not close(result["out"], expected[rows]) and close(result["out"], default_eps[rows])), said(
+                "normalise leaves out the norm's eps",
+                f"{what}: rank {rank}'s output is that of norms with F.layer_norm's default eps (1e-05): normalise"
+                " uses the norm's own eps (0.5 for norms.1)",
+            )
+            assert close(result["out"], expected[rows]), said(
+                "an output not one process's",
+                f"{what}: rank {rank}'s output differs from one process's by up to"
+                f" {(result['out'] - expected[rows]).abs().max():.3g}",
+            )
+        for rank in range(world_size):
+            judge_gradient(
+                what,
+                None,
+                mine,
+                rank,
+                x_grad[rows_of(rank, world_size, sequence_parallel)],
+                world_size,
+                sequence_parallel,
+            )
+            for name, grad in grads.items():
+                judge_gradient(
+                    what, name, mine, rank, part(name, grad, rank, world_size), world_size, sequence_parallel
+                )
+
+
+@pytest.mark.points(1)
+def test_norms(impl_dir):
+    check_norms(impl_dir)
 
 
 # The collectives, per layer and per block.
