@@ -13,6 +13,7 @@ import pytest
 from course.launch import WorldFailed
 from tests.mutants import assert_caught, make_mutant
 from tests.test_ex13_fsdp import (
+    check_any_module,
     check_checkpoint,
     check_flat_piece,
     check_flat_shard,
@@ -193,6 +194,30 @@ MUTANTS = {
         lambda folder: check_steps(folder, 2, zero3=False, steps=1),
         "a module without parameters is passed through",
     ),
+    "a wholly frozen layer wrapped": (
+        "        if any(p.requires_grad for p in child.parameters()):\n",
+        "        if any(True for p in child.parameters()):\n",
+        check_any_module,
+        "a child with no parameter to train (the frozen Linear) is passed through",
+    ),
+    "every input cast, integers too": (
+        "        output = self.module(*cast_floats(inputs, self.full.dtype))\n",
+        "        output = self.module(*(x.to(self.full.dtype) for x in inputs))\n",
+        check_any_module,
+        "only the floating-point inputs are cast",
+    ),
+    "the shard in the module's dtype": (
+        "        self.shard = nn.Parameter(flat_shard(params, dist.get_rank(), world_size).float())\n",
+        "        self.shard = nn.Parameter(flat_shard(params, dist.get_rank(), world_size))\n",
+        check_any_module,
+        "a unit's shard is float32 whatever its module's dtype",
+    ),
+    "the full gradient zeroed, not freed": (
+        AFTER_BACKWARD,
+        AFTER_BACKWARD.replace("full.grad = None", "full.grad.zero_()"),
+        check_any_module,
+        "post_backward frees the full gradient once its piece is taken",
+    ),
     "the gathered parameters in float32 whatever param_dtype says": (
         "dtype=param_dtype or torch.float32)",
         "dtype=torch.float32)",
@@ -305,6 +330,18 @@ MUTANTS = {
         "        if False:\n",
         check_checkpoint,
         "an Adam that has not stepped has no state yet",
+    ),
+    "setup's zero2 sharded as ZeRO-3": (
+        'reshard_after_forward=strategy == "zero3", param_dtype=param_dtype)',
+        "reshard_after_forward=True, param_dtype=param_dtype)",
+        check_setup,
+        "ZeRO-2 keeps each layer's gathered parameters for its backward",
+    ),
+    "setup's param_dtype not passed on": (
+        'reshard_after_forward=strategy == "zero3", param_dtype=param_dtype)',
+        'reshard_after_forward=strategy == "zero3")',
+        check_setup,
+        "the units gather bfloat16 copies when setup is given param_dtype",
     ),
     "the optimizer built before sharding": (
         '    shard_layers(model.layers, reshard_after_forward=strategy == "zero3", param_dtype=param_dtype)\n'
