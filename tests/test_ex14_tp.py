@@ -281,17 +281,70 @@ def test_function(impl_dir, name):
 # Each rank's blocks of the weights.
 
 
+BLOCK_TOTALS = (12, 6)  # my_block's sizes, which 2 and 3 ranks divide; 7 divides by neither
+REFUSED = (7, "the tests' width")
+
+
+def shares(tensor, full):
+    return tensor.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+
+
 def shards_in_world(folder):
-    """Probe: a column and a row layer from full layers, and ParallelMLP: their parameters on this rank."""
+    """Probe: a column and a row layer from full layers, and ParallelMLP: their parameters on this rank, and whose
+    memory they use; my_block's slices, and what it raised for a size the world size does not divide."""
     tp = load(folder).tp
     full = Blocks()
     column, row = tp.ColumnParallelLinear(full.layers[0]), tp.RowParallelLinear(full.layers[1])
     model = tp.ParallelMLP(list(full.layers), list(full.norms))
+    blocks = []
+    for total in BLOCK_TOTALS:
+        got = tp.my_block(total, "rows")
+        blocks.append([type(got).__name__, *([got.start, got.stop, got.step] if isinstance(got, slice) else [])])
+    try:
+        tp.my_block(*REFUSED)
+        refused = None
+    except Exception as error:  # noqa: BLE001 - which error, and its words, are the check's to judge
+        refused = f"{type(error).__name__}: {error}"
+    layers = ((column, full.layers[0]), (row, full.layers[1]))
     return {
         "column": {n: p.detach() for n, p in column.named_parameters()},
         "row": {n: p.detach() for n, p in row.named_parameters()},
         "model": {n: p.detach() for n, p in model.named_parameters()},
+        "shared": [
+            f"{type(layer).__name__}.{n}"
+            for layer, whole in layers
+            for n, p in layer.named_parameters()
+            if shares(p, getattr(whole, n))
+        ],
+        "blocks": blocks,
+        "refused": refused,
     }
+
+
+def judge_my_block(result, rank, world_size):
+    """my_block gives rank r block r as a slice, and refuses a size the world size does not divide with a
+    ValueError that names what, the size and W."""
+    for total, (kind, *got) in zip(BLOCK_TOTALS, result["blocks"]):
+        call = f"on rank {rank} of {world_size}, my_block({total}, 'rows') returned"
+        assert kind == "slice", said("my_block not a slice", f"{call} a {kind}: it returns a slice")
+        block = block_of(total, rank, world_size)
+        assert got[:2] == [block.start, block.stop] and got[2] in (None, 1), said(
+            "my_block not the rank's block",
+            f"{call} slice{tuple(got)}, expected slice({block.start}, {block.stop}): rank r's block of"
+            f" block_sizes({total}, {world_size})",
+        )
+    total, what = REFUSED
+    refused = result["refused"]
+    assert refused is not None, said(
+        "a size the world does not divide accepted",
+        f"my_block({total}, {what!r}) on {world_size} ranks gave no error: {world_size} does not divide {total}",
+    )
+    named = refused.startswith("ValueError") and what in refused
+    assert named and re.search(rf"\b{total}\b", refused) and re.search(rf"\b{world_size}\b", refused), said(
+        "refused without a ValueError that names what, the size and W",
+        f"my_block({total}, {what!r}) on {world_size} ranks raised {refused!r}: expected a ValueError whose message"
+        f" names what ({what!r}), the size ({total}) and the world size ({world_size})",
+    )
 
 
 def _which_rows(got, full):
@@ -329,13 +382,20 @@ def judge_slice(layer, got, full, rank, world_size):
 
 def check_shards(folder, world_size):
     """Each rank holds its part of every parameter: the column layer's block of rows and of the bias, the row
-    layer's block of columns and all of the bias, under the full model's names."""
-    results = world(
-        shards_in_world, world_size, folder, expect=dict.fromkeys(("column", "row", "model"), keyed(torch.Tensor))
-    )
+    layer's block of columns and all of the bias, under the full model's names, in new parameters; my_block's
+    slices and its refusal."""
+    expect = dict.fromkeys(("column", "row", "model"), keyed(torch.Tensor))
+    expect |= {"shared": many(str), "blocks": many(many(object), len(BLOCK_TOTALS)), "refused": maybe(str)}
+    results = world(shards_in_world, world_size, folder, expect=expect)
     full = Blocks()
     names = [n for n, _ in full.named_parameters()]
     for rank, result in enumerate(results):
+        judge_my_block(result, rank, world_size)
+        assert not result["shared"], said(
+            "a layer's parameters in the full layer's memory",
+            f"on rank {rank}, {', '.join(result['shared'])} use the memory of the full nn.Linear they were made from:"
+            " the layers hold new parameters (an optimizer step on one would change the other)",
+        )
         for layer, kind in ((0, "column"), (1, "row")):
             held = result[kind]
             assert sorted(held) == ["bias", "weight"], said(

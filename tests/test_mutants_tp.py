@@ -254,6 +254,27 @@ MUTANTS = {
         check_uneven,
         "gave no error",
     ),
+    "my_block returns a range": (
+        "tp.py",
+        "    return slice(start, start + total // world_size)\n",
+        "    return range(start, start + total // world_size)\n",
+        lambda folder: check_shards(folder, 2),
+        "my_block(12, 'rows') returned a range: it returns a slice",
+    ),
+    "an error that does not name what": (
+        "tp.py",
+        UNEVEN,
+        UNEVEN.replace("{what}: ", ""),
+        lambda folder: check_shards(folder, 3),
+        'names what ("the tests\' width")',
+    ),
+    "the column layer's weight a view of the full weight": (
+        "tp.py",
+        COLUMN_WEIGHT,
+        COLUMN_WEIGHT.replace("[mine].clone()", "[mine]"),
+        lambda folder: check_shards(folder, 2),
+        "ColumnParallelLinear.weight use the memory of the full nn.Linear",
+    ),
     "an error that does not name the size": (
         "tp.py",
         UNEVEN,
