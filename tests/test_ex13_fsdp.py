@@ -99,25 +99,27 @@ def nothing_written(error):
 
 # --- Part A: flat shards, views, the two collectives ---------------------------------------------------------
 
-FLAT_CASES = [  # shapes of the tensors, world size
-    ([(3, 4), (5,)], 2),
-    ([(3, 4), (5,)], 3),
-    ([(7, 2), (3,), (2, 2)], 4),
-    ([(2, 3)], 1),
+FLAT_CASES = [  # shapes of the tensors, world size, their dtype
+    ([(3, 4), (5,)], 2, torch.float32),
+    ([(3, 4), (5,)], 3, torch.float32),
+    ([(7, 2), (3,), (2, 2)], 4, torch.float32),
+    ([(2, 3)], 1, torch.float32),
+    ([(3, 4), (5,)], 2, torch.float64),  # digits that float32 does not hold
+    ([(2, 3), (3,)], 2, torch.bfloat16),
 ]
 
 
-def case_tensors(shapes):
+def case_tensors(shapes, dtype=torch.float32):
     g = torch.Generator().manual_seed(len(shapes))
-    return [torch.randn(*shape, generator=g) for shape in shapes]
+    return [torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype) for shape in shapes]
 
 
 def flat_shards(folder):
     """Probe: flat_shard of every case for every rank; each shard and the bytes of the storage under it."""
     fsdp = load(folder).fsdp
     out = []
-    for shapes, world_size in FLAT_CASES:
-        shards = [fsdp.flat_shard(case_tensors(shapes), rank, world_size) for rank in range(world_size)]
+    for shapes, world_size, dtype in FLAT_CASES:
+        shards = [fsdp.flat_shard(case_tensors(shapes, dtype), rank, world_size) for rank in range(world_size)]
         out.append([(s.detach().clone(), s.untyped_storage().nbytes()) for s in shards])
     return out
 
@@ -160,17 +162,26 @@ def describe_shard(where, got, flat, rank, world_size):
 
 def check_flat_shard(folder):
     """flat_shard gives rank r piece r of the flat tensors padded at the end, as a tensor of its own."""
-    got = world(flat_shards, 1, folder, expect=tuple(many((torch.Tensor, int), w) for _, w in FLAT_CASES))[0]
-    for (shapes, world_size), shards in zip(FLAT_CASES, got):
-        flat = flat_of(case_tensors(shapes))
+    got = world(flat_shards, 1, folder, expect=tuple(many((torch.Tensor, int), w) for _, w, _ in FLAT_CASES))[0]
+    for (shapes, world_size, dtype), shards in zip(FLAT_CASES, got):
+        flat = flat_of(case_tensors(shapes, dtype))
         expected = F.pad(flat, (0, -flat.numel() % world_size)).chunk(world_size)
         for rank, ((shard, nbytes), piece) in enumerate(zip(shards, expected)):
-            where = f"flat_shard of tensors of shapes {shapes} ({flat.numel()} elements), rank {rank} of {world_size}"
+            name = str(dtype).removeprefix("torch.")
+            where = (
+                f"flat_shard of {name} tensors of shapes {shapes} ({flat.numel()} elements), rank {rank} of"
+                f" {world_size}"
+            )
+            assert shard.dtype == dtype, said(
+                "a shard of another dtype than its tensors",
+                f"{where} is {str(shard.dtype).removeprefix('torch.')}: the shard holds the tensors' elements, in"
+                " their dtype",
+            )
             assert torch.equal(shard, piece), describe_shard(where, shard, flat, rank, world_size)
             assert nbytes == piece.numel() * piece.element_size(), said(
                 "a shard that is a view of the whole flat tensor",
-                f"{where}: the shard's storage holds {nbytes} bytes, the shard {piece.numel() * 4}: a view of the"
-                " whole flat tensor keeps all of it alive, where the docstring asks for a tensor of its own",
+                f"{where}: the shard's storage holds {nbytes} bytes, the shard {piece.numel() * piece.element_size()}:"
+                " a view of the whole flat tensor keeps all of it alive, where the docstring asks for a tensor of its own",
             )
 
 
@@ -257,7 +268,7 @@ def reduce_scatters(folder):
     fsdp = load(folder).fsdp
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = {}
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    for name, dtype in REDUCED.items():
         g = torch.randn(3 * world_size, generator=torch.Generator().manual_seed(rank)).to(dtype)
         with CommLog() as log:
             piece = fsdp.reduce_scatter_mean(g)
@@ -277,6 +288,7 @@ def gathered():
 
 
 SCATTERED = {"piece": torch.Tensor, "reduce_log": SUMMARY}
+REDUCED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # full's dtypes
 
 
 def check_gather(folder, world_size=3):
@@ -335,9 +347,9 @@ def check_gather(folder, world_size=3):
 def check_reduce_scatter(folder, world_size=3):
     """reduce_scatter_mean gives each rank its piece of the ranks' average, in float32, by one reduce-scatter
     in float32."""
-    expect = {f"{what}_{name}": shape for name in ("float32", "bfloat16") for what, shape in SCATTERED.items()}
+    expect = {f"{what}_{name}": shape for name in REDUCED for what, shape in SCATTERED.items()}
     got = world(reduce_scatters, world_size, folder, expect=expect)
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    for name, dtype in REDUCED.items():
         fulls = [torch.randn(3 * world_size, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
         mean = sum(f.to(dtype).float() for f in fulls) / world_size
         for rank, result in enumerate(got):
@@ -356,15 +368,16 @@ def check_reduce_scatter(folder, world_size=3):
                 "not one reduce_scatter_tensor",
                 f"reduce_scatter_mean started {log['collectives'] or 'no collective'}: one dist.reduce_scatter_tensor",
             )
-            assert log["collective_dtypes"] == ["float32"], said(
+            assert log["collective_dtypes"] == ["float32"] or dtype == torch.float64, said(
                 "gradients reduced in bfloat16",
                 f"reduce_scatter_mean of a {name} tensor reduced in {log['collective_dtypes'][0]}: reduce in float32"
                 " (cast first): a sum of W bfloat16 gradients loses precision",
             )
             assert piece.dtype == torch.float32 and piece.shape == expected.shape, said(
                 "a piece of the wrong dtype or size",
-                f"reduce_scatter_mean returned {piece.dtype} of shape {tuple(piece.shape)}, expected float32 of"
-                f" shape {tuple(expected.shape)}: 1/{world_size} of the elements",
+                f"reduce_scatter_mean of a {name} tensor returned {piece.dtype} of shape {tuple(piece.shape)}, expected"
+                f" float32 of shape {tuple(expected.shape)}: 1/{world_size} of the elements, in float32 whatever"
+                " full's dtype",
             )
             assert torch.allclose(piece, expected, rtol=1e-5, atol=1e-6), describe_ratio(
                 f"its piece (reduce_scatter_mean of a {name} full gradient)", piece, expected, rank

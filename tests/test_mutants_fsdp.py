@@ -180,6 +180,22 @@ MUTANTS = {
         check_reduce_scatter,
         "reduce in float32",
     ),
+    "flat_shard's flat tensor float32 whatever the tensors' dtype": (
+        "    flat = torch.cat([t.detach().reshape(-1) for t in tensors])\n",
+        "    flat = torch.zeros(sum(t.numel() for t in tensors))\n"
+        "    flat[:] = torch.cat([t.detach().reshape(-1) for t in tensors])\n",
+        check_flat_shard,
+        "flat_shard of float64 tensors of shapes [(3, 4), (5,)] (17 elements), rank 0 of 2 is float32: the shard"
+        " holds the tensors' elements, in their dtype",
+    ),
+    "reduce_scatter_mean casts bfloat16 up, not everything to float32": (
+        NEW_SHARD + "    dist.reduce_scatter_tensor(shard, full.float())\n",
+        "    full = full.float() if full.dtype == torch.bfloat16 else full\n"
+        "    shard = full.new_empty(full.numel() // world_size)\n"
+        "    dist.reduce_scatter_tensor(shard, full)\n",
+        check_reduce_scatter,
+        "reduce_scatter_mean of a float64 tensor returned torch.float64",
+    ),
     # Part B: the unit
     "frozen parameters sharded with the others": (
         "        self.names = [name for name, p in module.named_parameters() if p.requires_grad]\n",
