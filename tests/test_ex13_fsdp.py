@@ -386,21 +386,25 @@ def check_reduce_scatter(folder, world_size=3):
 
 # Global sizes of flat tensors cut over 3 ranks: pieces of 4, 4 and 2 real elements; 3, 3 and 1; 2, 2 and none.
 PIECE_SIZES = (10, 7, 4)
+ALONE_SIZE = 7  # cut over a mesh of one rank: the whole flat tensor on every rank
 
 
 def flat_pieces(folder):
-    """Probe: flat_piece of this rank's shard of a flat tensor of each of PIECE_SIZES, on a mesh of every rank;
-    each DTensor's global shape, local piece, whether that piece is the shard's memory, and the whole tensor."""
+    """Probe: flat_piece of this rank's shard of a flat tensor of each of PIECE_SIZES, on a mesh of every rank, then
+    of ALONE_SIZE on a mesh of this rank alone (a sub-mesh: its rank 0 is this rank); each DTensor's global shape,
+    local piece, whether that piece is the shard's memory, and the whole tensor."""
     from torch.distributed.device_mesh import init_device_mesh
 
     fsdp = load(folder).fsdp
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    world_size = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world_size,))
+    alone = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("across", "alone"))["alone"]
     out = []
-    for numel in PIECE_SIZES:
+    for numel, on in [(n, mesh) for n in PIECE_SIZES] + [(ALONE_SIZE, alone)]:
+        size = on.size()
         flat = torch.arange(1.0, numel + 1)  # no zero: padding that slips in shows
-        shard = F.pad(flat, (0, -numel % world_size)).chunk(world_size)[rank].clone()
-        piece = fsdp.flat_piece(shard, numel, mesh)
+        shard = F.pad(flat, (0, -numel % size)).chunk(size)[on.get_local_rank()].clone()
+        piece = fsdp.flat_piece(shard, numel, on)
         local = piece.to_local()
         shares = local.numel() == 0 or local.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
         out.append({"shape": list(piece.shape), "local": local.detach().clone(), "shares": shares})
@@ -417,7 +421,14 @@ def check_flat_piece(folder, world_size=3):
     only, in the shard's own memory, so that a checkpoint does not depend on the world size."""
     piece = {"shape": many(int), "local": torch.Tensor, "shares": bool}
     together = either(piece | {"whole_error": str}, piece | {"whole": torch.Tensor})
-    got = world(flat_pieces, world_size, folder, expect=many(together, len(PIECE_SIZES)))
+    got = world(flat_pieces, world_size, folder, expect=many(together, len(PIECE_SIZES) + 1))
+    for rank, result in enumerate(r[-1] for r in got):
+        assert torch.equal(result["local"], torch.arange(1.0, ALONE_SIZE + 1)), said(
+            "flat_piece's place from the world, not from the mesh",
+            f"flat_piece over a mesh of one rank, a sub-mesh of the world of {world_size}, holds"
+            f" {result['local'].tolist()} on rank {rank}, expected all {ALONE_SIZE} elements: a piece's place is this"
+            " rank's place in the mesh it is given, which need not be its rank in the world",
+        )
     for k, numel in enumerate(PIECE_SIZES):
         shard_size = padded(numel, world_size) // world_size
         for rank, result in enumerate(r[k] for r in got):

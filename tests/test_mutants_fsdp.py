@@ -341,6 +341,12 @@ MUTANTS = {
         check_checkpoint,
         "and a resumed run must go on counting",
     ),
+    "flat_piece placed by the world's rank, not the mesh's": (
+        "    start = mesh.get_local_rank() * shard.numel()\n",
+        "    start = dist.get_rank() * shard.numel()\n",
+        check_flat_piece,
+        "a piece's place is this rank's place in the mesh it is given",
+    ),
     "a fresh Adam given no state to load into": (
         "        if not adam:\n",
         "        if False:\n",
