@@ -154,6 +154,12 @@ def spelled(events):
     return " ".join("".join(map(str, e)) for e in events)
 
 
+def typed(schedule):
+    """What a schedule is, in words: "list of tuple" for a list of tuples (read before anything else reads it)."""
+    inner = sorted({type(e).__name__ for e in schedule}) if isinstance(schedule, (list, tuple)) else []
+    return f"{type(schedule).__name__} of {' and '.join(inner) or 'nothing'}"
+
+
 def as_events(schedule):
     """A schedule as plain data, a list of tuples, the first time it is read; None if it is no list of events."""
     try:
@@ -273,6 +279,7 @@ def pipeline_steps(pp, schedule, m, steps, events_from):
         # Every stage's schedule, judged as lists before any runs: a schedule that would hang or fail is
         # said as the schedule it is (every rank finds the same, and none runs).
         made = [getattr(pp, FUNCTIONS[schedule])(m, p, s) for s in range(p)]
+        out["types"] = [typed(events) for events in made]
         out["schedules"] = [as_events(events) for events in made]
         out["again"] = [as_events(events) for events in made]
         if schedule_problem(schedule, p, m, out["schedules"], out["again"]):
@@ -442,7 +449,11 @@ def check_stage_layers(folder):
 
 def made(p):
     """What pipeline_steps returns when the student's schedules cannot run: every stage's schedule, read twice."""
-    return {"schedules": many(maybe(many(object)), p), "again": many(maybe(many(object)), p)}
+    return {
+        "schedules": many(maybe(many(object)), p),
+        "again": many(maybe(many(object)), p),
+        "types": many(str, p),
+    }
 
 
 def refuse_schedules(schedule, p, m, got):
@@ -470,7 +481,13 @@ def check_order(folder, schedule):
     for p, ms in ORDER_CASES:
         for m, stages in zip(ms, runs_on(p, folder, [(schedule, m, 1, "student") for m in ms])):
             for s, got in enumerate(stages):
-                judge_order(schedule, p, m, s, got["schedules"][s], f"{FUNCTIONS[schedule]}({m}, {p}, {s}) returned")
+                call = f"{FUNCTIONS[schedule]}({m}, {p}, {s}) returned"
+                assert got["types"][s] == "list of tuple", said(
+                    "a schedule not a list of tuples",
+                    f"{call} a {got['types'][s]}: a schedule is a list of tuples, ('F', i) and ('B', i), as the"
+                    " TODO's example compares it with ==",
+                )
+                judge_order(schedule, p, m, s, got["schedules"][s], call)
                 judge_order(schedule, p, m, s, [tuple(e) for e in got["events"]], f"stage {s} ran")
 
 

@@ -48,6 +48,13 @@ MUTANTS = {
         check_stage_layers,
         "stage_layers(6, 4) returned a list of lists: it returns a list of ranges",
     ),
+    "GPipe's events lists, not tuples": (
+        "pp.py",
+        '    return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]',
+        '    return [["F", i] for i in range(m)] + [["B", i] for i in reversed(range(m))]',
+        lambda folder: check_order(folder, "gpipe"),
+        "gpipe(4, 2, 0) returned a list of list: a schedule is a list of tuples",
+    ),
     "Pipeline.run's loss a tensor, not a float": (
         "pp.py",
         "            self.loss += output.item()",
