@@ -514,6 +514,7 @@ def sharded_steps(folder, zero3, steps, bf16=False, frozen=False, again=False):
     fsdp.shard_layers(model, reshard_after_forward=zero3, param_dtype=torch.bfloat16 if bf16 else None)
     out |= {"children": [type(child).__name__ for child in model.children()]}
     out["shapes"] = [list(p.shape) for p in shards_of(model)]
+    out["born"] = [unit.full.untyped_storage().nbytes() for _, unit in fsdp.units(model)]  # before any forward
     if len(out["shapes"]) != len(UNITS):
         return out
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
@@ -563,7 +564,13 @@ def sharded_steps(folder, zero3, steps, bf16=False, frozen=False, again=False):
 def stepped(steps, again=False):
     """What sharded_steps returns: up to where it stopped, if it did (refuse_unsharded says why)."""
     units = len(UNITS)
-    wrapped = {"alone": str, "children": many(str), "shapes": many(many(int)), "flat_sizes": maybe(many(int))}
+    wrapped = {
+        "alone": str,
+        "children": many(str),
+        "shapes": many(many(int)),
+        "flat_sizes": maybe(many(int)),
+        "born": many(int),
+    }
     sample = {"at": str, "alive": many(int), "bytes": int, "numel": maybe(int)}
     complete = wrapped | {
         "history": many(many(torch.Tensor, units), steps),
@@ -889,6 +896,12 @@ def check_memory(folder, world_size=2):
     by_size = {padded(n, world_size): k for k, n in enumerate(SIZES)}
     limit = sum(sorted(padded(n, world_size) * 4 for n in SIZES)[-2:])
     for rank, result in enumerate(results):
+        held = [(unit_name(k), n) for k, n in enumerate(result["born"]) if n]
+        assert not held, said(
+            "a unit's full parameters not freed when it is made",
+            f"right after shard_layers, before any forward, on rank {rank} {held[0][0]}'s self.full held {held[0][1]}"
+            " bytes: a unit is made with its full buffer freed (between steps a rank holds 1/W of everything)",
+        )
         samples, phase, forwards, scattered = result["samples"], "forward", set(), set()
         for sample in samples:
             at, alive = sample["at"], [by_size.get(n) for n in sample["alive"]]

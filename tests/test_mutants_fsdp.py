@@ -259,6 +259,12 @@ MUTANTS = {
         check_zero2_keeps,
         "ZeRO-2 keeps them",
     ),
+    "the full buffer not freed when the unit is made": (
+        "        free(self.full)\n        self.full.requires_grad_()",
+        "        self.full.requires_grad_()",
+        check_memory,
+        "a unit is made with its full buffer freed",
+    ),
     "ZeRO-3 does not free after the forward": (
         FORWARD_FREE,
         "            if output.requires_grad:",
