@@ -207,7 +207,8 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 
 
 def setup(model: nn.Module, strategy: str, lr: float, param_dtype: torch.dtype | None = None) -> tuple:
-    """(the module to call, its Adam) for 'ddp' (built-in), 'zero1' (exercise 11), 'zero2' or 'zero3'."""
+    """(the module to call, its Adam) for 'ddp' (built-in), 'zero1' (exercise 11), 'zero2' or 'zero3' (whose units
+    gather param_dtype copies when it is given)."""
     if strategy == "ddp":
         return wrap_ddp(model), torch.optim.Adam(model.parameters(), lr=lr)
     if strategy == "zero1":

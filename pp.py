@@ -134,9 +134,9 @@ class Pipeline:
 
     def forward(self, i: int, x: torch.Tensor | None, y: torch.Tensor | None, received: torch.Tensor | None) -> list:
         """Micro-batch i's forward: its input is x on the first stage, the received activation
-        elsewhere; run the stage; on the last stage compute its loss (micro_batch_loss, add it to
-        self.loss). Keep what its backward needs; return the sends: [(output, to the next stage)],
-        none from the last stage."""
+        elsewhere; run the stage; on the last stage compute its loss (micro_batch_loss) and add its
+        value, a float, to self.loss. Keep what its backward needs; return the sends: [(output, to
+        the next stage)], none from the last stage."""
         # TODO(exercise 15): the backward will need the input's gradient, so the input must ask for one.
         raise NotImplementedError("Exercise 15: Pipeline.forward is not written yet, see exercises/15_pp.md")
 

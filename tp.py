@@ -191,8 +191,9 @@ class ParallelMLP(nn.Module):
         raise NotImplementedError("Exercise 14: ParallelMLP.__init__ is not written yet, see exercises/14_tp.md")
 
     def normalise(self, k: int, x: torch.Tensor) -> torch.Tensor:
-        """norms[k] on x. Sequence parallel, x is this rank's rows: a LayerNorm normalises each row by
-        itself, so the rows need no other rank's; but its weight and bias are used on this rank's rows only."""
+        """norms[k] on x, whatever its eps, and with or without a weight and a bias. Sequence parallel, x is
+        this rank's rows: a LayerNorm normalises each row by itself, so the rows need no other rank's; but its
+        weight and bias are used on this rank's rows only."""
         norm = self.norms[k]
         # TODO(exercise 14): F.layer_norm with the norm's shape, weight, bias and eps.
         raise NotImplementedError("Exercise 14: ParallelMLP.normalise is not written yet, see exercises/14_tp.md")

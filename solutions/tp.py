@@ -240,14 +240,16 @@ class ParallelMLP(nn.Module):
         ### END SOLUTION
 
     def normalise(self, k: int, x: torch.Tensor) -> torch.Tensor:
-        """norms[k] on x. Sequence parallel, x is this rank's rows: a LayerNorm normalises each row by
-        itself, so the rows need no other rank's; but its weight and bias are used on this rank's rows only."""
+        """norms[k] on x, whatever its eps, and with or without a weight and a bias. Sequence parallel, x is
+        this rank's rows: a LayerNorm normalises each row by itself, so the rows need no other rank's; but its
+        weight and bias are used on this rank's rows only."""
         norm = self.norms[k]
         # TODO(exercise 14): F.layer_norm with the norm's shape, weight, bias and eps.
         ### BEGIN SOLUTION
         if not self.sequence_parallel:
             return norm(x)
-        return F.layer_norm(x, norm.normalized_shape, Copy.apply(norm.weight), Copy.apply(norm.bias), norm.eps)
+        weight, bias = (None if p is None else Copy.apply(p) for p in (norm.weight, norm.bias))
+        return F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps)
         ### END SOLUTION
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

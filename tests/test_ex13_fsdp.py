@@ -99,25 +99,27 @@ def nothing_written(error):
 
 # --- Part A: flat shards, views, the two collectives ---------------------------------------------------------
 
-FLAT_CASES = [  # shapes of the tensors, world size
-    ([(3, 4), (5,)], 2),
-    ([(3, 4), (5,)], 3),
-    ([(7, 2), (3,), (2, 2)], 4),
-    ([(2, 3)], 1),
+FLAT_CASES = [  # shapes of the tensors, world size, their dtype
+    ([(3, 4), (5,)], 2, torch.float32),
+    ([(3, 4), (5,)], 3, torch.float32),
+    ([(7, 2), (3,), (2, 2)], 4, torch.float32),
+    ([(2, 3)], 1, torch.float32),
+    ([(3, 4), (5,)], 2, torch.float64),  # digits that float32 does not hold
+    ([(2, 3), (3,)], 2, torch.bfloat16),
 ]
 
 
-def case_tensors(shapes):
+def case_tensors(shapes, dtype=torch.float32):
     g = torch.Generator().manual_seed(len(shapes))
-    return [torch.randn(*shape, generator=g) for shape in shapes]
+    return [torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype) for shape in shapes]
 
 
 def flat_shards(folder):
     """Probe: flat_shard of every case for every rank; each shard and the bytes of the storage under it."""
     fsdp = load(folder).fsdp
     out = []
-    for shapes, world_size in FLAT_CASES:
-        shards = [fsdp.flat_shard(case_tensors(shapes), rank, world_size) for rank in range(world_size)]
+    for shapes, world_size, dtype in FLAT_CASES:
+        shards = [fsdp.flat_shard(case_tensors(shapes, dtype), rank, world_size) for rank in range(world_size)]
         out.append([(s.detach().clone(), s.untyped_storage().nbytes()) for s in shards])
     return out
 
@@ -160,17 +162,26 @@ def describe_shard(where, got, flat, rank, world_size):
 
 def check_flat_shard(folder):
     """flat_shard gives rank r piece r of the flat tensors padded at the end, as a tensor of its own."""
-    got = world(flat_shards, 1, folder, expect=tuple(many((torch.Tensor, int), w) for _, w in FLAT_CASES))[0]
-    for (shapes, world_size), shards in zip(FLAT_CASES, got):
-        flat = flat_of(case_tensors(shapes))
+    got = world(flat_shards, 1, folder, expect=tuple(many((torch.Tensor, int), w) for _, w, _ in FLAT_CASES))[0]
+    for (shapes, world_size, dtype), shards in zip(FLAT_CASES, got):
+        flat = flat_of(case_tensors(shapes, dtype))
         expected = F.pad(flat, (0, -flat.numel() % world_size)).chunk(world_size)
         for rank, ((shard, nbytes), piece) in enumerate(zip(shards, expected)):
-            where = f"flat_shard of tensors of shapes {shapes} ({flat.numel()} elements), rank {rank} of {world_size}"
+            name = str(dtype).removeprefix("torch.")
+            where = (
+                f"flat_shard of {name} tensors of shapes {shapes} ({flat.numel()} elements), rank {rank} of"
+                f" {world_size}"
+            )
+            assert shard.dtype == dtype, said(
+                "a shard of another dtype than its tensors",
+                f"{where} is {str(shard.dtype).removeprefix('torch.')}: the shard holds the tensors' elements, in"
+                " their dtype",
+            )
             assert torch.equal(shard, piece), describe_shard(where, shard, flat, rank, world_size)
             assert nbytes == piece.numel() * piece.element_size(), said(
                 "a shard that is a view of the whole flat tensor",
-                f"{where}: the shard's storage holds {nbytes} bytes, the shard {piece.numel() * 4}: a view of the"
-                " whole flat tensor keeps all of it alive, where the docstring asks for a tensor of its own",
+                f"{where}: the shard's storage holds {nbytes} bytes, the shard {piece.numel() * piece.element_size()}:"
+                " a view of the whole flat tensor keeps all of it alive, where the docstring asks for a tensor of its own",
             )
 
 
@@ -257,7 +268,7 @@ def reduce_scatters(folder):
     fsdp = load(folder).fsdp
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = {}
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    for name, dtype in REDUCED.items():
         g = torch.randn(3 * world_size, generator=torch.Generator().manual_seed(rank)).to(dtype)
         with CommLog() as log:
             piece = fsdp.reduce_scatter_mean(g)
@@ -277,6 +288,7 @@ def gathered():
 
 
 SCATTERED = {"piece": torch.Tensor, "reduce_log": SUMMARY}
+REDUCED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # full's dtypes
 
 
 def check_gather(folder, world_size=3):
@@ -335,9 +347,9 @@ def check_gather(folder, world_size=3):
 def check_reduce_scatter(folder, world_size=3):
     """reduce_scatter_mean gives each rank its piece of the ranks' average, in float32, by one reduce-scatter
     in float32."""
-    expect = {f"{what}_{name}": shape for name in ("float32", "bfloat16") for what, shape in SCATTERED.items()}
+    expect = {f"{what}_{name}": shape for name in REDUCED for what, shape in SCATTERED.items()}
     got = world(reduce_scatters, world_size, folder, expect=expect)
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    for name, dtype in REDUCED.items():
         fulls = [torch.randn(3 * world_size, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
         mean = sum(f.to(dtype).float() for f in fulls) / world_size
         for rank, result in enumerate(got):
@@ -356,15 +368,16 @@ def check_reduce_scatter(folder, world_size=3):
                 "not one reduce_scatter_tensor",
                 f"reduce_scatter_mean started {log['collectives'] or 'no collective'}: one dist.reduce_scatter_tensor",
             )
-            assert log["collective_dtypes"] == ["float32"], said(
+            assert log["collective_dtypes"] == ["float32"] or dtype == torch.float64, said(
                 "gradients reduced in bfloat16",
                 f"reduce_scatter_mean of a {name} tensor reduced in {log['collective_dtypes'][0]}: reduce in float32"
                 " (cast first): a sum of W bfloat16 gradients loses precision",
             )
             assert piece.dtype == torch.float32 and piece.shape == expected.shape, said(
                 "a piece of the wrong dtype or size",
-                f"reduce_scatter_mean returned {piece.dtype} of shape {tuple(piece.shape)}, expected float32 of"
-                f" shape {tuple(expected.shape)}: 1/{world_size} of the elements",
+                f"reduce_scatter_mean of a {name} tensor returned {piece.dtype} of shape {tuple(piece.shape)}, expected"
+                f" float32 of shape {tuple(expected.shape)}: 1/{world_size} of the elements, in float32 whatever"
+                " full's dtype",
             )
             assert torch.allclose(piece, expected, rtol=1e-5, atol=1e-6), describe_ratio(
                 f"its piece (reduce_scatter_mean of a {name} full gradient)", piece, expected, rank
@@ -373,21 +386,25 @@ def check_reduce_scatter(folder, world_size=3):
 
 # Global sizes of flat tensors cut over 3 ranks: pieces of 4, 4 and 2 real elements; 3, 3 and 1; 2, 2 and none.
 PIECE_SIZES = (10, 7, 4)
+ALONE_SIZE = 7  # cut over a mesh of one rank: the whole flat tensor on every rank
 
 
 def flat_pieces(folder):
-    """Probe: flat_piece of this rank's shard of a flat tensor of each of PIECE_SIZES, on a mesh of every rank;
-    each DTensor's global shape, local piece, whether that piece is the shard's memory, and the whole tensor."""
+    """Probe: flat_piece of this rank's shard of a flat tensor of each of PIECE_SIZES, on a mesh of every rank, then
+    of ALONE_SIZE on a mesh of this rank alone (a sub-mesh: its rank 0 is this rank); each DTensor's global shape,
+    local piece, whether that piece is the shard's memory, and the whole tensor."""
     from torch.distributed.device_mesh import init_device_mesh
 
     fsdp = load(folder).fsdp
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    world_size = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world_size,))
+    alone = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("across", "alone"))["alone"]
     out = []
-    for numel in PIECE_SIZES:
+    for numel, on in [(n, mesh) for n in PIECE_SIZES] + [(ALONE_SIZE, alone)]:
+        size = on.size()
         flat = torch.arange(1.0, numel + 1)  # no zero: padding that slips in shows
-        shard = F.pad(flat, (0, -numel % world_size)).chunk(world_size)[rank].clone()
-        piece = fsdp.flat_piece(shard, numel, mesh)
+        shard = F.pad(flat, (0, -numel % size)).chunk(size)[on.get_local_rank()].clone()
+        piece = fsdp.flat_piece(shard, numel, on)
         local = piece.to_local()
         shares = local.numel() == 0 or local.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
         out.append({"shape": list(piece.shape), "local": local.detach().clone(), "shares": shares})
@@ -404,7 +421,14 @@ def check_flat_piece(folder, world_size=3):
     only, in the shard's own memory, so that a checkpoint does not depend on the world size."""
     piece = {"shape": many(int), "local": torch.Tensor, "shares": bool}
     together = either(piece | {"whole_error": str}, piece | {"whole": torch.Tensor})
-    got = world(flat_pieces, world_size, folder, expect=many(together, len(PIECE_SIZES)))
+    got = world(flat_pieces, world_size, folder, expect=many(together, len(PIECE_SIZES) + 1))
+    for rank, result in enumerate(r[-1] for r in got):
+        assert torch.equal(result["local"], torch.arange(1.0, ALONE_SIZE + 1)), said(
+            "flat_piece's place from the world, not from the mesh",
+            f"flat_piece over a mesh of one rank, a sub-mesh of the world of {world_size}, holds"
+            f" {result['local'].tolist()} on rank {rank}, expected all {ALONE_SIZE} elements: a piece's place is this"
+            " rank's place in the mesh it is given, which need not be its rank in the world",
+        )
     for k, numel in enumerate(PIECE_SIZES):
         shard_size = padded(numel, world_size) // world_size
         for rank, result in enumerate(r[k] for r in got):
@@ -490,6 +514,7 @@ def sharded_steps(folder, zero3, steps, bf16=False, frozen=False, again=False):
     fsdp.shard_layers(model, reshard_after_forward=zero3, param_dtype=torch.bfloat16 if bf16 else None)
     out |= {"children": [type(child).__name__ for child in model.children()]}
     out["shapes"] = [list(p.shape) for p in shards_of(model)]
+    out["born"] = [unit.full.untyped_storage().nbytes() for _, unit in fsdp.units(model)]  # before any forward
     if len(out["shapes"]) != len(UNITS):
         return out
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
@@ -539,7 +564,13 @@ def sharded_steps(folder, zero3, steps, bf16=False, frozen=False, again=False):
 def stepped(steps, again=False):
     """What sharded_steps returns: up to where it stopped, if it did (refuse_unsharded says why)."""
     units = len(UNITS)
-    wrapped = {"alone": str, "children": many(str), "shapes": many(many(int)), "flat_sizes": maybe(many(int))}
+    wrapped = {
+        "alone": str,
+        "children": many(str),
+        "shapes": many(many(int)),
+        "flat_sizes": maybe(many(int)),
+        "born": many(int),
+    }
     sample = {"at": str, "alive": many(int), "bytes": int, "numel": maybe(int)}
     complete = wrapped | {
         "history": many(many(torch.Tensor, units), steps),
@@ -865,6 +896,12 @@ def check_memory(folder, world_size=2):
     by_size = {padded(n, world_size): k for k, n in enumerate(SIZES)}
     limit = sum(sorted(padded(n, world_size) * 4 for n in SIZES)[-2:])
     for rank, result in enumerate(results):
+        held = [(unit_name(k), n) for k, n in enumerate(result["born"]) if n]
+        assert not held, said(
+            "a unit's full parameters not freed when it is made",
+            f"right after shard_layers, before any forward, on rank {rank} {held[0][0]}'s self.full held {held[0][1]}"
+            " bytes: a unit is made with its full buffer freed (between steps a rank holds 1/W of everything)",
+        )
         samples, phase, forwards, scattered = result["samples"], "forward", set(), set()
         for sample in samples:
             at, alive = sample["at"], [by_size.get(n) for n in sample["alive"]]
@@ -983,6 +1020,125 @@ def check_mixed_precision(folder, world_size=2):
             "shards or their gradients not float32",
             f"with param_dtype=torch.bfloat16, rank {rank}'s shards are {shards} with gradients {grads}: the"
             " master shards and their gradients stay float32",
+        )
+
+
+# --- Any module: integer inputs, a wholly frozen layer, another dtype ---------------------------------------
+
+VOCAB = 10
+ODD_SIZES = (VOCAB * 6, 7 * N_CLASSES + N_CLASSES)  # the two units' parameters: the embedding, the last Linear
+ODD_UNITS = ("nn.Embedding(10, 6)", "the float64 Linear(7, 5)")
+
+
+def odd_model():
+    """An embedding (integer inputs), a Linear wholly frozen (no parameter trains), a Tanh and a Linear: float32,
+    as the judge runs it; the probe makes the last Linear float64."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Embedding(VOCAB, 6), nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, N_CLASSES))
+    model[1].requires_grad_(False)
+    return model
+
+
+def odd_batch(world_size):
+    g = torch.Generator().manual_seed(13)
+    rows = world_size * CONFIG.batch_size
+    return torch.randint(0, VOCAB, (rows,), generator=g), torch.randint(0, N_CLASSES, (rows,), generator=g)
+
+
+def odd_step(folder):
+    """Probe: shard_layers (ZeRO-3) on odd_model with its last Linear float64, Adam over model.parameters(), one step
+    on this rank's rows; the children, the shards' dtypes, the bytes each unit's full.grad holds after the backward,
+    the shards after the step and the frozen layer; or where it failed, and how."""
+    fsdp = load(folder).fsdp
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = odd_model()
+    model[3].double()
+    try:
+        fsdp.shard_layers(model)
+    except Exception as error:  # noqa: BLE001 - what it raised is the fact to report
+        nothing_written(error)
+        return {"failed": ["shard_layers", f"{type(error).__name__}: {str(error)[:200]}"]}
+    out = {"children": [type(child).__name__ for child in model.children()]}
+    unit_list = [unit for _, unit in fsdp.units(model)]
+    out["dtypes"] = [str(unit.shard.dtype).removeprefix("torch.") for unit in unit_list]
+    if out["dtypes"] != ["float32"] * len(ODD_SIZES):
+        return out
+    x, y = odd_batch(world_size)
+    mine = slice(rank * CONFIG.batch_size, (rank + 1) * CONFIG.batch_size)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    try:
+        F.cross_entropy(model(x[mine]).float(), y[mine]).backward()
+    except RuntimeError as error:
+        return out | {"failed": ["step", f"{type(error).__name__}: {str(error)[:200]}"]}
+    grads = [unit.full.grad for unit in unit_list]
+    out["full_grads"] = [0 if g is None else g.untyped_storage().nbytes() for g in grads]
+    optimizer.step()
+    out["shards"] = [unit.shard.detach().clone() for unit in unit_list]
+    out["frozen"] = [p.detach().clone() for p in model[1].parameters()]
+    return out
+
+
+def check_any_module(folder, world_size=2):
+    """A unit runs any module: integer inputs reach an embedding as they are, a layer with no parameter to train is
+    passed through, a float64 layer's shard is float32; its full gradient is freed after the backward."""
+    model = odd_model()
+    said_model = "a model of nn.Embedding(10, 6), a wholly frozen Linear(6, 7), Tanh and a float64 Linear(7, 5)"
+    wrapped = {"children": many(str), "dtypes": many(str)}
+    whole_result = wrapped | {
+        "full_grads": many(int, 2),
+        "shards": many(torch.Tensor, 2),
+        "frozen": many(torch.Tensor, 2),
+    }
+    shapes = either({"failed": (str, str)}, wrapped, wrapped | {"failed": (str, str)}, whole_result)
+    results = world(odd_step, world_size, folder, expect=shapes)
+    for rank, result in enumerate(results):
+        where, error = result.get("failed", ("", ""))
+        assert where != "shard_layers", said(
+            "a wholly frozen layer wrapped",
+            f"shard_layers on {said_model} raised {error}: a child with no parameter to train (the frozen"
+            " Linear) is passed through as it is",
+        )
+        children = result["children"]
+        assert children[1] == "Linear", said(
+            "a wholly frozen layer wrapped",
+            f"after shard_layers on {said_model}, its children are {children}: a child with no parameter to"
+            " train (the frozen Linear) is passed through as it is",
+        )
+        assert result["dtypes"] == ["float32", "float32"], said(
+            "a shard not float32",
+            f"after shard_layers on {said_model}, rank {rank}'s units hold shards of {result['dtypes']}: a unit's"
+            " shard is float32 whatever its module's dtype",
+        )
+        assert not (where == "step" and "indices" in error), said(
+            "integer inputs cast to the parameters' dtype",
+            f"the unit of nn.Embedding(10, 6) failed on its integer inputs (torch: {error}): only the floating-point"
+            " inputs are cast to the dtype of the gathered parameters; the others reach the module as they are",
+        )
+        assert not where, said(
+            "a unit that fails on a module other than a float32 Linear",
+            f"one step on {said_model} failed on rank {rank}: {error}",
+        )
+        for k, left in enumerate(result["full_grads"]):
+            assert left == 0, said(
+                "the full gradient kept after post_backward",
+                f"after the backward on rank {rank}, the unit of {ODD_UNITS[k]}'s full.grad still holds {left} bytes:"
+                " post_backward frees the full gradient once its piece is taken (zeroing it keeps its memory)",
+            )
+        for p, start in zip(result["frozen"], model[1].parameters()):
+            assert torch.equal(p, start.detach()), (
+                f"on rank {rank} the wholly frozen Linear(6, 7) changed: it stays as it is"
+            )
+    x, y = odd_batch(world_size)
+    trainable = [model[0].weight, *model[3].parameters()]
+    optimizer = torch.optim.Adam(trainable, lr=LR)
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    for k, expected in enumerate((flat_of([model[0].weight]), flat_of(model[3].parameters()))):
+        got = torch.cat([r["shards"][k] for r in results])[: ODD_SIZES[k]]
+        assert torch.allclose(got, expected, rtol=0, atol=ATOL), said(
+            "training a model other than a float32 Linear not one process's",
+            f"after a step on {said_model}, the unit of {ODD_UNITS[k]} differs from one process by"
+            f" {(got - expected).abs().max().item():.1e}",
         )
 
 
@@ -1200,8 +1356,13 @@ class Layers(nn.Module):
         return logits, F.cross_entropy(logits, y)
 
 
+# setup's other strategies: what a step of each gathers, and in which dtype.
+SETUP_MODES = {"zero2": None, "zero3 with param_dtype=torch.bfloat16": torch.bfloat16}
+
+
 def setup_steps(folder, strategy, steps):
-    """Probe: setup(Layers, strategy) and `steps` steps; the sizes of what its Adam steps, and this rank's parameters."""
+    """Probe: setup(Layers, strategy) and `steps` steps; the sizes of what its Adam steps, and this rank's parameters.
+    Then a step of each of SETUP_MODES, logged."""
     fsdp = load(folder).fsdp
     torch.manual_seed(0)
     model = Layers()
@@ -1210,7 +1371,14 @@ def setup_steps(folder, strategy, steps):
     stepped = [p.numel() for group in optimizer.param_groups for p in group["params"]]
     for step in range(steps):
         rank_step(lambda x, y: forward(x, y)[1], optimizer, step)
-    return {"stepped": stepped, "shards": [p.detach().clone() for p in shards_of(model)], "flat_sizes": flats}
+    modes = {}
+    for mode, dtype in SETUP_MODES.items():
+        forward, optimizer = fsdp.setup(Layers(), mode.split()[0], LR, dtype)
+        with CommLog() as log:
+            rank_step(lambda x, y, run=forward: run(x, y)[1].float(), optimizer, 0)
+        modes[mode] = log.summary()
+    shards = [p.detach().clone() for p in shards_of(model)]
+    return {"stepped": stepped, "shards": shards, "flat_sizes": flats, "modes": modes}
 
 
 def check_setup(folder, world_size=2, steps=1):
@@ -1221,7 +1389,12 @@ def check_setup(folder, world_size=2, steps=1):
         folder,
         "zero3",
         steps,
-        expect={"stepped": many(int), "shards": many(torch.Tensor), "flat_sizes": maybe(many(int))},
+        expect={
+            "stepped": many(int),
+            "shards": many(torch.Tensor),
+            "flat_sizes": maybe(many(int)),
+            "modes": keyed(SUMMARY, SETUP_MODES),
+        },
     )
     torch.manual_seed(0)
     model = Layers()
@@ -1240,6 +1413,24 @@ def check_setup(folder, world_size=2, steps=1):
             " shard_layers",
         )
         assert result["stepped"] == shards, said("setup's optimizer not over the shards", stepped)
+        for mode, log in result["modes"].items():
+            gathers = [d for c, d in zip(log["collectives"], log["collective_dtypes"]) if c == "all_gather_into_tensor"]
+            expected = len(sizes) * (1 if mode == "zero2" else 2)
+            assert len(gathers) == expected, said(
+                f"setup's {mode.split()[0]} not {'ZeRO-2' if mode == 'zero2' else 'ZeRO-3'}",
+                f"a step of setup(model, '{mode.split()[0]}') on rank {rank} all-gathered {len(gathers)} times for"
+                f" {len(sizes)} layers, {expected} expected: "
+                + (
+                    "ZeRO-2 keeps each layer's gathered parameters for its backward"
+                    if mode == "zero2"
+                    else "ZeRO-3 frees each layer's after its forward and gathers them again for its backward"
+                ),
+            )
+            assert mode == "zero2" or set(gathers) == {"bfloat16"}, said(
+                "setup's param_dtype not passed on",
+                f"a step of setup(model, 'zero3', lr, param_dtype=torch.bfloat16) on rank {rank} all-gathered"
+                f" {sorted(set(gathers))}: the units gather bfloat16 copies when setup is given param_dtype",
+            )
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     for step in range(steps):
         x, y = global_batch(CONFIG, step, world_size)
@@ -1277,7 +1468,7 @@ def test_reduce_scatter(impl_dir):
 
 
 @pytest.mark.points(1)
-@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.points(2)), 3])
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_zero2_steps(impl_dir, world_size):
     check_steps(impl_dir, world_size, zero3=False)
 
@@ -1316,6 +1507,11 @@ def test_frozen(impl_dir):
 @pytest.mark.points(1)
 def test_mixed_precision(impl_dir):
     check_mixed_precision(impl_dir)
+
+
+@pytest.mark.points(1)
+def test_any_module(impl_dir):
+    check_any_module(impl_dir)
 
 
 @pytest.mark.points(1)

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from course.checks import said
 from course.compat import cpu_mesh
 from tests.comm_log import CommLog
-from tests.helpers import keyed, load, many, maybe, world
+from tests.helpers import either, keyed, load, many, maybe, world
 
 # Two blocks. Only the hidden width 12 divides by 2 and 3: a layer split along another width fails.
 WIDTHS = [7, 12, 5, 12, 5]
@@ -50,17 +50,20 @@ def kinds(log):
 
 class Blocks(nn.Module):
     """The tests' model: per block LayerNorm, Linear, tanh, Linear; tanh between blocks. Exercise 1's
-    MLP with biases and norms; the same weights wherever it is built."""
+    MLP with biases and norms; the same weights wherever it is built. norms: True, False (none), or each
+    block's LayerNorm's options (ODD_NORMS)."""
 
     def __init__(self, widths=WIDTHS, bias=True, norms=True):
         super().__init__()
         torch.manual_seed(0)
         self.layers = nn.ModuleList(nn.Linear(a, b, bias=bias) for a, b in zip(widths, widths[1:]))
-        self.norms = nn.ModuleList(nn.LayerNorm(widths[i]) for i in range(0, len(widths) - 1, 2)) if norms else None
+        options = [{}] * (len(widths) // 2) if norms is True else norms
+        self.norms = nn.ModuleList(nn.LayerNorm(widths[2 * k], **o) for k, o in enumerate(options)) if norms else None
         with torch.no_grad():  # not LayerNorm's ones and zeros: a mistake with them must show
             for norm in self.norms or []:
-                norm.weight.uniform_(0.5, 1.5)
-                norm.bias.uniform_(-0.5, 0.5)
+                for p, low, high in ((norm.weight, 0.5, 1.5), (norm.bias, -0.5, 0.5)):
+                    if p is not None:
+                        p.uniform_(low, high)
 
     def forward(self, x):
         pairs = list(zip(self.layers[::2], self.layers[1::2]))
@@ -278,17 +281,70 @@ def test_function(impl_dir, name):
 # Each rank's blocks of the weights.
 
 
+BLOCK_TOTALS = (12, 6)  # my_block's sizes, which 2 and 3 ranks divide; 7 divides by neither
+REFUSED = (7, "the tests' width")
+
+
+def shares(tensor, full):
+    return tensor.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+
+
 def shards_in_world(folder):
-    """Probe: a column and a row layer from full layers, and ParallelMLP: their parameters on this rank."""
+    """Probe: a column and a row layer from full layers, and ParallelMLP: their parameters on this rank, and whose
+    memory they use; my_block's slices, and what it raised for a size the world size does not divide."""
     tp = load(folder).tp
     full = Blocks()
     column, row = tp.ColumnParallelLinear(full.layers[0]), tp.RowParallelLinear(full.layers[1])
     model = tp.ParallelMLP(list(full.layers), list(full.norms))
+    blocks = []
+    for total in BLOCK_TOTALS:
+        got = tp.my_block(total, "rows")
+        blocks.append([type(got).__name__, *([got.start, got.stop, got.step] if isinstance(got, slice) else [])])
+    try:
+        tp.my_block(*REFUSED)
+        refused = None
+    except Exception as error:  # noqa: BLE001 - which error, and its words, are the check's to judge
+        refused = f"{type(error).__name__}: {error}"
+    layers = ((column, full.layers[0]), (row, full.layers[1]))
     return {
         "column": {n: p.detach() for n, p in column.named_parameters()},
         "row": {n: p.detach() for n, p in row.named_parameters()},
         "model": {n: p.detach() for n, p in model.named_parameters()},
+        "shared": [
+            f"{type(layer).__name__}.{n}"
+            for layer, whole in layers
+            for n, p in layer.named_parameters()
+            if shares(p, getattr(whole, n))
+        ],
+        "blocks": blocks,
+        "refused": refused,
     }
+
+
+def judge_my_block(result, rank, world_size):
+    """my_block gives rank r block r as a slice, and refuses a size the world size does not divide with a
+    ValueError that names what, the size and W."""
+    for total, (kind, *got) in zip(BLOCK_TOTALS, result["blocks"]):
+        call = f"on rank {rank} of {world_size}, my_block({total}, 'rows') returned"
+        assert kind == "slice", said("my_block not a slice", f"{call} a {kind}: it returns a slice")
+        block = block_of(total, rank, world_size)
+        assert got[:2] == [block.start, block.stop] and got[2] in (None, 1), said(
+            "my_block not the rank's block",
+            f"{call} slice{tuple(got)}, expected slice({block.start}, {block.stop}): rank r's block of"
+            f" block_sizes({total}, {world_size})",
+        )
+    total, what = REFUSED
+    refused = result["refused"]
+    assert refused is not None, said(
+        "a size the world does not divide accepted",
+        f"my_block({total}, {what!r}) on {world_size} ranks gave no error: {world_size} does not divide {total}",
+    )
+    named = refused.startswith("ValueError") and what in refused
+    assert named and re.search(rf"\b{total}\b", refused) and re.search(rf"\b{world_size}\b", refused), said(
+        "refused without a ValueError that names what, the size and W",
+        f"my_block({total}, {what!r}) on {world_size} ranks raised {refused!r}: expected a ValueError whose message"
+        f" names what ({what!r}), the size ({total}) and the world size ({world_size})",
+    )
 
 
 def _which_rows(got, full):
@@ -326,13 +382,20 @@ def judge_slice(layer, got, full, rank, world_size):
 
 def check_shards(folder, world_size):
     """Each rank holds its part of every parameter: the column layer's block of rows and of the bias, the row
-    layer's block of columns and all of the bias, under the full model's names."""
-    results = world(
-        shards_in_world, world_size, folder, expect=dict.fromkeys(("column", "row", "model"), keyed(torch.Tensor))
-    )
+    layer's block of columns and all of the bias, under the full model's names, in new parameters; my_block's
+    slices and its refusal."""
+    expect = dict.fromkeys(("column", "row", "model"), keyed(torch.Tensor))
+    expect |= {"shared": many(str), "blocks": many(many(object), len(BLOCK_TOTALS)), "refused": maybe(str)}
+    results = world(shards_in_world, world_size, folder, expect=expect)
     full = Blocks()
     names = [n for n, _ in full.named_parameters()]
     for rank, result in enumerate(results):
+        judge_my_block(result, rank, world_size)
+        assert not result["shared"], said(
+            "a layer's parameters in the full layer's memory",
+            f"on rank {rank}, {', '.join(result['shared'])} use the memory of the full nn.Linear they were made from:"
+            " the layers hold new parameters (an optimizer step on one would change the other)",
+        )
         for layer, kind in ((0, "column"), (1, "row")):
             held = result[kind]
             assert sorted(held) == ["bias", "weight"], said(
@@ -366,7 +429,7 @@ def check_shards(folder, world_size):
 
 
 @pytest.mark.points(1)
-@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.points(2)), 3])
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_shards(impl_dir, world_size):
     check_shards(impl_dir, world_size)
 
@@ -374,11 +437,11 @@ def test_shards(impl_dir, world_size):
 # One block, forward and backward, against one process.
 
 
-def model_in_world(folder, widths, sequence_parallel):
+def model_in_world(folder, widths, sequence_parallel, norms=True):
     """Probe: ParallelMLP of the tests' model, forward on this rank's rows and backward from the batch's
     output gradient; the output, the input gradient and the parameters' gradients on this rank."""
     tp = load(folder).tp
-    full = Blocks(widths)
+    full = Blocks(widths, norms=norms)
     model = tp.ParallelMLP(list(full.layers), list(full.norms), sequence_parallel)
     x, grad, _ = data(widths)
     mine = rows_of(dist.get_rank(), dist.get_world_size(), sequence_parallel)
@@ -396,9 +459,9 @@ def model_in_world(folder, widths, sequence_parallel):
 GRADIENTS = {"out": torch.Tensor, "x_grad": maybe(torch.Tensor), "grads": keyed(maybe(torch.Tensor))}
 
 
-def one_process(widths):
+def one_process(widths, norms=True):
     """The judge's run: the tests' model on the whole batch; its output and every gradient."""
-    full = Blocks(widths)
+    full = Blocks(widths, norms=norms)
     x, grad, _ = data(widths)
     x.requires_grad_()
     out = full(x)
@@ -551,6 +614,77 @@ def check_backward(folder, world_size, sequence_parallel):
 @pytest.mark.parametrize("parallel, world_size", CASES)
 def test_backward(impl_dir, parallel, world_size):
     check_backward(impl_dir, world_size, PARALLEL[parallel])
+
+
+# LayerNorms of other kinds: normalise takes any.
+
+# Block 0's norm without a weight or a bias, block 1's with a weight, no bias, and an eps of its own: a
+# normalise that passes None to Copy fails on either, one that leaves out eps computes another output.
+ODD_NORMS = [dict(elementwise_affine=False), dict(bias=False, eps=0.5)]
+ODD_SAID = "LayerNorm(7, elementwise_affine=False) and LayerNorm(5, bias=False, eps=0.5)"
+
+
+def odd_norms_in_world(folder):
+    """Probe: model_in_world of two blocks whose norms are ODD_NORMS, tensor and sequence parallel; what each
+    gave, or the error it raised."""
+    found = {}
+    for parallel, sequence_parallel in PARALLEL.items():
+        try:
+            found[parallel] = model_in_world(folder, WIDTHS, sequence_parallel, ODD_NORMS)
+        except NotImplementedError:  # a stub: the grade says which, as for every check
+            raise
+        except Exception as error:  # noqa: BLE001 - what it raised is the fact to report
+            found[parallel] = {"error": f"{type(error).__name__}: {error}"}
+    return found
+
+
+def check_norms(folder, world_size=2):
+    """normalise runs any LayerNorm, one without a weight and a bias, one with an eps of its own: the outputs and
+    gradients of one process, tensor and sequence parallel."""
+    results = world(
+        odd_norms_in_world, world_size, folder, expect=dict.fromkeys(PARALLEL, either({"error": str}, GRADIENTS))
+    )
+    _, _, expected, x_grad, grads = one_process(WIDTHS, ODD_NORMS)
+    default_eps = one_process(WIDTHS, [dict(o, eps=1e-5) for o in ODD_NORMS])[2]
+    for parallel, sequence_parallel in PARALLEL.items():
+        what = f"{parallel} parallel on {world_size} ranks, with the norms {ODD_SAID}"
+        mine = [r[parallel] for r in results]
+        for rank, result in enumerate(mine):
+            assert "error" not in result, said(
+                "normalise fails on a LayerNorm without weight or bias",
+                f"{what}: rank {rank}'s forward raised {result['error'][:200]}: a LayerNorm may have no weight or no"
+                " bias (None); normalise runs it all the same, with what it has",
+            )
+            rows = rows_of(rank, world_size, sequence_parallel)
+            assert not (not close(result["out"], expected[rows]) and close(result["out"], default_eps[rows])), said(
+                "normalise leaves out the norm's eps",
+                f"{what}: rank {rank}'s output is that of norms with F.layer_norm's default eps (1e-05): normalise"
+                " uses the norm's own eps (0.5 for norms.1)",
+            )
+            assert close(result["out"], expected[rows]), said(
+                "an output not one process's",
+                f"{what}: rank {rank}'s output differs from one process's by up to"
+                f" {(result['out'] - expected[rows]).abs().max():.3g}",
+            )
+        for rank in range(world_size):
+            judge_gradient(
+                what,
+                None,
+                mine,
+                rank,
+                x_grad[rows_of(rank, world_size, sequence_parallel)],
+                world_size,
+                sequence_parallel,
+            )
+            for name, grad in grads.items():
+                judge_gradient(
+                    what, name, mine, rank, part(name, grad, rank, world_size), world_size, sequence_parallel
+                )
+
+
+@pytest.mark.points(1)
+def test_norms(impl_dir):
+    check_norms(impl_dir)
 
 
 # The collectives, per layer and per block.

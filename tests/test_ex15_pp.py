@@ -154,6 +154,12 @@ def spelled(events):
     return " ".join("".join(map(str, e)) for e in events)
 
 
+def typed(schedule):
+    """What a schedule is, in words: "list of tuple" for a list of tuples (read before anything else reads it)."""
+    inner = sorted({type(e).__name__ for e in schedule}) if isinstance(schedule, (list, tuple)) else []
+    return f"{type(schedule).__name__} of {' and '.join(inner) or 'nothing'}"
+
+
 def as_events(schedule):
     """A schedule as plain data, a list of tuples, the first time it is read; None if it is no list of events."""
     try:
@@ -273,6 +279,7 @@ def pipeline_steps(pp, schedule, m, steps, events_from):
         # Every stage's schedule, judged as lists before any runs: a schedule that would hang or fail is
         # said as the schedule it is (every rank finds the same, and none runs).
         made = [getattr(pp, FUNCTIONS[schedule])(m, p, s) for s in range(p)]
+        out["types"] = [typed(events) for events in made]
         out["schedules"] = [as_events(events) for events in made]
         out["again"] = [as_events(events) for events in made]
         if schedule_problem(schedule, p, m, out["schedules"], out["again"]):
@@ -288,6 +295,7 @@ def pipeline_steps(pp, schedule, m, steps, events_from):
             pipeline = pp.Pipeline(stage, m, (ROWS // m, HIDDEN))
             loss = pipeline.run(events, x if rank == 0 else None, y if rank == p - 1 else None)
         if step == 0:
+            out["returned"] = type(loss).__name__
             out["messages"] = [(e.what, e.peer, e.nbytes) for e in log.started()]
             out["events"] = [list(e) for e in recorder.events]
             out["peak"] = recorder.peak
@@ -303,6 +311,7 @@ def recorded(steps):
     """What pipeline_steps returns for `steps` steps."""
     return {
         "losses": many(maybe(float), steps),
+        "returned": str,
         "history": many(many(torch.Tensor), steps),
         "messages": many((str, object, int)),
         "events": many(many(object)),
@@ -394,17 +403,27 @@ LAYER_CASES = [(6, 4), (6, 2), (7, 3), (4, 4), (5, 1), (9, 4)]
 
 
 def stage_cuts(folder):
-    """Probe: stage_layers on every case, as lists (a pure function: rank 0's answer is enough)."""
+    """Probe: stage_layers on every case, as lists, and the type of what it returned and of each run (a pure
+    function: rank 0's answer is enough)."""
     pp = load(folder).pp
-    return [[list(r) for r in pp.stage_layers(n, p)] for n, p in LAYER_CASES]
+    found = []
+    for n, p in LAYER_CASES:
+        stages = pp.stage_layers(n, p)
+        found.append([type(stages).__name__, [type(r).__name__ for r in stages], [list(r) for r in stages]])
+    return found
 
 
 def check_stage_layers(folder):
     """stage_layers cuts the layers into p consecutive runs, in order, as even as possible, the longer first."""
-    got = on_pipeline(stage_cuts, 2, folder, expect=many(many(many(int)), len(LAYER_CASES)))[
-        0
-    ]  # the world of 2 that the order check keeps
-    for (n, p), mine in zip(LAYER_CASES, got):
+    cases = many((str, many(str), many(many(int))), len(LAYER_CASES))
+    got = on_pipeline(stage_cuts, 2, folder, expect=cases)[0]  # the world of 2 that the order check keeps
+    for (n, p), (kind, kinds, mine) in zip(LAYER_CASES, got):
+        odd = next((k for k in kinds if k != "range"), None)
+        assert kind == "list" and odd is None, said(
+            "stage_layers not a list of ranges",
+            f"stage_layers({n}, {p}) returned a {kind} of {odd or 'range'}s: it returns a list of ranges, one per"
+            " stage (Stage reads the range's .stop, pipeline_of indexes the list)",
+        )
         where = f"stage_layers({n}, {p}) returned {[f'range({r[0]}, {r[-1] + 1})' if r else 'range(0)' for r in mine]}"
         held = [k for layers in mine for k in layers]
         twice = sorted({k for k in held if held.count(k) > 1})
@@ -430,7 +449,11 @@ def check_stage_layers(folder):
 
 def made(p):
     """What pipeline_steps returns when the student's schedules cannot run: every stage's schedule, read twice."""
-    return {"schedules": many(maybe(many(object)), p), "again": many(maybe(many(object)), p)}
+    return {
+        "schedules": many(maybe(many(object)), p),
+        "again": many(maybe(many(object)), p),
+        "types": many(str, p),
+    }
 
 
 def refuse_schedules(schedule, p, m, got):
@@ -458,7 +481,13 @@ def check_order(folder, schedule):
     for p, ms in ORDER_CASES:
         for m, stages in zip(ms, runs_on(p, folder, [(schedule, m, 1, "student") for m in ms])):
             for s, got in enumerate(stages):
-                judge_order(schedule, p, m, s, got["schedules"][s], f"{FUNCTIONS[schedule]}({m}, {p}, {s}) returned")
+                call = f"{FUNCTIONS[schedule]}({m}, {p}, {s}) returned"
+                assert got["types"][s] == "list of tuple", said(
+                    "a schedule not a list of tuples",
+                    f"{call} a {got['types'][s]}: a schedule is a list of tuples, ('F', i) and ('B', i), as the"
+                    " TODO's example compares it with ==",
+                )
+                judge_order(schedule, p, m, s, got["schedules"][s], call)
                 judge_order(schedule, p, m, s, [tuple(e) for e in got["events"]], f"stage {s} ran")
 
 
@@ -564,6 +593,12 @@ def check_gradients(folder, schedule):
                 f"{where}: stage {s}'s layer {k} got no gradient: its backward must run through the stage",
             )
             assert close(g, grads[k]), describe_gradient(where, s, k, g, grads[k], m)
+    returned = stages[-1]["returned"]
+    assert returned == "float", said(
+        "Pipeline.run's loss not a float",
+        f"{where}: Pipeline.run returned a {returned} on the last stage; it returns the batch's loss as a float, a"
+        " number (forward adds each micro-batch's loss to self.loss as one)",
+    )
     loss = stages[-1]["losses"][0]
     assert loss is not None and abs(loss - losses[0]) < 1e-5, said(
         "the last stage's loss not one process's on the whole batch",
@@ -578,7 +613,8 @@ def check_gradients(folder, schedule):
 
 
 def check_training(folder, steps=3):
-    """Three steps of SGD through the student's 1F1B train as one process on the whole batches."""
+    """Three steps of SGD through the student's 1F1B train as one process on the whole batches; so do two steps of
+    each schedule on a pipeline of one stage, the first stage and the last at once."""
     p, m = 3, 6
     _, _, expected = one_process(steps)
     (stages,) = runs_on(p, folder, [("1f1b", m, steps, "student")])
@@ -589,10 +625,58 @@ def check_training(folder, steps=3):
                     f"after step {step} of 1F1B with p={p} stages and m={m} micro-batches, stage {s}'s layer {k}"
                     " differs from one process trained on the whole batches"
                 )
+    m, steps = 3, 2
+    try:
+        alone = runs_on(1, folder, [(schedule, m, steps, "student") for schedule in NAMES])
+    except WorldFailed as failed:
+        raise AssertionError(
+            said(
+                "a pipeline of one stage fails",
+                f"a pipeline of one stage (p=1, m={m}) failed: {failed.failure.sentence()} Stage 0 is then the first"
+                " stage and the last at once: it reads x, computes the loss, and sends and receives nothing",
+            )
+        ) from None
+    for schedule, (got,) in zip(NAMES, alone):
+        judge_order(schedule, 1, m, 0, got["schedules"][0], f"{FUNCTIONS[schedule]}({m}, 1, 0) returned")
+        judge_order(schedule, 1, m, 0, [tuple(e) for e in got["events"]], "stage 0 ran")
+        for step in range(steps):
+            for k, w in enumerate(got["history"][step]):
+                assert close(w, expected[step][k]), said(
+                    "a pipeline of one stage not one process",
+                    f"after step {step} of {NAMES[schedule]} with p=1 stage and m={m} micro-batches, layer {k} differs"
+                    " from one process trained on the whole batches: stage 0 is the first stage and the last at once",
+                )
+
+
+def exchanges(folder):
+    """Probe: communicate with two sends and two receives on every rank, around the ring both ways: each rank's
+    own numbers to the next rank and to the one before; what arrived from the rank before and from the next."""
+    pp = load(folder).pp
+    rank, p = dist.get_rank(), dist.get_world_size()
+    after, before = torch.full((2,), -1.0), torch.full((2,), -1.0)
+    pp.communicate(
+        [(torch.full((2,), 10.0 * rank + 1), (rank + 1) % p), (torch.full((2,), 10.0 * rank + 2), (rank - 1) % p)],
+        [(before, (rank - 1) % p), (after, (rank + 1) % p)],
+    )
+    return [before, after]
+
+
+def check_communicate(folder, p):
+    """communicate starts every send and every receive of its lists, not only the first."""
+    for rank, (before, after) in enumerate(world(exchanges, p, folder, expect=many(torch.Tensor, 2))):
+        expected = (torch.full((2,), 10.0 * ((rank - 1) % p) + 1), torch.full((2,), 10.0 * ((rank + 1) % p) + 2))
+        for got, want, peer in zip((before, after), expected, ((rank - 1) % p, (rank + 1) % p)):
+            assert torch.equal(got, want), said(
+                "communicate not every send and receive of its lists",
+                f"communicate(sends, receives) with two sends and two receives on every rank of {p}, around the ring"
+                f" both ways: rank {rank} received {got.tolist()} from rank {peer}, which sent {want.tolist()}: it"
+                " starts every send and every receive of the lists, then waits for all",
+            )
 
 
 def check_messages(folder):
-    """One message per micro-batch each way between neighbours, each one micro-batch's activation or gradient."""
+    """One message per micro-batch each way between neighbours, each one micro-batch's activation or gradient;
+    communicate starts every message of its lists."""
     p, m = 3, 6
     nbytes = ROWS // m * HIDDEN * 4
     (stages,) = runs_on(p, folder, [("1f1b", m, 1, "student")])
@@ -618,6 +702,7 @@ def check_messages(folder):
                 f" {expected.get((what, peer), 0)}: one each way per micro-batch between neighbours, and no message"
                 " for shapes (they are agreed in advance)",
             )
+    check_communicate(folder, p)
 
 
 def check_matches_torch(folder, schedule):

@@ -13,6 +13,7 @@ import pytest
 from course.launch import WorldFailed
 from tests.mutants import assert_caught, make_mutant
 from tests.test_ex13_fsdp import (
+    check_any_module,
     check_checkpoint,
     check_flat_piece,
     check_flat_shard,
@@ -179,6 +180,22 @@ MUTANTS = {
         check_reduce_scatter,
         "reduce in float32",
     ),
+    "flat_shard's flat tensor float32 whatever the tensors' dtype": (
+        "    flat = torch.cat([t.detach().reshape(-1) for t in tensors])\n",
+        "    flat = torch.zeros(sum(t.numel() for t in tensors))\n"
+        "    flat[:] = torch.cat([t.detach().reshape(-1) for t in tensors])\n",
+        check_flat_shard,
+        "flat_shard of float64 tensors of shapes [(3, 4), (5,)] (17 elements), rank 0 of 2 is float32: the shard"
+        " holds the tensors' elements, in their dtype",
+    ),
+    "reduce_scatter_mean casts bfloat16 up, not everything to float32": (
+        NEW_SHARD + "    dist.reduce_scatter_tensor(shard, full.float())\n",
+        "    full = full.float() if full.dtype == torch.bfloat16 else full\n"
+        "    shard = full.new_empty(full.numel() // world_size)\n"
+        "    dist.reduce_scatter_tensor(shard, full)\n",
+        check_reduce_scatter,
+        "reduce_scatter_mean of a float64 tensor returned torch.float64",
+    ),
     # Part B: the unit
     "frozen parameters sharded with the others": (
         "        self.names = [name for name, p in module.named_parameters() if p.requires_grad]\n",
@@ -192,6 +209,30 @@ MUTANTS = {
         "        setattr(container, name, FullyShardedUnit(child, reshard_after_forward, param_dtype))\n",
         lambda folder: check_steps(folder, 2, zero3=False, steps=1),
         "a module without parameters is passed through",
+    ),
+    "a wholly frozen layer wrapped": (
+        "        if any(p.requires_grad for p in child.parameters()):\n",
+        "        if any(True for p in child.parameters()):\n",
+        check_any_module,
+        "a child with no parameter to train (the frozen Linear) is passed through",
+    ),
+    "every input cast, integers too": (
+        "        output = self.module(*cast_floats(inputs, self.full.dtype))\n",
+        "        output = self.module(*(x.to(self.full.dtype) for x in inputs))\n",
+        check_any_module,
+        "only the floating-point inputs are cast",
+    ),
+    "the shard in the module's dtype": (
+        "        self.shard = nn.Parameter(flat_shard(params, dist.get_rank(), world_size).float())\n",
+        "        self.shard = nn.Parameter(flat_shard(params, dist.get_rank(), world_size))\n",
+        check_any_module,
+        "a unit's shard is float32 whatever its module's dtype",
+    ),
+    "the full gradient zeroed, not freed": (
+        AFTER_BACKWARD,
+        AFTER_BACKWARD.replace("full.grad = None", "full.grad.zero_()"),
+        check_any_module,
+        "post_backward frees the full gradient once its piece is taken",
     ),
     "the gathered parameters in float32 whatever param_dtype says": (
         "dtype=param_dtype or torch.float32)",
@@ -217,6 +258,12 @@ MUTANTS = {
         "        free(full)\n",
         check_zero2_keeps,
         "ZeRO-2 keeps them",
+    ),
+    "the full buffer not freed when the unit is made": (
+        "        free(self.full)\n        self.full.requires_grad_()",
+        "        self.full.requires_grad_()",
+        check_memory,
+        "a unit is made with its full buffer freed",
     ),
     "ZeRO-3 does not free after the forward": (
         FORWARD_FREE,
@@ -300,11 +347,29 @@ MUTANTS = {
         check_checkpoint,
         "and a resumed run must go on counting",
     ),
+    "flat_piece placed by the world's rank, not the mesh's": (
+        "    start = mesh.get_local_rank() * shard.numel()\n",
+        "    start = dist.get_rank() * shard.numel()\n",
+        check_flat_piece,
+        "a piece's place is this rank's place in the mesh it is given",
+    ),
     "a fresh Adam given no state to load into": (
         "        if not adam:\n",
         "        if False:\n",
         check_checkpoint,
         "an Adam that has not stepped has no state yet",
+    ),
+    "setup's zero2 sharded as ZeRO-3": (
+        'reshard_after_forward=strategy == "zero3", param_dtype=param_dtype)',
+        "reshard_after_forward=True, param_dtype=param_dtype)",
+        check_setup,
+        "ZeRO-2 keeps each layer's gathered parameters for its backward",
+    ),
+    "setup's param_dtype not passed on": (
+        'reshard_after_forward=strategy == "zero3", param_dtype=param_dtype)',
+        'reshard_after_forward=strategy == "zero3")',
+        check_setup,
+        "the units gather bfloat16 copies when setup is given param_dtype",
     ),
     "the optimizer built before sharding": (
         '    shard_layers(model.layers, reshard_after_forward=strategy == "zero3", param_dtype=param_dtype)\n'

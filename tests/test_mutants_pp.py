@@ -34,7 +34,51 @@ WAIT_ALL = """    if ops:
 WARMUP_ONE_SHORT = "    warmup = min(max(p - s - 2, 0), m)"
 LAST_SENDS_NOTHING = "        return [] if last else [(output.detach(), self.rank + 1)]\n"
 
+OPS = (
+    "    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]\n"
+    "    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in receives]\n"
+)
+FORWARD_INPUT = "        inputs = x if received is None else received.requires_grad_()\n"
+
 MUTANTS = {
+    "stage_layers returns lists, not ranges": (
+        "pp.py",
+        "        stages.append(range(start, stop))",
+        "        stages.append(list(range(start, stop)))",
+        check_stage_layers,
+        "stage_layers(6, 4) returned a list of lists: it returns a list of ranges",
+    ),
+    "GPipe's events lists, not tuples": (
+        "pp.py",
+        '    return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]',
+        '    return [["F", i] for i in range(m)] + [["B", i] for i in reversed(range(m))]',
+        lambda folder: check_order(folder, "gpipe"),
+        "gpipe(4, 2, 0) returned a list of list: a schedule is a list of tuples",
+    ),
+    "Pipeline.run's loss a tensor, not a float": (
+        "pp.py",
+        "            self.loss += output.item()",
+        "            self.loss += output",
+        lambda folder: check_gradients(folder, "1f1b"),
+        "Pipeline.run returned a Tensor on the last stage; it returns the batch's loss as a float",
+    ),
+    "the first stage handled apart, as if it never were the last": (
+        "pp.py",
+        FORWARD_INPUT,
+        "        if self.rank == 0:\n"
+        "            output = self.stage(x)\n"
+        "            self.kept[i] = (x, output)\n"
+        "            return [(output.detach(), self.rank + 1)]\n" + FORWARD_INPUT,
+        check_training,
+        "a pipeline of one stage (p=1, m=3) failed",
+    ),
+    "communicate starts the first send and receive only": (
+        "pp.py",
+        OPS,
+        OPS.replace("in sends]", "in sends[:1]]").replace("in receives]", "in receives[:1]]"),
+        check_messages,
+        "it starts every send and every receive of the lists",
+    ),
     "overlapping stages": (
         "pp.py",
         "        stages.append(range(start, stop))",

@@ -16,6 +16,7 @@ from tests.test_ex14_tp import (
     check_forward,
     check_function,
     check_matches_torch,
+    check_norms,
     check_shards,
     check_train_steps,
     check_uneven,
@@ -48,6 +49,7 @@ GATHER_BACKWARD = (
 ALL_REDUCE_FORWARD = "        total = x.clone(memory_format=torch.contiguous_format)\n        dist.all_reduce(total)\n        return total\n"
 COLUMN_WEIGHT = "        self.weight = nn.Parameter(full.weight.detach()[mine].clone())\n"
 SHARE = "        share = F.cross_entropy(model(x[rows]), y[rows]) / dist.get_world_size()\n"
+NORM_PARTS = "        weight, bias = (None if p is None else Copy.apply(p) for p in (norm.weight, norm.bias))\n"
 UNEVEN = '        raise ValueError(f"{what}: {total} does not divide by the world size {world_size}")\n'
 
 MUTANTS = {
@@ -191,8 +193,8 @@ MUTANTS = {
     ),
     "the norm's weight and bias used on the rows without Copy": (
         "tp.py",
-        "Copy.apply(norm.weight), Copy.apply(norm.bias)",
-        "norm.weight, norm.bias",
+        "None if p is None else Copy.apply(p) for p",
+        "p for p",
         lambda folder: check_backward(folder, 2, True),
         "uses it on its own rows, so its gradient is the sum of the ranks' shares, and no backward summed them",
     ),
@@ -209,6 +211,20 @@ MUTANTS = {
         "            return F.layer_norm(x, norm.normalized_shape, Copy.apply(norm.weight), Copy.apply(norm.bias), norm.eps)\n",
         lambda folder: check_backward(folder, 2, False),
         "2 times one process's: a gradient that every rank holds whole was summed",
+    ),
+    "a norm without weight and bias passed to Copy": (
+        "tp.py",
+        NORM_PARTS,
+        "        weight, bias = Copy.apply(norm.weight), Copy.apply(norm.bias)\n",
+        check_norms,
+        "a LayerNorm may have no weight or no bias (None); normalise runs it all the same",
+    ),
+    "the norm's eps left out": (
+        "tp.py",
+        "weight, bias, norm.eps)",
+        "weight, bias)",
+        check_norms,
+        "normalise uses the norm's own eps (0.5 for norms.1)",
     ),
     "sequence parallel, each rank's mean loss not divided by W": (
         "tp.py",
@@ -237,6 +253,27 @@ MUTANTS = {
         "",
         check_uneven,
         "gave no error",
+    ),
+    "my_block returns a range": (
+        "tp.py",
+        "    return slice(start, start + total // world_size)\n",
+        "    return range(start, start + total // world_size)\n",
+        lambda folder: check_shards(folder, 2),
+        "my_block(12, 'rows') returned a range: it returns a slice",
+    ),
+    "an error that does not name what": (
+        "tp.py",
+        UNEVEN,
+        UNEVEN.replace("{what}: ", ""),
+        lambda folder: check_shards(folder, 3),
+        'names what ("the tests\' width")',
+    ),
+    "the column layer's weight a view of the full weight": (
+        "tp.py",
+        COLUMN_WEIGHT,
+        COLUMN_WEIGHT.replace("[mine].clone()", "[mine]"),
+        lambda folder: check_shards(folder, 2),
+        "ColumnParallelLinear.weight use the memory of the full nn.Linear",
     ),
     "an error that does not name the size": (
         "tp.py",
