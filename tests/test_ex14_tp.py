@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from course.checks import said
 from course.compat import cpu_mesh
 from tests.comm_log import CommLog
-from tests.helpers import keyed, load, many, maybe, world
+from tests.helpers import keyed, load, many, maybe, reference_world, world
 
 # Two blocks. Only the hidden width 12 divides by 2 and 3: a layer split along another width fails.
 WIDTHS = [7, 12, 5, 12, 5]
@@ -778,7 +778,7 @@ def local(grad):
 def check_matches_torch(folder, sequence_parallel, world_size=2):
     """ParallelMLP gives each rank the output and gradients of torch's parallelize_module."""
     mine = world(model_in_world, world_size, folder, WIDTHS, sequence_parallel, expect=GRADIENTS)
-    theirs = world(torch_in_world, world_size, sequence_parallel, expect=GRADIENTS)
+    theirs = reference_world(torch_in_world, world_size, sequence_parallel, expect=GRADIENTS)
     plan = (
         "SequenceParallel, ColwiseParallel and RowwiseParallel on rows"
         if sequence_parallel

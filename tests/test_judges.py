@@ -3,8 +3,8 @@
 A worker runs the submission, which can rewrite what the worker sends back: an empty list where the
 probe failed passed every judge written as `for case, got in zip(CASES, result)`. So a judge never
 reads a result that tests/helpers.py's validation has not checked against the shape the judge asked
-for: world() and alone() are the only ways to run a probe, and each call says its shape (expect=).
-The walk below proves it of the check sources, as tests/test_report.py's walks prove their titles.
+for: world(), alone() and reference_world() are the only ways to run a probe, and each call says its
+shape (expect=). The walk below proves it of the check sources, as tests/test_report.py's walks prove their titles.
 """
 
 import ast
@@ -14,7 +14,7 @@ from tests.test_report import check_sources
 # The launcher's functions that run a probe and hand back what its workers sent, unchecked.
 LAUNCHERS = {"run", "launch"}
 # tests/helpers.py's functions that run a probe and validate what it returned.
-READERS = {"world", "alone"}
+READERS = {"world", "alone", "reference_world"}
 
 
 def _name(call) -> str:
