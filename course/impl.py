@@ -20,6 +20,7 @@ from course.layout import ROOT, SOLUTIONS
 from course.layout import STUDENT_MODULES as MODULES
 
 _loaded: dict = {}
+_refused = False
 
 
 def selected(default: str | None = None) -> str:
@@ -59,6 +60,8 @@ def _import(folder: str, name: str):
 
 def load(folder: str) -> SimpleNamespace:
     """The modules mlp, dist and mydp of one folder; mydp's `from mlp import` finds that folder's mlp."""
+    if _refused:
+        raise RuntimeError("a reference world runs no code under test: its probe may not load() a folder")
     folder = os.path.abspath(folder)
     if folder in _loaded:
         return _loaded[folder]
@@ -74,6 +77,25 @@ def load(folder: str) -> SimpleNamespace:
         sys.path[:] = saved_path
     _loaded[folder] = modules
     return modules
+
+
+class _Refused:
+    """A finder that refuses the student files' module names, wherever they would be found."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name.partition(".")[0] in MODULES:
+            raise ImportError(f"a reference world runs no code under test: {name} may not be imported")
+        return None
+
+
+def refuse() -> None:
+    """From now on this process loads no code under test: load() raises, and so does importing a module named
+    as a student file (a reference world's workers, course/workers.py: what a judge compares with is computed
+    where no submission ran, so no submission's patch of torch or of the checks can forge it)."""
+    global _refused
+    _refused = True
+    sys.meta_path.insert(0, _Refused())
 
 
 def loaded() -> list:

@@ -107,6 +107,7 @@ class _WorkerSettings:
     sandbox: str  # course/sandbox.py's level for this world: "uid", "namespaces" or "none"
     guard: Any = None  # what its workers need of the world's sandbox.Guard (its handle)
     view: tuple | None = None  # where grades are made: all its workers see (sandbox.view: the course, the code graded)
+    reference: bool = False  # a world of this repository's code and torch only: it loads no code under test
 
 
 # --- processes: die with the parent, and take descendants along -------------------------------
@@ -377,6 +378,8 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
     board = Board(_board(settings.stack_dir, rank))  # mapped: no descriptor to keep
     private_descriptors({conn.fileno(), stack_file.fileno()})
     drop_streams()  # until the first call brings its caller's
+    if settings.reference:
+        impl.refuse()
     # Before any code under test: under "namespaces" this process forks, and only the child returns.
     sandbox.confine(settings.sandbox, settings.guard, settings.stack_dir, settings.view)
     if settings.sandbox != "none":
@@ -587,6 +590,7 @@ def run(
     port: int | None = None,
     keep: bool = False,
     sandbox: bool = False,
+    reference: bool = False,
 ) -> list:
     """Run ``fn(*args)`` on every rank of a new world; return the results by rank.
 
@@ -599,6 +603,10 @@ def run(
     With ``keep``, a world kept by an earlier call with the same settings runs it (module docstring).
     With ``sandbox`` (the checks), the workers are confined before they run anything (course/sandbox.py);
     after sandbox_every_world() (the grader, the notebooks' checks process) every world is.
+    With ``reference`` (what a judge compares with: torch's own DDP, ZeroRedundancyOptimizer, ...), the
+    workers may not load the code under test (course/impl.py's refuse()) and are not sandboxed: their
+    worlds are kept apart from every other, so no submission's import ever ran in the process that
+    computes what it is compared with.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -620,14 +628,14 @@ def run(
     child_env = env.loopback_settings(sys.platform)
     if debug:
         child_env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    level = sandbox_level() if sandbox or _every_world_sandboxed else None
+    level = sandbox_level() if (sandbox or _every_world_sandboxed) and not reference else None
     confinement = level.name if level else "none"
     # Where grades are made, the workers see the course's public files and the code graded, no more.
     viewed = _every_world_sandboxed and confinement != "none" and not level.unseen
     view = submission_view() if viewed else None
     keep = keep and port is None and _PASS_STREAMS
     key = (world_size, threads, backend, device, collective_timeout, method, tuple(sorted(child_env.items())))
-    key += (confinement, view)
+    key += (confinement, view, reference)
     world = _kept.take(key) if keep else None
     try:
         if world is not None:
@@ -640,7 +648,7 @@ def run(
             settings = _WorkerSettings(
                 world_size, threads, backend, device, "", port, "", collective_timeout, child_env, keep, confinement
             )
-            world = _World.start(method, dataclasses.replace(settings, view=view))
+            world = _World.start(method, dataclasses.replace(settings, view=view, reference=reference))
             world.call(call)
         world.timeout = timeout
         results = world.collect()

@@ -4,8 +4,9 @@ Every check is a probe and a judge. The probe runs in worker processes (course.l
 loads the implementation under test, runs it, and returns data only (tensors, numbers, strings,
 and lists and dicts of those). The judge runs in the grading process, which never imports the
 code under test: it compares that data with what it computes itself, from first principles or
-with the tests' own model below. So code under test can do what it likes in its workers, and a
-verdict is still decided only by code of this repository.
+with the tests' own model below, or with what torch's own parallelism computes in a world where no
+code under test ever ran (reference_world()). So code under test can do what it likes in its
+workers, and a verdict is still decided only by code of this repository and torch.
 """
 
 import math
@@ -283,6 +284,14 @@ def world(fn, world_size, *args, expect, keep=True, debug=True, **options):
     return validated(run(fn, world_size, *args, keep=keep, sandbox=True, debug=debug, **options), expect, world_size)
 
 
+def reference_world(fn, world_size, *args, expect):
+    """Run the probe fn, which loads no code under test (it computes what a judge compares with: torch's own
+    DDP, ZeroRedundancyOptimizer, ...), on every rank of a world that never loaded any (course/workers.py's
+    reference worlds): a submission that patched torch or these checks in its own worlds cannot forge it. What
+    it returned, by rank, checked against the shape expect (validated)."""
+    return validated(run(fn, world_size, *args, keep=True, debug=True, reference=True), expect, world_size)
+
+
 def _without_process_group(fn, args):
     dist.destroy_process_group()
     try:
@@ -339,13 +348,14 @@ def global_batch(config, step, world_size):
 SMALL_BUCKET_MB = 600 / 2**20
 
 
-def wrapper(ex, name):
+def wrapper(folder, name):
+    """The wrapper of that name: folder's (loaded in a probe), or torch's own DDP (folder None: reference_world())."""
     return {
-        "ddp": ex.mlp.wrap_ddp,  # exercise 3's
+        "ddp": lambda model: load(folder).mlp.wrap_ddp(model),  # exercise 3's
         "torch_ddp": lambda model: torch.nn.parallel.DistributedDataParallel(model),
-        "mydp": lambda model: ex.mydp.MyDP(model),
-        "overlapped": lambda model: ex.mydp.OverlappedDP(model, bucket_cap_mb=0),
-        "bucketed": lambda model: ex.mydp.OverlappedDP(model, bucket_cap_mb=SMALL_BUCKET_MB),
+        "mydp": lambda model: load(folder).mydp.MyDP(model),
+        "overlapped": lambda model: load(folder).mydp.OverlappedDP(model, bucket_cap_mb=0),
+        "bucketed": lambda model: load(folder).mydp.OverlappedDP(model, bucket_cap_mb=SMALL_BUCKET_MB),
     }[name]
 
 
@@ -354,11 +364,10 @@ def parallel_steps(folder, wrap_name, steps):
 
     Every rank starts from rank 0's weights: the wrapper's broadcast has a check of its own
     (check_start_sync), so that a wrapper that forgets it loses that check, not this one too."""
-    ex = load(folder)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(100)
     model = SmallMLP()
-    wrapped = wrapper(ex, wrap_name)(model)
+    wrapped = wrapper(folder, wrap_name)(model)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=CONFIG.lr)
     grads, history = None, []
     for step in range(steps):
@@ -377,7 +386,7 @@ def parallel_steps(folder, wrap_name, steps):
 def start_state(folder, wrap_name):
     """Probe: ranks build different weights and buffers; the wrapper must hand every rank rank 0's."""
     model = model_with_buffers(dist.get_rank())
-    wrapped = wrapper(load(folder), wrap_name)(model)
+    wrapped = wrapper(folder, wrap_name)(model)
     return {"kept": wrapped.module is model, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
@@ -427,7 +436,8 @@ def one_process(model, optimizer, steps, world_size):
 
 
 def check_equivalence(folder, wrap_name, world_size, steps=3):
-    """k parallel steps equal k steps of one process on the concatenated batch, on every rank."""
+    """k parallel steps equal k steps of one process on the concatenated batch, on every rank; what the ranks
+    returned (parallel_steps)."""
     torch.manual_seed(100)  # rank 0's start
     model = SmallMLP()
     expect = {"grads": parameters_of(model), "history": many(parameters_of(model), steps)}
@@ -461,3 +471,4 @@ def check_equivalence(folder, wrap_name, world_size, steps=3):
                 assert torch.allclose(got, p.detach(), rtol=1e-4, atol=1e-5), (
                     f"after step {step}, rank {rank}'s {name} differs from one process trained on the whole batch"
                 )
+    return results

@@ -702,6 +702,36 @@ def test_a_made_up_hang_gains_nothing(tmp_path):
     assert reference["score"] == 2 and [t["status"] for t in reference["tests"]] == ["passed"], reference
 
 
+# Parameters that the owners never share: each rank keeps its own, which is wrong; and torch's
+# ZeroRedundancyOptimizer, which the check compares with, replaced by the same mistake. Before, the
+# reference ran in the kept world where this file had been imported, and the forgery paid.
+FORGED_REFERENCE = """
+import torch.distributed.optim as _torch_optim
+
+ShardedOptimizer.share_parameters = lambda self: None
+
+
+class _Forged(ShardedOptimizer):
+    def __init__(self, params, optimizer_class, **defaults):
+        super().__init__(params, optimizer_class, **defaults)
+        self.optim = self.optimizer
+
+
+_torch_optim.ZeroRedundancyOptimizer = _Forged
+"""
+
+
+def test_a_forged_reference_gains_nothing(tmp_path):
+    """Issue 36: a reference is computed in a world that never loaded submission code, so torch patched by a
+    submission in its own world cannot forge it: the forgery earns 0, the reference full marks."""
+    args = ["--ex", "11", "--", "-k", "test_matches_zero_redundancy"]
+    found = grade_only(tmp_path / "cheat", {"zero.py": FORGED_REFERENCE}, args, base=SOLUTIONS)
+    assert found["score"] == 0 and [t["status"] for t in found["tests"]] == ["failed"], found
+    assert "differs from built-in DDP with ZeroRedundancyOptimizer" in found["tests"][0]["output"], found["tests"]
+    reference = grade_only(tmp_path / "reference", {}, args, base=SOLUTIONS)
+    assert reference["score"] == 4 and [t["status"] for t in reference["tests"]] == ["passed"], reference
+
+
 # ---- one student cannot stop the class (issue 36) ---------------------------------------------
 # A kept worker's timer writes into the output its check gave it (a notebook kernel's), long after
 # the check: into the probe that autograding runs in each kernel after its last cell, which it once

@@ -20,6 +20,7 @@ from tests.helpers import (
     many,
     model_with_buffers,
     one_process,
+    reference_world,
     world,
 )
 
@@ -129,9 +130,9 @@ def check_optimizer_state(folder, world_size, kind="adamw"):
 
 
 def parallel_steps(folder, kind, steps, builtin):
-    """Probe: `steps` steps of DistributedOptimizer (or built-in DDP) on each rank's share. Every rank resumes from
-    rank 0's checkpoint itself, so that the check judges the optimizer's averaging, whatever the broadcasts do
-    (their own checks judge them)."""
+    """Probe: `steps` steps of DistributedOptimizer (or built-in DDP, with folder None) on each rank's share. Every
+    rank resumes from rank 0's checkpoint itself, so that the check judges the optimizer's averaging, whatever the
+    broadcasts do (their own checks judge them)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model, optimizer = resumed(kind, 0)
     if builtin:  # torch's own DDP averages
@@ -189,9 +190,9 @@ def check_steps(folder, world_size, kind, steps=3):
                     f"after step {step} with {kind}, rank {rank}'s {name} differs from one process that resumed"
                     " from rank 0's checkpoint and trained on the whole batch"
                 )
-    builtin = world(parallel_steps, world_size, folder, kind, steps, True, expect={"history": history})[0]["history"][
-        -1
-    ]
+    builtin = reference_world(parallel_steps, world_size, None, kind, steps, True, expect={"history": history})[0][
+        "history"
+    ][-1]
     for name, p in builtin.items():
         assert torch.allclose(got[0]["history"][-1][name], p, rtol=1e-4, atol=1e-5), said(
             "steps not built-in DDP's with the same optimizer",

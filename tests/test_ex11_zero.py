@@ -24,6 +24,7 @@ from tests.helpers import (
     many,
     one_process,
     parameters_of,
+    reference_world,
     world,
 )
 
@@ -240,8 +241,8 @@ def check_state_bytes(folder, world_size):
 # The same steps as torch's ZeroRedundancyOptimizer.
 
 
-def zero_redundancy_steps(folder, steps):
-    """Probe: built-in DDP and torch's ZeroRedundancyOptimizer(Adam) on the same model and batches as sharded_steps."""
+def zero_redundancy_steps(steps):
+    """Probe, no student code: built-in DDP and torch's ZeroRedundancyOptimizer(Adam) on the same model and batches as sharded_steps."""
     from torch.distributed.optim import ZeroRedundancyOptimizer  # here: its import scripts optimizers (~1 s)
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -264,7 +265,7 @@ def check_matches_zero_redundancy(folder, world_size, steps=3):
     trains as DDP with it does."""
     got = world(sharded_steps, world_size, folder, steps, expect=stepped(steps))
     theirs = {"final": parameters_of(Ragged()), "state_bytes": int}
-    torch_zero = world(zero_redundancy_steps, world_size, folder, steps, expect=theirs)
+    torch_zero = reference_world(zero_redundancy_steps, world_size, steps, expect=theirs)
     for rank, (mine, theirs) in enumerate(zip(got, torch_zero)):
         assert mine["state_bytes"] == theirs["state_bytes"], said(
             "optimizer state not ZeroRedundancyOptimizer's on a rank",
@@ -297,7 +298,8 @@ def torch_bf16_hook(group, bucket) -> torch.futures.Future[torch.Tensor]:
 
 
 def hooked_steps(folder, hook_name):
-    """Probe: built-in DDP on the tests' MLP (two buckets), the named comm hook; each step's collectives."""
+    """Probe: built-in DDP on the tests' MLP (two buckets), the named comm hook (the student's loads folder, which
+    is None for torch's); each step's collectives."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = SmallMLP()
@@ -339,9 +341,9 @@ def check_hook(folder, world_size=2):
         "grads": many(keyed((torch.Tensor, str), SMALL_NAMES), HOOK_STEPS),
     }
     got = world(hooked_steps, world_size, folder, "student", expect=expect)
-    fp32 = world(hooked_steps, world_size, folder, "torch_fp32", expect=expect)
-    plain = world(hooked_steps, world_size, folder, "none", expect=expect)[0]["history"]
-    torchs = world(hooked_steps, world_size, folder, "torch_bf16", expect=expect)[0]["history"]
+    fp32 = reference_world(hooked_steps, world_size, None, "torch_fp32", expect=expect)
+    plain = reference_world(hooked_steps, world_size, None, "none", expect=expect)[0]["history"]
+    torchs = reference_world(hooked_steps, world_size, None, "torch_bf16", expect=expect)[0]["history"]
     buckets = len(fp32[0]["logs"][0]["collectives"])
     for rank, result in enumerate(got):
         for step, log in enumerate(result["logs"]):

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from course.checks import said
 from course.compat import cpu_mesh
 from tests.comm_log import CommLog
-from tests.helpers import either, keyed, load, many, maybe, world
+from tests.helpers import either, keyed, load, many, maybe, reference_world, world
 
 # Two blocks. Only the hidden width 12 divides by 2 and 3: a layer split along another width fails.
 WIDTHS = [7, 12, 5, 12, 5]
@@ -912,7 +912,7 @@ def local(grad):
 def check_matches_torch(folder, sequence_parallel, world_size=2):
     """ParallelMLP gives each rank the output and gradients of torch's parallelize_module."""
     mine = world(model_in_world, world_size, folder, WIDTHS, sequence_parallel, expect=GRADIENTS)
-    theirs = world(torch_in_world, world_size, sequence_parallel, expect=GRADIENTS)
+    theirs = reference_world(torch_in_world, world_size, sequence_parallel, expect=GRADIENTS)
     plan = (
         "SequenceParallel, ColwiseParallel and RowwiseParallel on rows"
         if sequence_parallel
@@ -944,7 +944,9 @@ def test_matches_torch(impl_dir, parallel):
 
 
 def uneven_in_world(folder):
-    """Probe: a hidden width of 10, and a batch of 8 rows sequence parallel, on 3 ranks: what was raised."""
+    """Probe: a hidden width of 10, and a batch of 8 rows sequence parallel, on 3 ranks: what each raised, as
+    facts the probe took itself (whether it is a ValueError, its words, and the messages and collectives started
+    before it), None where it raised nothing."""
     tp = load(folder).tp
     raised = []
     for attempt in (
@@ -955,30 +957,44 @@ def uneven_in_world(folder):
             *data(WIDTHS, rows=8)[::2],
         ),
     ):
-        try:
-            attempt()
-            raised.append(None)
-        except NotImplementedError:  # a stub: the grade says which, as for every check
-            raise
-        except Exception as error:  # noqa: BLE001 - which error, and its words, are the check's to judge
-            raised.append(f"{type(error).__name__}: {error}")
+        fact = None
+        with CommLog() as log:
+            try:
+                attempt()
+            except NotImplementedError:  # a stub: the grade says which, as for every check
+                raise
+            except Exception as error:  # noqa: BLE001 - which error, and where, are the check's to judge
+                fact = {"value_error": isinstance(error, ValueError), "name": type(error).__name__, "words": str(error)}
+        raised.append(fact and fact | {"started": len(log.started())})
     return raised
 
 
 def check_uneven(folder, world_size=3):
-    """A width or a batch that the world size does not divide is refused with a ValueError naming both."""
-    width, rows = world(uneven_in_world, world_size, folder, expect=(maybe(str), maybe(str)))[0]
+    """A width or a batch that the world size does not divide is refused before any message or collective, with a
+    ValueError naming both. What pays is what the probe saw of the error (its class, when it came), not its name
+    as the submission may word it (a class of its own named ValueError, say)."""
+    fact = maybe({"value_error": bool, "name": str, "words": str, "started": int})
+    width, rows = world(uneven_in_world, world_size, folder, expect=(fact, fact))[0]
     for what, size, got in (("a hidden width of 10", 10, width), ("a batch of 8 rows, sequence parallel", 8, rows)):
         assert got is not None, said(
             "a size the world does not divide accepted",
             f"{what} on {world_size} ranks gave no error: {world_size} does not divide {size}",
         )
-        assert (
-            got.startswith("ValueError") and re.search(rf"\b{size}\b", got) and re.search(rf"\b{world_size}\b", got)
-        ), said(
+        words = f"{got['name']}: {got['words']}"
+        assert got["value_error"], said(
+            "refused without a ValueError",
+            f"{what} on {world_size} ranks raised {words!r}, which is not a ValueError (its class does not derive"
+            " from ValueError): refuse the size with a ValueError",
+        )
+        assert re.search(rf"\b{size}\b", words) and re.search(rf"\b{world_size}\b", words), said(
             "refused without a ValueError that names the sizes",
-            f"{what} on {world_size} ranks raised {got!r}: expected a ValueError whose message names the size"
+            f"{what} on {world_size} ranks raised {words!r}: expected a ValueError whose message names the size"
             f" ({size}) and the world size ({world_size})",
+        )
+        assert got["started"] == 0, said(
+            "a size the world does not divide refused after messages started",
+            f"{what} on {world_size} ranks raised its ValueError after {got['started']} messages or collectives had"
+            " started: refuse the size before any, where the size is first known",
         )
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from course.checks import said
 from course.launch import WorldFailed
 from tests.comm_log import CommLog
-from tests.helpers import either, forward_from, load, many, maybe, validated, world
+from tests.helpers import either, forward_from, load, many, maybe, reference_world, validated, world
 
 WIDTHS = [12, 10, 10, 10, 10, 10, 4]  # six layers: 4 stages hold 2, 2, 1 and 1 of them
 HIDDEN = 10  # the width of every activation that travels between stages
@@ -321,12 +321,11 @@ def recorded(steps):
     }
 
 
-def with_torch(folder, schedule, m):
-    """Probe: one step of the student's schedule, then one of torch's pipelining on the same stages and
-    batch; what the student's recorded, and this stage's gradients from torch's."""
+def torch_pipeline(schedule, m):
+    """Probe, no student code: one step of torch's pipelining on the stages and batch of pipeline_steps; this
+    stage's gradients."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    mine = pipeline_steps(load(folder).pp, schedule, m, 1, "student")
     rank, p = dist.get_rank(), dist.get_world_size()
     stage = stage_of(p, rank)[0]
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
@@ -338,7 +337,7 @@ def with_torch(folder, schedule, m):
         runner.step(target=y)
     else:
         runner.step()
-    return mine, [w.grad.clone() for w in stage.weights]
+    return [w.grad.clone() for w in stage.weights]
 
 
 def on_pipeline(fn, p, *args, expect):
@@ -710,10 +709,9 @@ def check_matches_torch(folder, schedule):
     p, m = 3, 6
     where = f"{NAMES[schedule]} with p={p} stages and m={m} micro-batches"
     whose = f"torch's PipelineStage with Schedule{NAMES[schedule]}'s on the same stages"
-    whole = (recorded(1), many(torch.Tensor))
-    results = on_pipeline(with_torch, p, folder, schedule, m, expect=(either(made(p), whole[0]), whole[1]))
-    refuse_schedules(schedule, p, m, results[0][0])
-    for s, (got, expected) in enumerate(validated(results, whole, p)):
+    (stages,) = runs_on(p, folder, [(schedule, m, 1, "student")])
+    theirs = reference_world(torch_pipeline, p, schedule, m, expect=many(torch.Tensor))
+    for s, (got, expected) in enumerate(zip(stages, theirs)):
         for k, g, t in zip(layers_by_rule(len(WIDTHS) - 1, p)[s], got["grads"], expected):
             assert g is not None, f"{where}: stage {s}'s layer {k} got no gradient, its {whose.replace('s on', ' on')}"
             assert close(g, t), describe_gradient(where, s, k, g, t, m, whose)

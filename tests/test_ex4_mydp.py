@@ -16,6 +16,7 @@ from tests.helpers import (
     many,
     maybe,
     parallel_steps,
+    reference_world,
     world,
 )
 
@@ -81,17 +82,14 @@ def check_hook_leaves_its_argument(folder):
     )
 
 
-def compare_with_ddp(folder, steps):
-    """Probe: the tests' own model trained with MyDP, then with torch's DDP, from the same start."""
-    return [parallel_steps(folder, name, steps)["history"][-1] for name in ("mydp", "torch_ddp")]
-
-
 def check_mydp_steps(folder, world_size, steps=3):
     """MyDP's steps equal one process's on the whole batch, and torch's DDP's from the same start."""
-    check_equivalence(folder, "mydp", world_size, steps)
-    for rank, (mine, builtin) in enumerate(
-        world(compare_with_ddp, world_size, folder, steps, expect=(SMALL_PARAMETERS,) * 2)
-    ):
+    results = check_equivalence(folder, "mydp", world_size, steps)
+    theirs = reference_world(
+        parallel_steps, world_size, None, "torch_ddp", steps, expect={"history": many(SMALL_PARAMETERS, steps)}
+    )
+    for rank, (got, builtin) in enumerate(zip(results, theirs)):
+        mine, builtin = got["history"][-1], builtin["history"][-1]
         gap = max((mine[k] - builtin[k]).abs().max().item() for k in mine)
         assert gap < 1e-5, (
             f"after {steps} steps from the same start, rank {rank}'s MyDP and torch's DDP are {gap:.3g} apart"

@@ -3,8 +3,8 @@
 A worker runs the submission, which can rewrite what the worker sends back: an empty list where the
 probe failed passed every judge written as `for case, got in zip(CASES, result)`. So a judge never
 reads a result that tests/helpers.py's validation has not checked against the shape the judge asked
-for: world() and alone() are the only ways to run a probe, and each call says its shape (expect=).
-The walk below proves it of the check sources, as tests/test_report.py's walks prove their titles.
+for: world(), alone() and reference_world() are the only ways to run a probe, and each call says its
+shape (expect=). The walk below proves it of the check sources, as tests/test_report.py's walks prove their titles.
 """
 
 import ast
@@ -14,7 +14,7 @@ from tests.test_report import check_sources
 # The launcher's functions that run a probe and hand back what its workers sent, unchecked.
 LAUNCHERS = {"run", "launch"}
 # tests/helpers.py's functions that run a probe and validate what it returned.
-READERS = {"world", "alone"}
+READERS = {"world", "alone", "reference_world"}
 
 
 def _name(call) -> str:
@@ -126,4 +126,81 @@ def check_e(folder):
         "test_ex0_x.check_c: calls through() without expect=",
         "test_ex0_x.check_d: calls run() and reads what the workers sent unchecked",
         "test_ex0_x: imports run from course.launch",
+    ]
+
+
+# --- references: computed where no submission ran (issue 36) -------------------------------------
+# A probe that world() or alone() runs shares its kept world with the submission that the world loaded:
+# one that loads no code under test computes a reference (torch's own DDP, ...), which a submission that
+# patched torch or the checks there would forge. It belongs in reference_world(), whose workers refuse to
+# load any (course/impl.py's refuse()).
+SUBMISSION_WORLDS = {"world", "alone", "on_pipeline"}
+
+
+def _loads(name: str, functions: dict, seen: set) -> bool:
+    """Whether the function of that name (in functions: {name: FunctionDef}) loads the code under test: calls
+    load(), or names a function that does (a lambda, a table of them, a helper)."""
+    if name in seen or name not in functions:
+        return False
+    seen.add(name)
+    for node in ast.walk(functions[name]):
+        if isinstance(node, ast.Call) and _name(node) == "load":
+            return True
+        if isinstance(node, ast.Name) and _loads(node.id, functions, seen):
+            return True
+    return False
+
+
+def probes_without_submission(sources: dict) -> list:
+    """The probes that a submission's world runs (the first argument of world(), alone() or on_pipeline(), a
+    function of the module or of helpers) and that load no code under test: references in the wrong world."""
+    trees = {module: ast.parse(source) for module, source in sources.items()}
+    shared = {f.name: f for f in _functions(trees["helpers"])}
+    places = []
+    for module, tree in trees.items():
+        functions = shared | {f.name: f for f in _functions(tree)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and _name(node) in SUBMISSION_WORLDS and node.args:
+                probe = node.args[0]
+                if isinstance(probe, ast.Name) and probe.id in functions and not _loads(probe.id, functions, set()):
+                    places.append(f"{module}: {_name(node)}({probe.id}, ...) loads no code under test")
+    return sorted(set(places))
+
+
+def test_every_reference_is_computed_where_no_submission_ran():
+    """Issue 36: exercises 11, 13 and 14 ran torch's ZeroRedundancyOptimizer, fully_shard and parallelize_module
+    in the kept world where the submission had been imported (found here, run on that tree); a zero.py that
+    replaced ZeroRedundancyOptimizer with its own mistake scored that check's points. Every probe of a
+    submission's world loads the submission; the others run in reference_world(). (A probe that runs the
+    submission and then torch's reference in one call, as exercises 4 and 15 did, or by a flag, as 10 and 11
+    did, loads the submission and is not found: the reviewer's to refuse.)"""
+    found = probes_without_submission(check_sources())
+    assert not found, f"compute references with reference_world(): {found}"
+
+
+def test_the_references_in_a_submissions_world_are_found():
+    """The walk finds a probe of world() that loads nothing, through helpers too, and passes one that loads the
+    submission through a helper or a lambda."""
+    helpers = """
+def load(folder):
+    pass
+def module_of(folder):
+    return load(folder).zero
+def ddp_steps(steps):
+    return steps
+"""
+    checks = """
+def torch_steps(steps):
+    return steps
+def student_steps(folder):
+    return module_of(folder).step()
+def wrapped(folder):
+    return {"mine": lambda: load(folder)}["mine"]()
+def check(folder):
+    world(torch_steps, 2, 3, expect=int), world(ddp_steps, 2, 3, expect=int), alone(student_steps, folder, expect=int)
+    world(wrapped, 2, folder, expect=int), reference_world(torch_steps, 2, 3, expect=int)
+"""
+    assert probes_without_submission({"helpers": helpers, "test_ex0_x": checks}) == [
+        "test_ex0_x: world(ddp_steps, ...) loads no code under test",
+        "test_ex0_x: world(torch_steps, ...) loads no code under test",
     ]

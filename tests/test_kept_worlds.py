@@ -124,6 +124,12 @@ def mark_of(folder):
     return impl.load(folder).mlp.MARK
 
 
+def imports_mlp():
+    import mlp  # noqa: F401 - what a reference world refuses, wherever mlp.py is
+
+    return "imported"
+
+
 def exited(pid):
     """Every thread of the process has ended: its leader shows as a zombie while gloo's threads still run."""
     try:
@@ -149,6 +155,20 @@ def test_a_kept_world_runs_the_next_call_with_its_settings():
     assert set(run(pid, 3, keep=True)).isdisjoint(first), "a world of another size is a world of its own"
     assert set(run(pid, 2, keep=True, debug=False)).isdisjoint(first), "so is one with other settings"
     assert run(pid, 2, keep=True) == first
+
+
+def test_a_reference_world_loads_no_code_under_test_and_shares_no_world(tmp_path):
+    """Issue 36: what a judge compares with (torch's own DDP, ...) is computed in a world of its own, which never
+    loaded a submission: one that patched torch or the checks in its kept world cannot forge it."""
+    (tmp_path / "mlp.py").write_text("MARK = 1\n")
+    loaded = run(mark_of, 2, str(tmp_path), keep=True, sandbox=True)
+    assert loaded == [1, 1]
+    reference = run(pid, 2, keep=True, sandbox=True, reference=True)
+    assert set(reference).isdisjoint(run(pid, 2, keep=True, sandbox=True)), "a world of its own"
+    assert run(pid, 2, keep=True, sandbox=True, reference=True) == reference, "kept for the next reference"
+    for probe, args in ((mark_of, (str(tmp_path),)), (imports_mlp, ())):
+        with pytest.raises(WorldFailed, match="a reference world runs no code under test"):
+            run(probe, 2, *args, keep=True, reference=True)
 
 
 def test_a_world_not_kept_ends_with_its_call():

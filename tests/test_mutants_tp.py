@@ -282,6 +282,21 @@ MUTANTS = {
         check_uneven,
         "names the size",
     ),
+    # Issue 36: the check read the error's name as the worker worded it; these two passed.
+    "an error of its own class that is named ValueError": (
+        "tp.py",
+        UNEVEN,
+        UNEVEN.replace("raise ValueError(", 'raise type("ValueError", (Exception,), {})('),
+        check_uneven,
+        "which is not a ValueError",
+    ),
+    "the rows refused after a collective": (
+        "tp.py",
+        '        rows = my_block(len(x), "the batch\'s rows")\n',
+        '        dist.barrier()\n        rows = my_block(len(x), "the batch\'s rows")\n',
+        check_uneven,
+        "after 1 messages or collectives had started",
+    ),
 }
 
 
