@@ -111,7 +111,7 @@ def check_groups(folder, dp, tp):
 
 
 @pytest.mark.points(1)
-@pytest.mark.parametrize("dp, tp", [pytest.param(*MESHES[0], marks=pytest.mark.points(2)), *MESHES[1:]])
+@pytest.mark.parametrize("dp, tp", [pytest.param(*MESHES[0], marks=pytest.mark.points(3)), *MESHES[1:]])
 def test_groups(impl_dir, dp, tp):
     check_groups(impl_dir, dp, tp)
 
@@ -252,7 +252,7 @@ def check_collectives(folder, dp=2, tp=2):
             )
 
 
-@pytest.mark.points(3)
+@pytest.mark.points(4)
 def test_collectives(impl_dir):
     check_collectives(impl_dir)
 
@@ -386,7 +386,7 @@ def check_steps(folder, dp, tp, steps=STEPS):
 
 
 @pytest.mark.points(2)
-@pytest.mark.parametrize("dp, tp", [pytest.param(2, 2, marks=pytest.mark.points(3)), (1, 4), (4, 1)])
+@pytest.mark.parametrize("dp, tp", [pytest.param(2, 2, marks=pytest.mark.points(4)), (1, 4), (4, 1)])
 def test_steps(impl_dir, dp, tp):
     check_steps(impl_dir, dp, tp, steps=STEPS if (dp, tp) == (2, 2) else 1)
 
@@ -409,6 +409,6 @@ def check_memory(folder, dp=2, tp=2):
             )
 
 
-@pytest.mark.points(1)
+@pytest.mark.points(2)
 def test_memory(impl_dir):
     check_memory(impl_dir)
