@@ -129,11 +129,10 @@ class Blocks(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(WIDTHS, WIDTHS[1:]))
 
     def forward(self, x):
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = torch.tanh(x)
-        return x
+        *hidden, last = self.layers
+        for layer in hidden:
+            x = torch.tanh(layer(x))
+        return last(x)
 
 
 def data(step=0):
