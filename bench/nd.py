@@ -24,8 +24,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from common import Record, interleaved, pyplot
+from common import Record, interleaved, products_alone, pyplot
 
 from course import impl
 from course.launch import bench, run
@@ -39,27 +38,12 @@ def widths(config):
     return [config.d_in] + [config.d_hidden] * (config.n_layers - 1) + [config.n_classes]
 
 
-def blocks_alone(config, dp, tp, x, y):
+def blocks_alone(config, tp, x, y):
     """A step of this rank's blocks of the weights on its rows, as exercise 16 runs them, without a collective:
     a column layer keeps out / tp rows of its weight, a row layer in / tp columns."""
     sizes = widths(config)
-    weights = [
-        torch.nn.Parameter(torch.randn(b // tp, a) if i % 2 == 0 else torch.randn(b, a // tp))
-        for i, (a, b) in enumerate(zip(sizes, sizes[1:]))
-    ]
-    optimizer = torch.optim.SGD(weights, lr=0.01)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        h = x
-        for i, weight in enumerate(weights):
-            h = F.linear(h, weight)
-            if i < len(weights) - 1:
-                h = torch.tanh(h)
-        F.cross_entropy(h, y).backward()
-        optimizer.step()
-
-    return step
+    shapes = [(b // tp, a) if i % 2 == 0 else (b, a // tp) for i, (a, b) in enumerate(zip(sizes, sizes[1:]))]
+    return products_alone([torch.nn.Parameter(torch.randn(shape)) for shape in shapes], x, y)
 
 
 def measure(folder, rounds, per_round):
@@ -78,7 +62,7 @@ def measure(folder, rounds, per_round):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         functions[f"{dp}x{tp}"] = partial(ex.nd.train_step, model, optimizer, x, y)
         rows = slice(mesh.dp_rank * ROWS // dp, (mesh.dp_rank + 1) * ROWS // dp)
-        functions[f"{dp}x{tp} compute alone"] = blocks_alone(config, dp, tp, x[rows], y[rows])
+        functions[f"{dp}x{tp} compute alone"] = blocks_alone(config, tp, x[rows], y[rows])
         functions[f"{dp}x{tp}"]()
         held = [sum(p.numel() * p.element_size() for p in model.parameters())]
         held.append(sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()))

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course.checks import said
-from tests.comm_log import CommLog
+from tests.comm_log import ALL_GATHER, ALL_REDUCE, KINDS, REDUCE_SCATTER, CommLog
 from tests.helpers import keyed, load, many, world
 
 # Two blocks with biases. The hidden width 8 divides by 1, 2 and 4; a row layer's block of 5 x 8 / tp
@@ -27,15 +27,6 @@ STEPS = 3
 MESHES = [(2, 2), (1, 4), (4, 1), (2, 1)]
 # A hang while the groups are made (ranks that call dist.new_group for different groups) is named this fast.
 GROUPS_TIME_LIMIT = 8
-
-ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all-reduce", "all-gather", "reduce-scatter"
-KINDS = {
-    "allreduce": ALL_REDUCE,
-    "all_gather_into_tensor": ALL_GATHER,
-    "allgather": ALL_GATHER,
-    "reduce_scatter_tensor": REDUCE_SCATTER,
-    "reduce_scatter": REDUCE_SCATTER,
-}
 
 
 def coordinates(rank, tp):
