@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course.checks import said
+from course.memory import Gathered
 from tests.comm_log import ALL_GATHER, ALL_REDUCE, KINDS, REDUCE_SCATTER, CommLog
 from tests.helpers import keyed, load, many, world
 
@@ -253,7 +254,8 @@ def test_collectives(impl_dir):
 def train_in_world(folder, dp, tp, steps):
     """Probe: train_step on the mesh model of the tests' model, `steps` batches; the losses it returned, the
     rows the model ran in the first step, the shards' gradients of the first step, the shards after each
-    step, and the bytes of the parameters and gradients after the first step."""
+    step, and the bytes of the parameters and gradients after the first step, and of the gathered blocks
+    (course/memory.py: what the all-gathers wrote into) at their peak in the first step and after it."""
     nd = load(folder).nd
     mesh = nd.mesh_groups(dp, tp)
     model = nd.MeshMLP(list(Blocks().layers), mesh)
@@ -263,10 +265,12 @@ def train_in_world(folder, dp, tp, steps):
     losses, history, grads, held = [], [], None, None
     for step in range(steps):
         x, y = data(step)
-        losses.append(nd.train_step(model, optimizer, x, y))
+        with Gathered() as gathered:
+            losses.append(nd.train_step(model, optimizer, x, y))
         if step == 0:
             grads = {n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()}
             held = [sum(t.untyped_storage().nbytes() for t in ts) for ts in (model.parameters(), grads.values())]
+            held += [gathered.peak_bytes(), gathered.alive_bytes()]
             hook.remove()
         history.append({n: p.detach().clone() for n, p in model.named_parameters()})
     return {"losses": losses, "rows": rows, "grads": grads, "history": history, "bytes": held}
@@ -278,7 +282,7 @@ def run_steps(folder, dp, tp, steps):
         "rows": many(torch.Tensor),
         "grads": keyed(object),
         "history": many(keyed(torch.Tensor), steps),
-        "bytes": many(int, 2),
+        "bytes": many(int, 4),
     }
     return world(train_in_world, dp * tp, folder, dp, tp, steps, expect=expect)
 
@@ -385,18 +389,32 @@ def test_steps(impl_dir, dp, tp):
 
 
 def check_memory(folder, dp=2, tp=2):
-    """Each rank holds 1/(dp tp) of the model's parameters and of their gradients, padding included."""
+    """Each rank holds 1/(dp tp) of the model's parameters and of their gradients, padding included; the
+    gathered blocks hold at most the rank's blocks of the layers during a step, and nothing after it."""
     results = run_steps(folder, dp, tp, 1)
     full = Blocks()
     whole = sum(p.numel() * p.element_size() for p in full.parameters())
     for rank, result in enumerate(results):
         expected = sum(t.numel() * t.element_size() for t in pieces(full, rank, dp, tp).values())
-        for what, held in zip(("parameters", "gradients"), result["bytes"]):
+        parameters, gradients, peak, after = result["bytes"]
+        mesh = f"the mesh (dp {dp}, tp {tp})"
+        for what, held in zip(("parameters", "gradients"), (parameters, gradients)):
             assert held == expected, said(
                 f"{what} not 1/(dp tp) of the model's",
-                f"the mesh (dp {dp}, tp {tp}): rank {rank}'s {what} hold {held} B, expected {expected} B: its shard"
+                f"{mesh}: rank {rank}'s {what} hold {held} B, expected {expected} B: its shard"
                 f" of its block, about 1/{dp * tp} of the model's {whole} B",
             )
+        assert after == 0, said(
+            "the gathered blocks kept after the step",
+            f"{mesh}: after train_step, rank {rank}'s gathered blocks still hold {after} B: a block gathered for a"
+            " step is the step's alone (autograd frees it after the backward); kept on the layer, every rank holds"
+            " its whole blocks between steps, and sharding over dp saves nothing",
+        )
+        assert peak <= dp * expected, said(
+            "more gathered than the rank's blocks",
+            f"{mesh}: rank {rank}'s gathered blocks held {peak} B at their peak, more than its blocks of every layer"
+            f" ({dp * expected} B): an all-gather in the dp group brings dp shards of one block",
+        )
 
 
 @pytest.mark.points(2)

@@ -112,6 +112,12 @@ MUTANTS = {
         lambda folder: check_steps(folder, 2, 2, steps=1),
         "one process's loss on the batch",
     ),
+    "the gathered block kept on the layer": (
+        "        full = GatherShards.apply(self.shard, self.mesh.dp_group)\n",
+        "        self.kept = full = GatherShards.apply(self.shard, self.mesh.dp_group)\n",
+        check_memory,
+        "after train_step, rank 0's gathered blocks still hold",
+    ),
     "the reduce-scatter's piece kept whole": (
         "        self.shard = nn.Parameter(padded.chunk(mesh.dp)[mesh.dp_rank].clone())\n",
         "        self.shard = nn.Parameter(padded.clone())\n",
