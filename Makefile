@@ -7,7 +7,7 @@ SETUP := $(PYTHON) -m course setup
 # Workers share the cores: see course/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help setup notebooks test grade non-iid bench bench-launch bench-cost bench-zero bench-fsdp bench-tp bench-pp
+.PHONY: help setup notebooks test grade non-iid bench bench-launch bench-cost bench-zero bench-fsdp bench-tp bench-pp bench-nd
 
 # The students' part of `make help`; the instructors' repository (with solutions/) adds its own below.
 help::
@@ -22,6 +22,7 @@ help::
 	@echo "make bench-fsdp    bytes per rank and step time of DDP, ZeRO-1, -2, -3 and torch's fully_shard (exercise 13)"
 	@echo "make bench-tp      tensor against data parallelism by batch size, measured and predicted (exercise 14)"
 	@echo "make bench-pp      a pipeline's idle fraction against (p - 1)/(m + p - 1), step time of GPipe and 1F1B (exercise 15)"
+	@echo "make bench-nd      step time and bytes per rank of the meshes (4, 1), (2, 2), (1, 4), measured and predicted (exercise 16)"
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(SETUP)
@@ -63,6 +64,9 @@ bench-tp: $(VENV)/.installed
 
 bench-pp: $(VENV)/.installed
 	$(PY) bench/pp.py
+
+bench-nd: $(VENV)/.installed
+	$(PY) bench/nd.py
 
 # Targets that need solutions/. The students' copy (make release) has none: there `make test` is
 # `make grade`, and the others are not defined.

@@ -65,6 +65,24 @@ class Record:
         print(f"wrote bench/{self.name}.json{also} in {time.perf_counter() - self.start:.0f} s")
 
 
+def products_alone(weights, x, y):
+    """A training step (SGD) of a chain of matrix products, tanh between them, on the rows x and labels y: what
+    a rank of tensor parallelism computes with its blocks of the weights, without a collective."""
+    optimizer = torch.optim.SGD(weights, lr=0.01)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        h = x
+        for i, weight in enumerate(weights):
+            h = torch.nn.functional.linear(h, weight)
+            if i < len(weights) - 1:
+                h = torch.tanh(h)
+        torch.nn.functional.cross_entropy(h, y).backward()
+        optimizer.step()
+
+    return step
+
+
 def pyplot():
     """matplotlib's pyplot drawing to files, or None where matplotlib is not installed: it comes
     with `python3 -m course setup --notebooks`, and a benchmark's figures are in its JSON anyway."""

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from common import Record, interleaved, pyplot
+from common import Record, interleaved, products_alone, pyplot
 
 from course import impl
 from course.launch import bench, run
@@ -89,20 +89,7 @@ def steps(ex, config, rows):
 def blocks_alone(parallel, x, y):
     """A step of this rank's blocks of the weights on every row, as tensor parallelism runs them, without
     its all-reduces: a column layer's output block feeds the row layer's block straight away."""
-    weights = [nn.Parameter(layer.weight.detach().clone()) for layer in parallel.layers]
-    optimizer = torch.optim.SGD(weights, lr=0.01)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        h = x
-        for i, weight in enumerate(weights):
-            h = F.linear(h, weight)
-            if i < len(weights) - 1:
-                h = torch.tanh(h)
-        F.cross_entropy(h, y).backward()
-        optimizer.step()
-
-    return step
+    return products_alone([nn.Parameter(layer.weight.detach().clone()) for layer in parallel.layers], x, y)
 
 
 def measure(folder, rounds, per_round):

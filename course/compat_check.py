@@ -37,6 +37,7 @@ SCRIPTS = (
     "tp.py --world-size 2 --niters 300",
     "tp.py --world-size 2 --niters 300 --sequence-parallel",
     "pp.py --world-size 2 --schedule 1f1b --niters 300",
+    "nd.py --dp 2 --tp 2 --niters 100",
 )
 
 

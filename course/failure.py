@@ -201,6 +201,12 @@ class Failure:
             if self.interrupted:
                 return f"Interrupted: stopped all {w} workers. Where each rank was:"
             ranks = [f.rank for f in self.ranks]
+            if any(f.collective == "new_group" for f in self.ranks):
+                return (
+                    f"Timed out after {self.limit:g} s: ranks {ranks} never finished, some of them in"
+                    " dist.new_group. dist.new_group is called by every rank for every group, its own or not, in"
+                    " the same order. Where each rank was:"
+                )
             if self.longer:
                 return (
                     f"Timed out after {self.limit:g} s: ranks {ranks} were still running (a loop that does not end,"

@@ -3,7 +3,7 @@
     python -m course.gpu_check                      # the defaults of mlp.py, 300 steps
     python -m course.gpu_check --dim-hidden 2048    # any flag of mlp.py
 
-Exercises 1 to 6 (7 adds no device-specific code to 6), 13, 14 and 15: each case runs on the CPU
+Exercises 1 to 6 (7 adds no device-specific code to 6), 13, 14, 15 and 16: each case runs on the CPU
 with gloo and on the GPUs with nccl, from the same seeds, in a world of one rank per GPU (one GPU
 is enough; exercise 15's pipeline has at most one stage per layer). With one GPU, the multi-rank
 cases run once more with two ranks sharing it over gloo (NCCL refuses two ranks on one GPU), so
@@ -44,7 +44,7 @@ MATMUL_SHAPE = (1000, 700, 500)  # no side divides by a small world size: the pa
 # Exercise 13 trains with Adam at fsdp.py's own rate. At mlp.py's 0.1, set for SGD, Adam diverges
 # and where it ends is chaotic: a 1e-7 nudge of the initial weights moved the final loss by up to 0.9.
 FSDP_LR = 1e-3
-MULTI_RANK = {2, 3, 4, 5, 6, 13, 14, 15}  # the exercises whose cases run on more than one rank
+MULTI_RANK = {2, 3, 4, 5, 6, 13, 14, 15, 16}  # the exercises whose cases run on more than one rank
 RING_LENGTH = 100_003  # not a multiple either; its sums over 16 ranks stay below 2**24, exact in float32
 
 
@@ -116,6 +116,16 @@ def tp_on_rank(folder: str, fields: dict):
     with contextlib.redirect_stdout(io.StringIO()), ieee_float32():
         results = [ex.tp.train(ex.mlp.ModelConfig(**fields), sequence_parallel) for sequence_parallel in (False, True)]
     return results if dist.get_rank() == 0 else None
+
+
+def mesh_on_rank(folder: str, fields: dict):
+    """Worker: exercise 16's training on the mesh (W / 2, 2) (W odd: (W, 1)), silenced; rank 0 returns its
+    figures: its loss, one process's beside it, and its step time."""
+    ex = impl.load(folder)
+    tp = 2 if dist.get_world_size() % 2 == 0 else 1
+    with contextlib.redirect_stdout(io.StringIO()), ieee_float32():
+        result = ex.nd.train(ex.mlp.ModelConfig(**fields), dist.get_world_size() // tp, tp)
+    return result if dist.get_rank() == 0 else None
 
 
 def fsdp_on_rank(folder: str, fields: dict):
@@ -236,14 +246,14 @@ def compare(
 
     def tensor_parallel(sequence_parallel):
         def measure():
-            cpu, other = (both[sequence_parallel] for both in tensor_parallel_runs())
-            # Against the CPU's run, and against one process on the same device.
-            difference = max(
-                abs(other["train_loss"] - cpu["train_loss"]), abs(other["train_loss"] - other["one_process_loss"])
-            )
-            return difference, (cpu["step_ms"], other["step_ms"])
+            return _loss_difference(*(both[sequence_parallel] for both in tensor_parallel_runs()))
 
         return measure
+
+    def mesh():
+        return _loss_difference(
+            *(run(mesh_on_rank, world_size, code, even, **where)[0] for code, where in (on_cpu, on_device))
+        )
 
     cases = [
         ("1 MLP, one process", 1, TOLERANCE[config.amp], alone),
@@ -259,6 +269,7 @@ def compare(
         ("14 tensor parallel (final loss)", world_size, TOLERANCE[False], tensor_parallel(False)),
         ("14 sequence parallel (final loss)", world_size, TOLERANCE[False], tensor_parallel(True)),
         ("15 pipeline, 1F1B", stages, TOLERANCE[False], pipeline),
+        ("16 data x tensor parallel mesh (final loss)", world_size, TOLERANCE[False], mesh),
     ]
     return [_row(*case) for case in cases if exercises is None or int(case[0].split()[0]) in exercises]
 
@@ -270,6 +281,13 @@ def _row(case: str, world_size: int, tolerance: float, measure) -> Row:
         reason = str(failure) if isinstance(failure, WorldFailed) else traceback.format_exc()
         return Row(case, world_size, math.nan, tolerance, error=reason)
     return Row(case, world_size, difference, tolerance, step_ms)
+
+
+def _loss_difference(cpu: dict, other: dict) -> tuple:
+    """Of runs that train one process beside them: the largest difference of the device's final loss from the
+    CPU's and from one process's on the same device, and both step times."""
+    difference = max(abs(other["train_loss"] - cpu["train_loss"]), abs(other["train_loss"] - other["one_process_loss"]))
+    return difference, (cpu["step_ms"], other["step_ms"])
 
 
 def _training_difference(ex, results: list) -> tuple:

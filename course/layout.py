@@ -27,6 +27,7 @@ STUDENT_FILES = (
     "fsdp.py",
     "tp.py",
     "pp.py",
+    "nd.py",
 )
 STUDENT_MODULES = tuple(name[: -len(".py")] for name in STUDENT_FILES)
 

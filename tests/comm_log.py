@@ -12,11 +12,12 @@ wraps those methods for the duration of a `with` block, in the worker that uses 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from course.compat import collective
-from tests.helpers import many
+from tests.helpers import many, maybe
 
 POINT_TO_POINT = ("send", "recv", "recv_anysource")
 COLLECTIVES = (
@@ -44,6 +45,22 @@ COLLECTIVES = (
     "monitored_barrier",
 )
 
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all-reduce", "all-gather", "reduce-scatter"
+# The collectives that CommLog records (course/compat.py's names), by what they do.
+KINDS = {
+    "allreduce": ALL_REDUCE,
+    "allreduce_coalesced": ALL_REDUCE,
+    "allgather": ALL_GATHER,
+    "all_gather_into_tensor": ALL_GATHER,
+    "allgather_coalesced": ALL_GATHER,
+    "allgather_into_tensor_coalesced": ALL_GATHER,
+    "all_gather_single_coalesced": ALL_GATHER,
+    "reduce_scatter": REDUCE_SCATTER,
+    "reduce_scatter_tensor": REDUCE_SCATTER,
+    "reduce_scatter_tensor_coalesced": REDUCE_SCATTER,
+    "reduce_scatter_single_coalesced": REDUCE_SCATTER,
+}
+
 
 @dataclass
 class Event:
@@ -53,6 +70,7 @@ class Event:
     nbytes: int = 0
     peer: int | None = None  # the other rank of a send or receive
     dtype: str = ""  # of the first tensor sent, as "float32"
+    ranks: list | None = None  # the world ranks of the group it went to; None for a group torch does not know
 
 
 def _tensors(first_argument) -> list:
@@ -62,6 +80,13 @@ def _tensors(first_argument) -> list:
 
 def _nbytes(first_argument) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(first_argument))
+
+
+def _members(group) -> list | None:
+    try:
+        return dist.get_process_group_ranks(group)
+    except (KeyError, RuntimeError, ValueError):  # a backend's own group, not torch.distributed's
+        return None
 
 
 def _dtype(first_argument) -> str:
@@ -111,7 +136,9 @@ class CommLog:
         def recorded(group, *args, **kwargs):
             peer = args[1] if name in ("send", "recv") and len(args) > 1 else None
             first = args[0] if args else None
-            event = Event("start", collective(name), len(self.started()), _nbytes(first), peer, _dtype(first))
+            event = Event(
+                "start", collective(name), len(self.started()), _nbytes(first), peer, _dtype(first), _members(group)
+            )
             self.events.append(event)
             work = method(group, *args, **kwargs)
             return _Watched(work, self, event) if self._waits else work
@@ -141,6 +168,7 @@ class CommLog:
             "collectives": [e.what for e in self.collectives()],
             "collective_dtypes": [e.dtype for e in self.collectives()],
             "collective_bytes": [e.nbytes for e in self.collectives()],
+            "collective_groups": [e.ranks for e in self.collectives()],
             "sent_bytes": sum(e.nbytes for e in sent),
             "received_bytes": sum(e.nbytes for e in received),
             "send_peers": sorted({e.peer for e in sent}),
@@ -154,6 +182,7 @@ SUMMARY = {
     "collectives": many(str),
     "collective_dtypes": many(object),
     "collective_bytes": many(int),
+    "collective_groups": many(maybe(many(int))),
     "sent_bytes": int,
     "received_bytes": int,
     "send_peers": many(int),

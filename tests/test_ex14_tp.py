@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from course.checks import said
 from course.compat import cpu_mesh
-from tests.comm_log import CommLog
+from tests.comm_log import ALL_GATHER, ALL_REDUCE, KINDS, REDUCE_SCATTER, CommLog
 from tests.helpers import either, keyed, load, many, maybe, reference_world, world
 
 # Two blocks. Only the hidden width 12 divides by 2 and 3: a layer split along another width fails.
@@ -26,22 +26,6 @@ BLOCKS = len(WIDTHS) // 2
 ROWS = 12  # of a batch; sequence parallel, each of 2 or 3 ranks runs a block of them
 LR = 0.2
 STEPS = 3
-
-ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all-reduce", "all-gather", "reduce-scatter"
-# The collectives that CommLog records (course/compat.py's names), by what they do.
-KINDS = {
-    "allreduce": ALL_REDUCE,
-    "allreduce_coalesced": ALL_REDUCE,
-    "allgather": ALL_GATHER,
-    "all_gather_into_tensor": ALL_GATHER,
-    "allgather_coalesced": ALL_GATHER,
-    "allgather_into_tensor_coalesced": ALL_GATHER,
-    "all_gather_single_coalesced": ALL_GATHER,
-    "reduce_scatter": REDUCE_SCATTER,
-    "reduce_scatter_tensor": REDUCE_SCATTER,
-    "reduce_scatter_tensor_coalesced": REDUCE_SCATTER,
-    "reduce_scatter_single_coalesced": REDUCE_SCATTER,
-}
 
 
 def kinds(log):

@@ -493,9 +493,10 @@ def test_gpu_check_compares_every_case():
         "14 tensor parallel (final loss)",
         "14 sequence parallel (final loss)",
         "15 pipeline, 1F1B",
+        "16 data x tensor parallel mesh (final loss)",
     ]
     assert all(row.ok for row in rows), gpu_check.report(rows, "CPU")
-    assert "13 of 13 cases agree with the CPU." in gpu_check.report(rows, "CPU")
+    assert "14 of 14 cases agree with the CPU." in gpu_check.report(rows, "CPU")
     assert "COURSE_DEVICE" not in os.environ, "the check should leave this process's device as it found it"
     assert torch.backends.cuda.matmul.fp32_precision == "none", "and its float32 precision"
 
@@ -511,10 +512,10 @@ def test_gpu_check_keeps_the_table_when_a_case_fails(tmp_path):
     )
     rows = gpu_check.compare("cpu", 2, small_config(impl.load(SOLUTIONS).mlp), folder)
     failed = [row.case for row in rows if not row.ok]
-    assert failed == ["5 ring all-reduce"] and len(rows) == 13, gpu_check.report(rows, "CPU")
+    assert failed == ["5 ring all-reduce"] and len(rows) == 14, gpu_check.report(rows, "CPU")
     text = gpu_check.report(rows, "CPU")
     assert "failed, see below" in text and "lost the ring" in text and "rank 1" in text, text
-    assert "12 of 13 cases agree with the CPU." in text, text
+    assert "13 of 14 cases agree with the CPU." in text, text
 
 
 def planted(dest, mistakes: list) -> str:
