@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from course.checks import said
 from course.memory import Gathered
 from tests.comm_log import ALL_GATHER, ALL_REDUCE, KINDS, REDUCE_SCATTER, CommLog
-from tests.helpers import keyed, load, many, world
+from tests.helpers import either, keyed, load, many, world
 
 # Two blocks with biases. The hidden width 8 divides by 1, 2 and 4; a row layer's block of 5 x 8 / tp
 # weights and 5 biases is 25 numbers on 2 tp ranks, padded to 26 for 2 dp ranks.
 WIDTHS = [6, 8, 5, 8, 3]
+MESH = ("grid", "dp_rank", "tp_rank", "tp_group", "dp_group")  # what mesh_groups returns: nd.Mesh's fields
 ROWS = 8  # of a batch: 1, 2 and 4 dp ranks each run a block of them
 LR = 0.2
 STEPS = 3
@@ -53,8 +54,13 @@ def groups_in_world(folder, dp, tp):
     """Probe: mesh_groups(dp, tp); its grid and coordinates, the members of its groups as torch knows them,
     and the ranks that each group really reached (the probe's own all-gather of the world ranks in it)."""
     mesh = load(folder).nd.mesh_groups(dp, tp)
+    if not all(hasattr(mesh, field) for field in MESH):
+        return {"returned": type(mesh).__name__}
     found = {"grid": mesh.grid, "coordinates": [mesh.dp_rank, mesh.tp_rank]}
     for name, group in (("tp", mesh.tp_group), ("dp", mesh.dp_group)):
+        if not isinstance(group, dist.ProcessGroup):
+            found[name] = {"members": type(group).__name__, "reached": []}
+            continue
         members = dist.get_process_group_ranks(group)
         reached = [torch.zeros(1, dtype=torch.int64) for _ in members]
         dist.all_gather(reached, torch.tensor([dist.get_rank()]), group=group)
@@ -65,11 +71,21 @@ def groups_in_world(folder, dp, tp):
 def check_groups(folder, dp, tp):
     """mesh_groups lays out the grid, gives each rank its coordinates, and puts it in the group of its row
     (tp) and of its column (dp); every group joins the ranks it names."""
-    group = {"members": many(int), "reached": many(int)}
-    expect = {"grid": many(many(int)), "coordinates": many(int, 2), "tp": group, "dp": group}
+    group = {"members": either(str, many(int)), "reached": many(int)}
+    expect = either({"returned": str}, {"grid": many(many(int)), "coordinates": many(int, 2), "tp": group, "dp": group})
     results = world(groups_in_world, dp * tp, folder, dp, tp, expect=expect, timeout=GROUPS_TIME_LIMIT)
     mesh = f"the mesh (dp {dp}, tp {tp})"
     for rank, found in enumerate(results):
+        assert "returned" not in found, said(
+            "mesh_groups returns no Mesh",
+            f"{mesh}: mesh_groups returned a {found.get('returned')} on rank {rank}: it returns a Mesh of the grid,"
+            " the rank's coordinates and its two groups",
+        )
+        for name in ("tp", "dp"):
+            assert not isinstance(found[name]["members"], str), said(
+                "a group not made",
+                f"{mesh}: rank {rank}'s {name}_group is a {found[name]['members']}: a group from dist.new_group",
+            )
         assert found["grid"] == grid(dp, tp), said(
             "the grid not rank r at row r // tp, column r % tp",
             f"{mesh}: mesh_groups gave the grid {found['grid']}, expected {grid(dp, tp)}: rank r at row r // tp,"

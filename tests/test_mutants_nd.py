@@ -17,7 +17,7 @@ from course.launch import WorldFailed
 from course.layout import SOLUTIONS
 from tests import warm
 from tests.helpers import keyed, world
-from tests.mutants import assert_caught, make_mutant
+from tests.mutants import assert_caught, assert_refused, make_mutant
 from tests.test_ex16_nd import (
     GROUPS_TIME_LIMIT,
     ROWS,
@@ -200,3 +200,7 @@ def test_the_reference_trains_as_torchs_composition():
         for k in range(len(WIDTHS) - 1):
             expected = piece(k, grads[f"layers.{k}.weight"], grads[f"layers.{k}.bias"], rank, dp, tp)
             assert torch.allclose(got["grads"][f"layers.{k}.shard"], expected, atol=1e-7), (rank, k)
+
+
+def test_the_script_refuses_a_world_size_that_is_not_the_mesh():
+    assert_refused("nd.py", ["--world-size", "3", "--dp", "2", "--tp", "2"], "--world-size 3 is not --dp 2 x --tp 2")
