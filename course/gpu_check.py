@@ -305,8 +305,8 @@ def report(rows: list, device_name: str) -> str:
         verdict = "failed, see below" if row.error else "yes" if row.ok else "NO"
         lines.append(f"{row.case:<36}{row.world_size:>6}{row.difference:>12.2e}{row.tolerance:>9.0e}{times}  {verdict}")
     by_case = {row.case: row for row in rows}
-    alone, ddp = by_case.get("1 MLP, one process"), by_case["3 DDP"]
-    if alone and alone.step_ms and ddp.step_ms:
+    alone, ddp = by_case.get("1 MLP, one process"), by_case.get("3 DDP")
+    if alone and ddp and alone.step_ms and ddp.step_ms:
         lines.append("\n" + data_parallel_pays(device_name, alone.step_ms[1], ddp.step_ms[1], ddp.world_size))
     for row in rows:
         if row.error:
