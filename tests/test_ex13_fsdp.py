@@ -1375,7 +1375,7 @@ def setup_steps(folder, strategy, steps):
     for mode, dtype in SETUP_MODES.items():
         forward, optimizer = fsdp.setup(Layers(), mode.split()[0], LR, dtype)
         with CommLog() as log:
-            rank_step(lambda x, y, run=forward: run(x, y)[1].float(), optimizer, 0)
+            rank_step(lambda x, y, wrapped=forward: wrapped(x, y)[1].float(), optimizer, 0)
         modes[mode] = log.summary()
     shards = [p.detach().clone() for p in shards_of(model)]
     return {"stepped": stepped, "shards": shards, "flat_sizes": flats, "modes": modes}
