@@ -30,6 +30,7 @@ from tests.helpers import (
     load,
     many,
     maybe,
+    reference_world,
     tensor,
     world,
 )
@@ -1145,8 +1146,8 @@ def check_any_module(folder, world_size=2):
 # --- Against torch's fully_shard -----------------------------------------------------------------------------
 
 
-def torch_steps(folder, steps, bf16):
-    """Probe: the same Stack and batches under torch's fully_shard (each layer, then the whole), Adam; the final
+def torch_steps(steps, bf16):
+    """Probe, no student code: the same Stack and batches under torch's fully_shard (each layer, then the whole), Adam; the final
     parameters, gathered."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -1167,7 +1168,7 @@ def check_against_fully_shard(folder, bf16, world_size=2, steps=2):
     """ZeRO-3 by hand trains as torch's fully_shard, in float32 and in bfloat16."""
     mine = world(sharded_steps, world_size, folder, True, steps, bf16, expect=stepped(steps))
     refuse_unsharded(mine)
-    theirs = world(torch_steps, world_size, folder, steps, bf16, expect=many(torch.Tensor, len(UNITS)))[0]
+    theirs = reference_world(torch_steps, world_size, steps, bf16, expect=many(torch.Tensor, len(UNITS)))[0]
     precision = "bfloat16 (MixedPrecisionPolicy)" if bf16 else "float32"
     for k in range(len(UNITS)):
         got = whole(mine, steps - 1, k)
