@@ -919,7 +919,10 @@ class _World:
 class _Kept:
     """The worlds kept for later calls, by settings; the least recently used goes first."""
 
-    MOST = 4  # world sizes 1 to 4, or a size with and without collectives checked
+    # World sizes 1 to 4 (or a size with and without collectives checked), and the reference worlds of 2 and 3
+    # (run(..., reference=True)): with 4, the checks of exercises 4, 10, 11 and 13 to 15 in one process started
+    # 10 worlds instead of 6 (4 before there were reference worlds), each stopping another.
+    MOST = 6
 
     def __init__(self):
         self.worlds: dict = {}
