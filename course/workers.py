@@ -664,7 +664,7 @@ _every_world_sandboxed = False
 def sandbox_every_world() -> None:
     """From now on, in this process and those it forks, every world is sandboxed, whatever its
     caller asked: where grades are made, a check that starts a world its own way runs submission
-    code confined all the same."""
+    code confined all the same. Reference worlds (run's ``reference``) load no submission code."""
     global _every_world_sandboxed
     _every_world_sandboxed = True
 
