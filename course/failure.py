@@ -127,6 +127,7 @@ class Failure:
     interrupted: bool = False  # the user pressed Ctrl-C: a "timeout" they chose
     longer: str = ""  # for kind "timeout": how the user can give the world more time, where they can
     slow: bool = False  # for kind "timeout": every rank was in the same collective when its time ran out
+    still: bool = False  # a deadlock the parent found while every rank still ran, none having reported (deadlock())
 
     def fact(self, rank: int) -> RankFact | None:
         return next((f for f in self.ranks if f.rank == rank), None)
@@ -544,7 +545,9 @@ def deadlock(waits: list, world_size: int) -> Failure | None:
     by_rank = {w["rank"]: w for w in waits}
     if sorted(by_rank) != list(range(world_size)) or any(_may_end(w, by_rank) for w in waits):
         return None
-    return diagnose(waits, [], world_size)
+    found = diagnose(waits, [], world_size)
+    found.still = True
+    return found
 
 
 def timed_out(facts: list, world_size: int, limit: float, interrupted: bool = False) -> Failure:

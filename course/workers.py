@@ -671,7 +671,7 @@ _every_world_sandboxed = False
 def sandbox_every_world() -> None:
     """From now on, in this process and those it forks, every world is sandboxed, whatever its
     caller asked: where grades are made, a check that starts a world its own way runs submission
-    code confined all the same."""
+    code confined all the same. Reference worlds (run's ``reference``) load no submission code."""
     global _every_world_sandboxed
     _every_world_sandboxed = True
 
@@ -926,7 +926,10 @@ class _World:
 class _Kept:
     """The worlds kept for later calls, by settings; the least recently used goes first."""
 
-    MOST = 4  # world sizes 1 to 4, or a size with and without collectives checked
+    # World sizes 1 to 4 (or a size with and without collectives checked), and the reference worlds of 2 and 3
+    # (run(..., reference=True)): with 4, the checks of exercises 4, 10, 11 and 13 to 15 in one process started
+    # 10 worlds instead of 6 (4 before there were reference worlds), each stopping another.
+    MOST = 6
 
     def __init__(self):
         self.worlds: dict = {}

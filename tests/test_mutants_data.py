@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+from course.layout import SOLUTIONS
 from tests.mutants import assert_caught, assert_refused, make_mutant
 from tests.test_ex8_data import (
     check_against_sampler,
@@ -292,3 +293,14 @@ def test_counts_gathered_instead_of_reduced_are_right(tmp_path):
     )
     check_unbalanced_hang(folder)
     check_weighted_average(folder, 3)
+
+
+def test_the_hang_found_before_the_graders_clock_runs_out_pays(monkeypatch):
+    """Under load (4 busy loops beside others' work on 2 cores) the ranks had not reached the hang within the first
+    limit, and the next one, longer, let the parent find the deadlock first (every rank waiting, unchanged, where
+    none can move): the reference lost its 2 points to "it ended". With a limit no machine reaches, the hang is that
+    finding."""
+    from tests import test_ex8_data
+
+    monkeypatch.setattr(test_ex8_data, "HANG_LIMITS", (60,))
+    check_unbalanced_hang(SOLUTIONS)
