@@ -118,11 +118,11 @@ def kind_of(value) -> str:
     if isinstance(value, (list, tuple)):
         kinds = sorted({kind_of(item) for item in value})
         return f"{type(value).__name__} of {' and '.join(kinds)}" if kinds else f"empty {type(value).__name__}"
-    return type(value).__name__
+    return "None" if value is None else type(value).__name__
 
 
 def _a(kind: str) -> str:
-    return ("an " if kind[0] in "aeiou" else "a ") + kind
+    return kind if kind == "None" else ("an " if kind[0] in "aeiou" else "a ") + kind
 
 
 def sync_model(rank: int) -> nn.Module:
@@ -182,11 +182,13 @@ def _running_stats(ex, case):
     held = [layer.running_mean, layer.running_var]
     pointers = [t.data_ptr() for t in held]
     count, mean, var = torch.tensor([4.0]), torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.5, 1.0, 2.0])
+    before = [t.clone() for t in held]
     result = layer.update_running_stats(count, mean, var)
     now = [layer.running_mean, layer.running_var]
+    unchanged = [n for n, b, t in zip(("running_mean", "running_var"), before, now) if torch.equal(b, t)]
     changed = [name for name, a, b, p in zip(("running_mean", "running_var"), held, now, pointers) if a is not b]
     moved = [name for name, b, p in zip(("running_mean", "running_var"), now, pointers) if b.data_ptr() != p]
-    return {"result": result, "replaced": sorted(set(changed) | set(moved))}
+    return {"result": result, "replaced": sorted(set(changed) | set(moved)), "unchanged": unchanged}
 
 
 def _started(wrap):
@@ -224,12 +226,12 @@ def _matrices(dtype):
 
 def _by_row(ex, case):
     product = ex.dist.par_matmul_by_row(*_matrices(case["dtype"]))
-    return {"result": product, "dtype": _dtype(product)}
+    return {"result": product, "dtype": _dtype(product), "due": dist.get_rank() == 0}  # None elsewhere
 
 
 def _by_reduction(ex, case):
     product = ex.dist.par_matmul_by_reduction(*_matrices(case["dtype"]))
-    return {"result": product, "dtype": _dtype(product)}
+    return {"result": product, "dtype": _dtype(product), "due": True}
 
 
 def _dtype(value):
@@ -299,7 +301,7 @@ def broken(contract: Contract, case: dict, got: dict, rank: int, world_size: int
             f"{name} returns another type than its signature says",
             f"{name} returned {_a(kind)}; it must return {_a(contract.returns)}{where}",
         )
-    if not contract.returns and kind != "NoneType" and contract.in_place:
+    if not contract.returns and kind != "None" and contract.in_place:
         return said(
             f"{name} returns something where it changes its argument in place",
             f"{name} returned {_a(kind)}; it changes what it was given in place and returns None{where}",
@@ -310,6 +312,11 @@ def broken(contract: Contract, case: dict, got: dict, rank: int, world_size: int
             f"{name} returned {got['result']['value']!r} for ranks whose parameters differ by far less than"
             f" torch.allclose's tolerance; it must return {case['expected']!r}: compare with torch.allclose,"
             f" not exactly{where}",
+        )
+    if contract.dtypes and got.get("due") and got["dtype"] is None:
+        return said(
+            f"{name} returns no product",
+            f"{name} returned {_a(kind)} where the product is due{where}",
         )
     if contract.dtypes and got.get("dtype") not in (None, case["dtype"]):
         return said(
@@ -329,6 +336,11 @@ def broken(contract: Contract, case: dict, got: dict, rank: int, world_size: int
             f"{name} ignores the group it is given",
             f"{name} all-reduced on another group than the one DDP called it with: its collectives go to that"
             f" group (and its size is that group's){where}",
+        )
+    if contract.in_place and got.get("unchanged"):
+        return said(
+            f"{name} leaves what it must update as it was",
+            f"{name} left {', '.join(got['unchanged'])} as they were: it must update them, in place{where}",
         )
     if contract.in_place and got.get("replaced"):
         return said(
