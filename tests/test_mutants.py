@@ -162,20 +162,22 @@ def test_mistake_is_caught(mistake, tmp_path):
 
 def test_one_mistake_costs_only_the_checks_of_its_own_promise(tmp_path):
     """Issue 28: each check judges its own promise from its own start. MyDP without its start
-    broadcast fails the start checks (and the contract of the same promise), and no check downstream of them (the steps, frozen
-    parameters, the hook): their judges start the ranks from the same parameters themselves."""
+    broadcast fails the start checks, and the contract of the same promise (tests/contracts.py: rank 0's
+    every parameter and buffer, on a model with a frozen parameter and a non-persistent buffer), and
+    no check downstream of them (the steps, frozen parameters, the hook): their judges start the ranks
+    from the same parameters themselves."""
     file, old, new, _, hint = MUTANTS["no initial broadcast"]
     folder = make_mutant(tmp_path / "mutant", file, old, new)
     done = warm.grade("--ex", "4", impl=folder, cwd=tmp_path, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     with open(tmp_path / "results.json") as f:
-        tests = json.load(f)["tests"]
-    failed = sorted(t["name"] for t in tests if t["status"] == "failed")
-    # test_contracts holds MyDP to the same promise on a model with a frozen parameter and a buffer.
-    assert failed == [
-        "Exercise 4: test_contracts",
-        "Exercise 4: test_start_sync[2]",
-        "Exercise 4: test_start_sync[3]",
-    ], failed
-    assert len(tests) > len(failed) and all(hint in t["output"] for t in tests if t["status"] == "failed")
+        tests = {t["name"]: t for t in json.load(f)["tests"]}
+    failed = sorted(name for name, t in tests.items() if t["status"] == "failed")
+    starts = ["Exercise 4: test_start_sync[2]", "Exercise 4: test_start_sync[3]"]
+    assert failed == ["Exercise 4: test_contracts", *starts], failed
+    assert len(tests) > len(failed) and all(hint in tests[name]["output"] for name in starts)
+    assert (
+        "every parameter and every buffer, frozen and non-persistent ones too, must be rank 0's"
+        in (tests["Exercise 4: test_contracts"]["output"])
+    )
     assert done.stdout.count(hint) == 1, f"the table names the mistake once: {done.stdout}"

@@ -55,7 +55,7 @@ MUTANTS = {
         "    for request in requests:\n        request.wait()\n",
         "    requests[1].wait()\n",
         lambda folder: check_ring(folder, 2),
-        "never waited for its isend",
+        "never waited for",
     ),
     # Right numbers, no overlap: each bucket's all-reduce ends before autograd goes on.
     "hook waits for its all-reduce": (
