@@ -1,5 +1,6 @@
 """The grading product: `make grade`'s plugin, the notebooks, the students' release."""
 
+import ast
 import json
 import os
 import re
@@ -66,6 +67,11 @@ def test_every_check_has_whole_points_and_its_notebook_runs_it():
             assert cell["metadata"]["nbgrader"]["points"] == sum(c.points for c in cases)
             assert cell["metadata"]["course"]["cases"] == [{"name": c.name, "points": c.points} for c in cases]
         assert sum(c["metadata"]["nbgrader"]["points"] for c in graded) == checks.points()[exercise]
+        # What the grade() cells name, the notebook's code imports (else NameError at autograde, not here).
+        code = "\n".join(c["source"] for c in cells if c["cell_type"] == "code" and c not in graded)
+        names = {name for node in ast.walk(ast.parse(code)) if isinstance(node, ast.ImportFrom) for name in node.names}
+        imported = {alias.asname or alias.name for alias in names}
+        assert set(tests) <= imported, f"{source}: grade() of checks it never imports: {sorted(set(tests) - imported)}"
 
 
 @pytest.mark.parametrize("source", notebooks.sources(), ids=os.path.basename)
