@@ -2,7 +2,8 @@
 that makes a promise of a kind the checks keep missing (a marked phrase: "every", "in place",
 "dtype", "group", "float", "at most", "bool") names what checks it, in PROMISES: a contract of
 tests/contracts.py, by its function and the kind of promise, or a named check, "test_exN_x.test_y".
-Sentences of exercises 13 to 15 whose check is still being written wait in PENDING, one line each.
+A sentence that binds the caller, not the function ("every rank must call it on the same model"),
+sits in CALLER with how the checks keep it.
 
 A sentence changed in solutions/ is a sentence to map again: the test fails on it, and on a mapping
 that no sentence uses any more.
@@ -94,17 +95,30 @@ PROMISES = {
     "pp.stage_layers | Every layer is in exactly one stage, in order.": "test_ex15_pp.test_stage_layers",
     "pp.gpipe | Every stage keeps all m micro-batches' activations.": "test_ex15_pp.test_memory",
     "pp.one_f_one_b | Backwards run in micro-batch order, each as early as the stages after allow, so stage s keeps at most p - s micro-batches' activations at once.": "test_ex15_pp.test_memory",
+    # exercises 13 to 15, beyond the above (issue 40's checks of them)
+    "fsdp.FullyShardedUnit.__init__ | self.names and self.shapes of the module's parameters that train; self.shard, this rank's float32 flat shard of them, an nn.Parameter; self.full, an empty tensor of param_dtype (else float32) for the W shards, freed, that requires grad and calls post_backward once its gradient is complete (register_post_accumulate_grad_hook).": "test_ex13_fsdp.test_any_module",
+    "fsdp.FullyShardedUnit.forward | The module's forward on the gathered parameters, floating-point inputs cast to their dtype.": "test_ex13_fsdp.test_any_module",
+    "fsdp.setup | (the module to call, its Adam) for 'ddp' (built-in), 'zero1' (exercise 11), 'zero2' or 'zero3' (whose units gather param_dtype copies when it is given).": "test_ex13_fsdp.test_setup",
+    "pp.Pipeline.forward | Micro-batch i's forward: its input is x on the first stage, the received activation elsewhere; run the stage; on the last stage compute its loss (micro_batch_loss) and add its value, a float, to self.loss.": "test_ex15_pp.test_gradients",
+    # exercise 16: nd.py
+    "nd.mesh_groups | The mesh of dp rows and tp columns over the world's dp * tp ranks (else a ValueError naming both and the world size): rank r at row r // tp, column r % tp, as torch's init_device_mesh((dp, tp)) lays them out. dist.new_group is a collective of the whole world: every rank calls it for every group, its own or not, with the same ranks in the same order, and keeps the groups it belongs to.": "test_ex16_nd.test_groups",
+    "nd.mesh_groups | one group per row (tp), then one per column (dp), on every rank; keep this rank's.": "test_ex16_nd.test_groups",
+    "nd.Copy.backward | the sum over the group's ranks of grad, in a tensor of its own (no gradient for group).": "test_ex16_nd.test_collectives",
+    "nd.AllReduce.forward | the sum over the group's ranks of x, in a tensor of its own.": "test_ex16_nd.test_collectives",
+    "nd.GatherShards.forward | a tensor of the group's size times the shard's elements, all-gathered.": "test_ex16_nd.test_collectives",
+    "nd.GatherShards.backward | this rank's piece of the sum over the group's ranks of grad.": "test_ex16_nd.test_collectives",
+    "nd.ShardedLinear.forward | Which group does each collective need?": "test_ex16_nd.test_collectives",
+    "nd.train_step | One optimizer step on the batch (x, y), which every rank holds whole; returns one process's loss on it (the mean cross-entropy over all its rows), on every rank.": "test_ex16_nd.test_steps",
+    "nd.train_step | The rows are split over the dp group: the rank at row i of the mesh runs block i of them, the same rows as the other ranks of its tp group.": "test_ex16_nd.test_steps",
+    "nd.train_step | The backward must leave every rank's shard the gradient of one process's loss on the whole batch.": "test_ex16_nd.test_steps",
+    "nd.train_step | this rank's rows, the loss to backpropagate, and one process's loss, summed in which group?": "test_ex16_nd.test_collectives",
 }
 
-# Promises of exercises 13 to 15 whose contract or check helper h3 is writing (issue 40): the lead
-# reconciles each with its check. One line each; nothing else waits here.
-PENDING = {
-    "fsdp.FullyShardedUnit.__init__ | self.names and self.shapes of the module's parameters that train; self.shard, this rank's float32 flat shard of them, an nn.Parameter; self.full, an empty tensor of param_dtype (else float32) for the W shards, freed, that requires grad and calls post_backward once its gradient is complete (register_post_accumulate_grad_hook).": "TODO_h3: a wholly frozen unit; float32 shard, param_dtype full",
-    "fsdp.FullyShardedUnit.forward | The module's forward on the gathered parameters, floating-point inputs cast to their dtype.": "TODO_h3: a layer with integer inputs (left as they are)",
-    "fsdp.shard_layers | Every rank must call it on the same model, in the same state: the units shard what each rank holds.": "TODO_h3: a model with a frozen layer",
+# Sentences that bind the caller, not the function: what its callers must do. Each says how the checks
+# keep it, and a sentence may sit here only if it is worded as the caller's duty ("must call").
+CALLER = {
+    "fsdp.shard_layers | Every rank must call it on the same model, in the same state: the units shard what each rank holds.": "every check builds its model from one seed on every rank before shard_layers",
 }
-
-PENDING_EXERCISES = ("fsdp", "tp", "pp")  # only their sentences may wait
 
 
 def _functions(path):
@@ -171,7 +185,7 @@ def _checks(target: str) -> str | None:
 
 
 def test_every_marked_sentence_is_checked():
-    unmapped = [p for p in promises() if p not in PROMISES and p not in PENDING]
+    unmapped = [p for p in promises() if p not in PROMISES and p not in CALLER]
     assert not unmapped, "promises that no contract or check names (add each to PROMISES):\n" + "\n".join(unmapped)
 
 
@@ -182,10 +196,10 @@ def test_every_mapping_names_a_check_or_a_contract():
 
 def test_no_mapping_outlives_its_sentence():
     found = set(promises())
-    stale = [p for p in [*PROMISES, *PENDING] if p not in found]
+    stale = [p for p in [*PROMISES, *CALLER] if p not in found]
     assert not stale, "sentences no student file says any more:\n" + "\n".join(stale)
 
 
-@pytest.mark.parametrize("sentence", sorted(PENDING))
-def test_only_exercises_13_to_15_wait(sentence):
-    assert sentence.split(".")[0] in PENDING_EXERCISES and PENDING[sentence].startswith("TODO_h3"), sentence
+@pytest.mark.parametrize("sentence", sorted(CALLER))
+def test_a_callers_duty_is_worded_as_one(sentence):
+    assert " must call " in sentence and CALLER[sentence], sentence
