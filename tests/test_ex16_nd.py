@@ -186,19 +186,25 @@ def close(got, expected):
 
 def collectives_in_world(folder, dp, tp):
     """Probe: the mesh model of the tests' model, forward on this rank's rows and backward: the collectives
-    it started each way, and the world ranks of the group each went to."""
+    it started each way, and the world ranks of the group each went to; where the code raised after it sent a
+    collective to the world, what it started until then."""
     nd = load(folder).nd
     mesh = nd.mesh_groups(dp, tp)
     model = nd.MeshMLP(list(Blocks().layers), mesh)
     x = data()[0][: ROWS // dp].clone().requires_grad_()  # so that the first column layer's backward sums too
-    found = {}
-    with CommLog() as forward:
-        out = model(x)
-    with CommLog() as backward:
-        out.sum().backward()
-    for way, log in (("forward", forward), ("backward", backward)):
-        found[way] = [[KINDS.get(e.what, e.what), e.ranks] for e in log.collectives()]
-    return found
+    logs = {"forward": CommLog(), "backward": CommLog()}
+    try:
+        with logs["forward"]:
+            out = model(x)
+        with logs["backward"]:
+            out.sum().backward()
+    except Exception:
+        # A group's sizes given to the world's all-gather or reduce-scatter: gloo refuses them on every rank
+        # before anything is sent. What went to the world is the mistake the judge names, not gloo's sizes.
+        world_ranks = list(range(dist.get_world_size()))
+        if not any(e.ranks == world_ranks for log in logs.values() for e in log.collectives()):
+            raise
+    return {way: [[KINDS.get(e.what, e.what), e.ranks] for e in log.collectives()] for way, log in logs.items()}
 
 
 def said_list(collectives):
@@ -224,7 +230,8 @@ def check_collectives(folder, dp=2, tp=2):
                 if kind not in groups:
                     continue
                 name, wanted = groups[kind]
-                where = f"{mesh}: rank {rank}'s {way} sent an {kind} to ranks {ranks}"
+                article = "an" if kind[0] == "a" else "a"
+                where = f"{mesh}: rank {rank}'s {way} sent {article} {kind} to ranks {ranks}"
                 assert ranks != list(range(dp * tp)), said(
                     "a collective sent to the world instead of its group",
                     f"{where}, the whole world: it belongs to the rank's {name} group, {wanted}"
@@ -307,7 +314,7 @@ def judge_rows(mesh, rows, rank, dp, tp):
     """The model ran once, on the block of the batch's rows of the rank's row of the grid."""
     x, _ = data()
     i = rank // tp
-    mine = x[i * ROWS // dp : (i + 1) * ROWS // dp]
+    mine = x[block_of_rows(rank, dp, tp)]
     if len(rows) == 1 and torch.equal(rows[0], mine):
         return
     world_size = dp * tp
@@ -315,8 +322,9 @@ def judge_rows(mesh, rows, rank, dp, tp):
     assert not (len(rows) == 1 and torch.equal(rows[0], x[rank * size : (rank + 1) * size])), said(
         "batches split over the world instead of over dp",
         f"{mesh}: rank {rank} ran rows {rank * size}-{(rank + 1) * size - 1} of the batch of {ROWS}, its block of"
-        f" {world_size} blocks: the batch splits over the dp group only, {dp} blocks of {ROWS // dp}, and the"
-        f" ranks of one tp group run the same rows (rank {rank} at row {i} of the grid runs block {i})",
+        f" {world_size} blocks: the batch splits over the dp group only, {dp} block{'s' if dp > 1 else ''} of"
+        f" {ROWS // dp}, and the ranks of one tp group run the same rows (rank {rank} at row {i} of the grid runs"
+        f" block {i})",
     )
     raise AssertionError(
         said(
@@ -340,8 +348,8 @@ def judge_gradient(mesh, name, got, expected, rank, dp, tp):
     assert not (tp > 1 and close(got * tp, expected)), said(
         "the loss scaled by 1/world instead of 1/dp",
         f"{whose} is 1/{tp} of one process's: the loss was divided by the world size {dp * tp}. The dp group's"
-        f" reduce-scatter sums the {dp} ranks' shares of the batch, so each rank's mean loss is divided by dp ({dp});"
-        " the ranks of a tp group run the same rows, and are not summed",
+        f" reduce-scatter sums the shares of the batch of its {dp} rank{'s' if dp > 1 else ''}, so each rank's mean"
+        f" loss is divided by dp ({dp}); the ranks of a tp group run the same rows, and are not summed",
     )
     assert not (dp > 1 and close(got, dp * expected)), said(
         "the loss not divided by dp",
@@ -353,6 +361,43 @@ def judge_gradient(mesh, name, got, expected, rank, dp, tp):
             "a shard's gradient not one process's",
             f"{whose} differs from its piece of one process's on the whole batch by up to"
             f" {(got - expected).abs().max():.3g}",
+        )
+    )
+
+
+def block_of_rows(rank, dp, tp):
+    """The rows of the batch that rank r runs: block r // tp of dp."""
+    i = rank // tp
+    return slice(i * ROWS // dp, (i + 1) * ROWS // dp)
+
+
+def near(got, expected):
+    return abs(got - expected) <= 1e-5 * max(1.0, abs(expected))
+
+
+def judge_loss(mesh, got, expected, own, rank, step, dp, tp):
+    """train_step returned one process's loss on the batch (expected), not tp times it (the shares summed over
+    the world) nor the rank's own rows' mean (own) or share of it (not summed over the dp group)."""
+    if isinstance(got, float) and near(got, expected):
+        return
+    shown = f"{got:.6f}" if isinstance(got, float) else repr(got)
+    whose = f"{mesh}: train_step returned {shown} on rank {rank} in step {step}"
+    if isinstance(got, float):
+        assert not (tp > 1 and near(got, tp * expected)), said(
+            "the loss summed over the world instead of the dp group",
+            f"{whose}, {tp} times one process's loss {expected:.6f}: the shares were summed over the world, where the"
+            f" {tp} ranks of a tp group each hold the same rows' share. Sum them over the dp group only",
+        )
+        assert not (dp > 1 and (near(got, own) or near(got, own / dp))), said(
+            "the loss not summed over the dp group",
+            f"{whose}, the loss of its own rows: one process's loss {expected:.6f} is the mean over all the rows,"
+            f" the sum of the {dp} ranks' shares over the dp group",
+        )
+    raise AssertionError(
+        said(
+            "train_step's loss not one process's",
+            f"{whose}: one process's loss on the batch is {expected:.6f}, the mean over all its rows, and every rank"
+            " returns it",
         )
     )
 
@@ -379,13 +424,10 @@ def check_steps(folder, dp, tp, steps=STEPS):
                 )
                 for name, expected in pieces(full, rank, dp, tp, of_grads=True).items():
                     judge_gradient(mesh, name, result["grads"][name], expected, rank, dp, tp)
-            got = result["losses"][step]
-            shown = f"{got:.6f}" if isinstance(got, float) else repr(got)
-            assert isinstance(got, float) and abs(got - loss.item()) <= 1e-5 * max(1.0, abs(loss.item())), said(
-                "train_step's loss not one process's",
-                f"{mesh}: train_step returned {shown} on rank {rank} in step {step}: one process's loss on the batch"
-                f" is {loss.item():.6f}, the mean over all its rows, and every rank returns it",
-            )
+            mine = block_of_rows(rank, dp, tp)
+            with torch.no_grad():
+                own = F.cross_entropy(full(x[mine]), y[mine]).item()
+            judge_loss(mesh, result["losses"][step], loss.item(), own, rank, step, dp, tp)
         optimizer.step()
         for rank, result in enumerate(results):
             for name, expected in pieces(full, rank, dp, tp).items():

@@ -62,6 +62,19 @@ MUTANTS = {
         check_collectives,
         "rank 0's forward sent an all-reduce to ranks [0, 1, 2, 3], the whole world",
     ),
+    "the shards all-gathered over the world": (
+        "        dist.all_gather_into_tensor(full, shard.detach().contiguous(), group=group)\n",
+        "        dist.all_gather_into_tensor(full, shard.detach().contiguous())\n",
+        check_collectives,
+        "rank 0's forward sent an all-gather to ranks [0, 1, 2, 3], the whole world: it belongs to the rank's dp"
+        " group, [0, 2]",
+    ),
+    "the gradient reduce-scattered over the world": (
+        "        dist.reduce_scatter_tensor(mine, grad.contiguous(), group=ctx.group)\n",
+        "        dist.reduce_scatter_tensor(mine, grad.contiguous())\n",
+        check_collectives,
+        "rank 0's backward sent a reduce-scatter to ranks [0, 1, 2, 3], the whole world",
+    ),
     "the row layer's sum sent to the dp group": (
         "        out = AllReduce.apply(F.linear(x, weight), self.mesh.tp_group)\n",
         "        out = AllReduce.apply(F.linear(x, weight), self.mesh.dp_group)\n",
@@ -110,7 +123,19 @@ MUTANTS = {
         "    dist.all_reduce(loss, group=mesh.dp_group)\n",
         "    dist.all_reduce(loss)\n",
         lambda folder: check_steps(folder, 2, 2, steps=1),
-        "one process's loss on the batch",
+        "2 times one process's loss 1.023011: the shares were summed over the world",
+    ),
+    "the loss not summed over the dp group": (
+        "    dist.all_reduce(loss, group=mesh.dp_group)\n",
+        "",
+        lambda folder: check_steps(folder, 2, 2, steps=1),
+        "on rank 0 in step 0, the loss of its own rows: one process's loss 1.023011 is the mean over all the rows",
+    ),
+    "a mean loss that is no loss of the batch": (
+        SHARE,
+        SHARE + "    share = share + 1\n",
+        lambda folder: check_steps(folder, 4, 1, steps=1),
+        "train_step returned",
     ),
     "the gathered block kept on the layer": (
         "        full = GatherShards.apply(self.shard, self.mesh.dp_group)\n",
