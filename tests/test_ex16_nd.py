@@ -5,6 +5,8 @@ kept world. Which group a collective went to is taken from the process group obj
 was called on (tests/comm_log.py), never from what the code under test says.
 """
 
+import os
+import sys
 from collections import Counter
 
 import pytest
@@ -52,8 +54,28 @@ def column_of(rank, dp, tp):
 
 def groups_in_world(folder, dp, tp):
     """Probe: mesh_groups(dp, tp); its grid and coordinates, the members of its groups as torch knows them,
-    and the ranks that each group really reached (the probe's own all-gather of the world ranks in it)."""
-    mesh = load(folder).nd.mesh_groups(dp, tp)
+    and the ranks that each group really reached (the probe's own all-gather of the world ranks in it). Where
+    the ranks called dist.new_group for different groups (their own only, or in another order), this rank's
+    calls instead, each with its line: torch may make such groups of the wrong ranks, and a collective in them
+    waits for ever."""
+    nd = load(folder).nd
+    calls, new_group = [], dist.new_group
+
+    def recorded(ranks=None, *args, **kwargs):
+        ranks = None if ranks is None else [int(r) for r in ranks]
+        caller = sys._getframe(1)
+        calls.append([ranks, f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"])
+        return new_group(ranks, *args, **kwargs)
+
+    dist.new_group = recorded
+    try:
+        mesh = nd.mesh_groups(dp, tp)
+    finally:
+        dist.new_group = new_group
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [ranks for ranks, _ in calls])
+    if any(other != everyone[0] for other in everyone):
+        return {"calls": calls}
     if not all(hasattr(mesh, field) for field in MESH):
         return {"returned": type(mesh).__name__}
     found = {"grid": mesh.grid, "coordinates": [mesh.dp_rank, mesh.tp_rank]}
@@ -68,13 +90,43 @@ def groups_in_world(folder, dp, tp):
     return found
 
 
+def judge_calls(mesh, calls):
+    """Every rank called dist.new_group for the same groups in the same order; calls: each rank's, its ranks
+    and line."""
+    groups = [[ranks for ranks, _ in mine] for mine in calls]
+    other = next(r for r, theirs in enumerate(groups) if theirs != groups[0])
+
+    def listed(rank):
+        return ", ".join(f"{ranks} at {line}" for ranks, line in calls[rank]) or "no group"
+
+    both = f"{mesh}: rank 0 called dist.new_group for {listed(0)}; rank {other} for {listed(other)}"
+    assert sorted(map(str, groups[other])) != sorted(map(str, groups[0])), said(
+        "groups created in a different order on different ranks",
+        f"{both}: dist.new_group pairs each rank's calls by their order, so the ranks created their groups in"
+        " different orders. Every rank creates every group, in the same order",
+    )
+    raise AssertionError(
+        said(
+            "groups created only by their members",
+            f"{both}: dist.new_group is a collective of the whole world, so every rank calls it for every group,"
+            " its own or not, in the same order, and keeps its own",
+        )
+    )
+
+
 def check_groups(folder, dp, tp):
     """mesh_groups lays out the grid, gives each rank its coordinates, and puts it in the group of its row
     (tp) and of its column (dp); every group joins the ranks it names."""
     group = {"members": either(str, many(int)), "reached": many(int)}
-    expect = either({"returned": str}, {"grid": many(many(int)), "coordinates": many(int, 2), "tp": group, "dp": group})
+    expect = either(
+        {"returned": str},
+        {"calls": many(many(object, 2))},
+        {"grid": many(many(int)), "coordinates": many(int, 2), "tp": group, "dp": group},
+    )
     results = world(groups_in_world, dp * tp, folder, dp, tp, expect=expect, timeout=GROUPS_TIME_LIMIT)
     mesh = f"the mesh (dp {dp}, tp {tp})"
+    if any("calls" in found for found in results):
+        judge_calls(mesh, [found["calls"] for found in results])
     for rank, found in enumerate(results):
         assert "returned" not in found, said(
             "mesh_groups returns no Mesh",

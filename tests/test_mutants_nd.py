@@ -157,9 +157,12 @@ def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, "nd.py", *MUTANTS[mistake])
 
 
-def test_groups_made_by_their_members_only_hang_and_are_named_within_seconds(tmp_path):
-    """Each rank calls dist.new_group for its own two groups only: the world's ranks wait for one another in
-    new_group, and the check's world names each rank's line within its time limit."""
+def test_groups_made_by_their_members_only_are_named_within_seconds(tmp_path):
+    """Each rank calls dist.new_group for its own two groups only. In torch 2.13 the ranks then wait for one
+    another in new_group, or some return and wait at the end of the run, or all return with groups in which a
+    collective waits for ever: the check names the mistake and the student's lines within its time limit,
+    from the world's report (the first two) or from each rank's calls (the third, before any collective in
+    them)."""
     own = (
         "    tp_group = dist.new_group(grid[rank // tp])\n"
         "    dp_group = dist.new_group([row[rank % tp] for row in grid])\n"
@@ -172,12 +175,13 @@ def test_groups_made_by_their_members_only_hang_and_are_named_within_seconds(tmp
     old += "    return Mesh(grid, rank // tp, rank % tp, tp_group, dp_group)\n"
     folder = make_mutant(tmp_path / "mutant", "nd.py", old, own)
     began = time.monotonic()
-    with pytest.raises(WorldFailed) as caught:
+    with pytest.raises((WorldFailed, AssertionError)) as caught:
         check_groups(folder, 2, 2)
     seconds = time.monotonic() - began
-    report = caught.value.failure.report()
-    assert re.search(r"rank \d waits in new_group at nd\.py:\d+ in mesh_groups", report), report
-    assert "dist.new_group is called by every rank for every group" in report, report
+    failure = getattr(caught.value, "failure", None)
+    report = failure.report() if failure is not None else str(caught.value)
+    assert re.search(r"(waits in new_group at|\] at) nd\.py:\d+", report), report
+    assert "for every group, its own or not, in the same order" in report, report
     assert seconds < GROUPS_TIME_LIMIT + 6, f"the hang was reported after {seconds:.1f} s"
 
 
