@@ -52,13 +52,10 @@ def column_of(rank, dp, tp):
 # The groups.
 
 
-def groups_in_world(folder, dp, tp):
-    """Probe: mesh_groups(dp, tp); its grid and coordinates, the members of its groups as torch knows them,
-    and the ranks that each group really reached (the probe's own all-gather of the world ranks in it). Where
-    the ranks called dist.new_group for different groups (their own only, or in another order), this rank's
-    calls instead, each with its line: torch may make such groups of the wrong ranks, and a collective in them
-    waits for ever."""
-    nd = load(folder).nd
+def made_mesh(nd, dp, tp):
+    """nd.mesh_groups(dp, tp), and this rank's dist.new_group calls (each its ranks and line) where the ranks
+    called it for different groups (their own only, or in another order), else None: torch may make such
+    groups of the wrong ranks, and a collective in them waits for ever, so no probe runs one."""
     calls, new_group = [], dist.new_group
 
     def recorded(ranks=None, *args, **kwargs):
@@ -74,7 +71,19 @@ def groups_in_world(folder, dp, tp):
         dist.new_group = new_group
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, [ranks for ranks, _ in calls])
-    if any(other != everyone[0] for other in everyone):
+    return mesh, calls if any(other != everyone[0] for other in everyone) else None
+
+
+# What a probe returns instead where the ranks made different groups (made_mesh).
+CALLS = {"calls": many(many(object, 2))}
+
+
+def groups_in_world(folder, dp, tp):
+    """Probe: mesh_groups(dp, tp); its grid and coordinates, the members of its groups as torch knows them,
+    and the ranks that each group really reached (the probe's own all-gather of the world ranks in it); or
+    the rank's dist.new_group calls (made_mesh)."""
+    mesh, calls = made_mesh(load(folder).nd, dp, tp)
+    if calls:
         return {"calls": calls}
     if not all(hasattr(mesh, field) for field in MESH):
         return {"returned": type(mesh).__name__}
@@ -90,9 +99,12 @@ def groups_in_world(folder, dp, tp):
     return found
 
 
-def judge_calls(mesh, calls):
-    """Every rank called dist.new_group for the same groups in the same order; calls: each rank's, its ranks
-    and line."""
+def judge_calls(mesh, results):
+    """Every rank called dist.new_group for the same groups in the same order: no probe's result (by rank) is
+    its calls instead (made_mesh)."""
+    if not any("calls" in found for found in results):
+        return
+    calls = [found.get("calls", []) for found in results]
     groups = [[ranks for ranks, _ in mine] for mine in calls]
     other = next(r for r, theirs in enumerate(groups) if theirs != groups[0])
 
@@ -120,13 +132,12 @@ def check_groups(folder, dp, tp):
     group = {"members": either(str, many(int)), "reached": many(int)}
     expect = either(
         {"returned": str},
-        {"calls": many(many(object, 2))},
+        CALLS,
         {"grid": many(many(int)), "coordinates": many(int, 2), "tp": group, "dp": group},
     )
     results = world(groups_in_world, dp * tp, folder, dp, tp, expect=expect, timeout=GROUPS_TIME_LIMIT)
     mesh = f"the mesh (dp {dp}, tp {tp})"
-    if any("calls" in found for found in results):
-        judge_calls(mesh, [found["calls"] for found in results])
+    judge_calls(mesh, results)
     for rank, found in enumerate(results):
         assert "returned" not in found, said(
             "mesh_groups returns no Mesh",
@@ -241,7 +252,9 @@ def collectives_in_world(folder, dp, tp):
     it started each way, and the world ranks of the group each went to; where the code raised after it sent a
     collective to the world, what it started until then."""
     nd = load(folder).nd
-    mesh = nd.mesh_groups(dp, tp)
+    mesh, calls = made_mesh(nd, dp, tp)
+    if calls:
+        return {"calls": calls}
     model = nd.MeshMLP(list(Blocks().layers), mesh)
     x = data()[0][: ROWS // dp].clone().requires_grad_()  # so that the first column layer's backward sums too
     logs = {"forward": CommLog(), "backward": CommLog()}
@@ -267,7 +280,9 @@ def said_list(collectives):
 def check_collectives(folder, dp=2, tp=2):
     """The layers' all-reduces go to the rank's tp group, the all-gathers and reduce-scatters of their shards
     to its dp group, and none to the world."""
-    results = world(collectives_in_world, dp * tp, folder, dp, tp, expect=dict.fromkeys(("forward", "backward"), list))
+    expect = either(CALLS, dict.fromkeys(("forward", "backward"), list))
+    results = world(collectives_in_world, dp * tp, folder, dp, tp, expect=expect)
+    judge_calls(f"the mesh (dp {dp}, tp {tp})", results)
     blocks = (len(WIDTHS) - 1) // 2
     expected = {
         "forward": Counter({ALL_GATHER: 2 * blocks, ALL_REDUCE: blocks}),
@@ -332,7 +347,9 @@ def train_in_world(folder, dp, tp, steps):
     step, and the bytes of the parameters and gradients after the first step, and of the gathered blocks
     (course/memory.py: what the all-gathers wrote into) at their peak in the first step and after it."""
     nd = load(folder).nd
-    mesh = nd.mesh_groups(dp, tp)
+    mesh, calls = made_mesh(nd, dp, tp)
+    if calls:
+        return {"calls": calls}
     model = nd.MeshMLP(list(Blocks().layers), mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     rows = []
@@ -359,7 +376,9 @@ def run_steps(folder, dp, tp, steps):
         "history": many(keyed(torch.Tensor), steps),
         "bytes": many(int, 4),
     }
-    return world(train_in_world, dp * tp, folder, dp, tp, steps, expect=expect)
+    results = world(train_in_world, dp * tp, folder, dp, tp, steps, expect=either(CALLS, expect))
+    judge_calls(f"the mesh (dp {dp}, tp {tp})", results)
+    return results
 
 
 def judge_rows(mesh, rows, rank, dp, tp):

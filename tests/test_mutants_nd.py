@@ -95,6 +95,12 @@ MUTANTS = {
         lambda folder: check_groups(folder, 2, 2),
         "the ranks created their groups in different orders",
     ),
+    "the groups created in a different order, met by the steps": (
+        GROUPS,
+        GROUPS.replace("for row in grid:", "for row in grid if rank % 2 == 0 else grid[::-1]:"),
+        lambda folder: check_steps(folder, 2, 2, steps=1),
+        "rank 1 for [2, 3] at nd.py:",
+    ),
     "the grid laid out by columns": (
         "    grid = [[i * tp + j for j in range(tp)] for i in range(dp)]\n",
         "    grid = [[j * dp + i for j in range(tp)] for i in range(dp)]\n",
