@@ -38,6 +38,9 @@ _FINGERPRINT = (
     r"Rank {rank} is running collective: CollectiveFingerPrint\(.*?OpType=(\w+)(?:, TensorShape=(\[[^\]]*\]))?"
 )
 _SECONDARY = ("Connection closed by peer", "Connection reset by peer")
+# Why ranks wait for ever in dist.new_group (a timeout or a wait whose ranks are in it): torch pairs the
+# ranks' calls by their order.
+_NEW_GROUP_RULE = "dist.new_group is called by every rank for every group, its own or not, in the same order"
 # A collective that not every rank joined: gloo's own timeout, or the checking group's barrier.
 _WAITED = ("Timed out", "failed to pass monitoredBarrier")
 _STACK_FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')
@@ -188,8 +191,11 @@ class Failure:
             # Started without blocking already: the messages themselves do not match.
             return head + " A send to rank r needs rank r to receive from this rank, in the same order:"
         if self.kind == "wait":
+            waited = [f.rank for f in self.ranks if f.state == "waited"]
+            if self._in_new_group():
+                return f"Ranks {waited} waited, some of them in dist.new_group. {_NEW_GROUP_RULE}:"
             return (
-                f"Ranks {[f.rank for f in self.ranks if f.state == 'waited']} waited in a collective that not every rank joined:"
+                f"Ranks {waited} waited in a collective that not every rank joined:"
                 " one rank skipped a collective or called a different one:"
             )
         if self.kind == "timeout":
@@ -202,11 +208,10 @@ class Failure:
             if self.interrupted:
                 return f"Interrupted: stopped all {w} workers. Where each rank was:"
             ranks = [f.rank for f in self.ranks]
-            if any(f.collective == "new_group" for f in self.ranks):
+            if self._in_new_group():
                 return (
                     f"Timed out after {self.limit:g} s: ranks {ranks} never finished, some of them in"
-                    " dist.new_group. dist.new_group is called by every rank for every group, its own or not, in"
-                    " the same order. Where each rank was:"
+                    f" dist.new_group. {_NEW_GROUP_RULE}. Where each rank was:"
                 )
             if self.longer:
                 return (
@@ -234,6 +239,9 @@ class Failure:
                 f" one tensor per rank (at {first.where()})"
             )
         return f"Rank {first.rank} of {w} failed first: {first.error}: {first.message} (at {first.where()})"
+
+    def _in_new_group(self) -> bool:
+        return any(f.collective == "new_group" for f in self.ranks)
 
     def sentence(self) -> str:
         """One line for the grade table."""

@@ -5,6 +5,8 @@ kept world. Which group a collective went to is taken from the process group obj
 was called on (tests/comm_log.py), never from what the code under test says.
 """
 
+import os
+import sys
 from collections import Counter
 
 import pytest
@@ -50,10 +52,39 @@ def column_of(rank, dp, tp):
 # The groups.
 
 
+def made_mesh(nd, dp, tp):
+    """nd.mesh_groups(dp, tp), and this rank's dist.new_group calls (each its ranks and line) where the ranks
+    called it for different groups (their own only, or in another order), else None: torch may make such
+    groups of the wrong ranks, and a collective in them waits for ever, so no probe runs one."""
+    calls, new_group = [], dist.new_group
+
+    def recorded(ranks=None, *args, **kwargs):
+        ranks = None if ranks is None else [int(r) for r in ranks]
+        caller = sys._getframe(1)
+        calls.append([ranks, f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"])
+        return new_group(ranks, *args, **kwargs)
+
+    dist.new_group = recorded
+    try:
+        mesh = nd.mesh_groups(dp, tp)
+    finally:
+        dist.new_group = new_group
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [ranks for ranks, _ in calls])
+    return mesh, calls if any(other != everyone[0] for other in everyone) else None
+
+
+# What a probe returns instead where the ranks made different groups (made_mesh).
+CALLS = {"calls": many(many(object, 2))}
+
+
 def groups_in_world(folder, dp, tp):
     """Probe: mesh_groups(dp, tp); its grid and coordinates, the members of its groups as torch knows them,
-    and the ranks that each group really reached (the probe's own all-gather of the world ranks in it)."""
-    mesh = load(folder).nd.mesh_groups(dp, tp)
+    and the ranks that each group really reached (the probe's own all-gather of the world ranks in it); or
+    the rank's dist.new_group calls (made_mesh)."""
+    mesh, calls = made_mesh(load(folder).nd, dp, tp)
+    if calls:
+        return {"calls": calls}
     if not all(hasattr(mesh, field) for field in MESH):
         return {"returned": type(mesh).__name__}
     found = {"grid": mesh.grid, "coordinates": [mesh.dp_rank, mesh.tp_rank]}
@@ -68,13 +99,45 @@ def groups_in_world(folder, dp, tp):
     return found
 
 
+def judge_calls(mesh, results):
+    """Every rank called dist.new_group for the same groups in the same order: no probe's result (by rank) is
+    its calls instead (made_mesh)."""
+    if not any("calls" in found for found in results):
+        return
+    calls = [found.get("calls", []) for found in results]
+    groups = [[ranks for ranks, _ in mine] for mine in calls]
+    other = next(r for r, theirs in enumerate(groups) if theirs != groups[0])
+
+    def listed(rank):
+        return ", ".join(f"{ranks} at {line}" for ranks, line in calls[rank]) or "no group"
+
+    both = f"{mesh}: rank 0 called dist.new_group for {listed(0)}; rank {other} for {listed(other)}"
+    assert sorted(map(str, groups[other])) != sorted(map(str, groups[0])), said(
+        "groups created in a different order on different ranks",
+        f"{both}: dist.new_group pairs each rank's calls by their order, so the ranks created their groups in"
+        " different orders. Every rank creates every group, in the same order",
+    )
+    raise AssertionError(
+        said(
+            "groups created only by their members",
+            f"{both}: dist.new_group is a collective of the whole world, so every rank calls it for every group,"
+            " its own or not, in the same order, and keeps its own",
+        )
+    )
+
+
 def check_groups(folder, dp, tp):
     """mesh_groups lays out the grid, gives each rank its coordinates, and puts it in the group of its row
     (tp) and of its column (dp); every group joins the ranks it names."""
     group = {"members": either(str, many(int)), "reached": many(int)}
-    expect = either({"returned": str}, {"grid": many(many(int)), "coordinates": many(int, 2), "tp": group, "dp": group})
+    expect = either(
+        {"returned": str},
+        CALLS,
+        {"grid": many(many(int)), "coordinates": many(int, 2), "tp": group, "dp": group},
+    )
     results = world(groups_in_world, dp * tp, folder, dp, tp, expect=expect, timeout=GROUPS_TIME_LIMIT)
     mesh = f"the mesh (dp {dp}, tp {tp})"
+    judge_calls(mesh, results)
     for rank, found in enumerate(results):
         assert "returned" not in found, said(
             "mesh_groups returns no Mesh",
@@ -186,19 +249,27 @@ def close(got, expected):
 
 def collectives_in_world(folder, dp, tp):
     """Probe: the mesh model of the tests' model, forward on this rank's rows and backward: the collectives
-    it started each way, and the world ranks of the group each went to."""
+    it started each way, and the world ranks of the group each went to; where the code raised after it sent a
+    collective to the world, what it started until then."""
     nd = load(folder).nd
-    mesh = nd.mesh_groups(dp, tp)
+    mesh, calls = made_mesh(nd, dp, tp)
+    if calls:
+        return {"calls": calls}
     model = nd.MeshMLP(list(Blocks().layers), mesh)
     x = data()[0][: ROWS // dp].clone().requires_grad_()  # so that the first column layer's backward sums too
-    found = {}
-    with CommLog() as forward:
-        out = model(x)
-    with CommLog() as backward:
-        out.sum().backward()
-    for way, log in (("forward", forward), ("backward", backward)):
-        found[way] = [[KINDS.get(e.what, e.what), e.ranks] for e in log.collectives()]
-    return found
+    logs = {"forward": CommLog(), "backward": CommLog()}
+    try:
+        with logs["forward"]:
+            out = model(x)
+        with logs["backward"]:
+            out.sum().backward()
+    except Exception:
+        # A group's sizes given to the world's all-gather or reduce-scatter: gloo refuses them on every rank
+        # before anything is sent. What went to the world is the mistake the judge names, not gloo's sizes.
+        world_ranks = list(range(dist.get_world_size()))
+        if not any(e.ranks == world_ranks for log in logs.values() for e in log.collectives()):
+            raise
+    return {way: [[KINDS.get(e.what, e.what), e.ranks] for e in log.collectives()] for way, log in logs.items()}
 
 
 def said_list(collectives):
@@ -209,7 +280,9 @@ def said_list(collectives):
 def check_collectives(folder, dp=2, tp=2):
     """The layers' all-reduces go to the rank's tp group, the all-gathers and reduce-scatters of their shards
     to its dp group, and none to the world."""
-    results = world(collectives_in_world, dp * tp, folder, dp, tp, expect=dict.fromkeys(("forward", "backward"), list))
+    expect = either(CALLS, dict.fromkeys(("forward", "backward"), list))
+    results = world(collectives_in_world, dp * tp, folder, dp, tp, expect=expect)
+    judge_calls(f"the mesh (dp {dp}, tp {tp})", results)
     blocks = (len(WIDTHS) - 1) // 2
     expected = {
         "forward": Counter({ALL_GATHER: 2 * blocks, ALL_REDUCE: blocks}),
@@ -224,7 +297,8 @@ def check_collectives(folder, dp=2, tp=2):
                 if kind not in groups:
                     continue
                 name, wanted = groups[kind]
-                where = f"{mesh}: rank {rank}'s {way} sent an {kind} to ranks {ranks}"
+                article = "an" if kind[0] == "a" else "a"
+                where = f"{mesh}: rank {rank}'s {way} sent {article} {kind} to ranks {ranks}"
                 assert ranks != list(range(dp * tp)), said(
                     "a collective sent to the world instead of its group",
                     f"{where}, the whole world: it belongs to the rank's {name} group, {wanted}"
@@ -273,7 +347,9 @@ def train_in_world(folder, dp, tp, steps):
     step, and the bytes of the parameters and gradients after the first step, and of the gathered blocks
     (course/memory.py: what the all-gathers wrote into) at their peak in the first step and after it."""
     nd = load(folder).nd
-    mesh = nd.mesh_groups(dp, tp)
+    mesh, calls = made_mesh(nd, dp, tp)
+    if calls:
+        return {"calls": calls}
     model = nd.MeshMLP(list(Blocks().layers), mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     rows = []
@@ -300,14 +376,16 @@ def run_steps(folder, dp, tp, steps):
         "history": many(keyed(torch.Tensor), steps),
         "bytes": many(int, 4),
     }
-    return world(train_in_world, dp * tp, folder, dp, tp, steps, expect=expect)
+    results = world(train_in_world, dp * tp, folder, dp, tp, steps, expect=either(CALLS, expect))
+    judge_calls(f"the mesh (dp {dp}, tp {tp})", results)
+    return results
 
 
 def judge_rows(mesh, rows, rank, dp, tp):
     """The model ran once, on the block of the batch's rows of the rank's row of the grid."""
     x, _ = data()
     i = rank // tp
-    mine = x[i * ROWS // dp : (i + 1) * ROWS // dp]
+    mine = x[block_of_rows(rank, dp, tp)]
     if len(rows) == 1 and torch.equal(rows[0], mine):
         return
     world_size = dp * tp
@@ -315,8 +393,9 @@ def judge_rows(mesh, rows, rank, dp, tp):
     assert not (len(rows) == 1 and torch.equal(rows[0], x[rank * size : (rank + 1) * size])), said(
         "batches split over the world instead of over dp",
         f"{mesh}: rank {rank} ran rows {rank * size}-{(rank + 1) * size - 1} of the batch of {ROWS}, its block of"
-        f" {world_size} blocks: the batch splits over the dp group only, {dp} blocks of {ROWS // dp}, and the"
-        f" ranks of one tp group run the same rows (rank {rank} at row {i} of the grid runs block {i})",
+        f" {world_size} blocks: the batch splits over the dp group only, {dp} block{'s' if dp > 1 else ''} of"
+        f" {ROWS // dp}, and the ranks of one tp group run the same rows (rank {rank} at row {i} of the grid runs"
+        f" block {i})",
     )
     raise AssertionError(
         said(
@@ -340,8 +419,8 @@ def judge_gradient(mesh, name, got, expected, rank, dp, tp):
     assert not (tp > 1 and close(got * tp, expected)), said(
         "the loss scaled by 1/world instead of 1/dp",
         f"{whose} is 1/{tp} of one process's: the loss was divided by the world size {dp * tp}. The dp group's"
-        f" reduce-scatter sums the {dp} ranks' shares of the batch, so each rank's mean loss is divided by dp ({dp});"
-        " the ranks of a tp group run the same rows, and are not summed",
+        f" reduce-scatter sums the shares of the batch of its {dp} rank{'s' if dp > 1 else ''}, so each rank's mean"
+        f" loss is divided by dp ({dp}); the ranks of a tp group run the same rows, and are not summed",
     )
     assert not (dp > 1 and close(got, dp * expected)), said(
         "the loss not divided by dp",
@@ -353,6 +432,43 @@ def judge_gradient(mesh, name, got, expected, rank, dp, tp):
             "a shard's gradient not one process's",
             f"{whose} differs from its piece of one process's on the whole batch by up to"
             f" {(got - expected).abs().max():.3g}",
+        )
+    )
+
+
+def block_of_rows(rank, dp, tp):
+    """The rows of the batch that rank r runs: block r // tp of dp."""
+    i = rank // tp
+    return slice(i * ROWS // dp, (i + 1) * ROWS // dp)
+
+
+def near(got, expected):
+    return abs(got - expected) <= 1e-5 * max(1.0, abs(expected))
+
+
+def judge_loss(mesh, got, expected, own, rank, step, dp, tp):
+    """train_step returned one process's loss on the batch (expected), not tp times it (the shares summed over
+    the world) nor the rank's own rows' mean (own) or share of it (not summed over the dp group)."""
+    if isinstance(got, float) and near(got, expected):
+        return
+    shown = f"{got:.6f}" if isinstance(got, float) else repr(got)
+    whose = f"{mesh}: train_step returned {shown} on rank {rank} in step {step}"
+    if isinstance(got, float):
+        assert not (tp > 1 and near(got, tp * expected)), said(
+            "the loss summed over the world instead of the dp group",
+            f"{whose}, {tp} times one process's loss {expected:.6f}: the shares were summed over the world, where the"
+            f" {tp} ranks of a tp group each hold the same rows' share. Sum them over the dp group only",
+        )
+        assert not (dp > 1 and (near(got, own) or near(got, own / dp))), said(
+            "the loss not summed over the dp group",
+            f"{whose}, the loss of its own rows: one process's loss {expected:.6f} is the mean over all the rows,"
+            f" the sum of the {dp} ranks' shares over the dp group",
+        )
+    raise AssertionError(
+        said(
+            "train_step's loss not one process's",
+            f"{whose}: one process's loss on the batch is {expected:.6f}, the mean over all its rows, and every rank"
+            " returns it",
         )
     )
 
@@ -379,13 +495,10 @@ def check_steps(folder, dp, tp, steps=STEPS):
                 )
                 for name, expected in pieces(full, rank, dp, tp, of_grads=True).items():
                     judge_gradient(mesh, name, result["grads"][name], expected, rank, dp, tp)
-            got = result["losses"][step]
-            shown = f"{got:.6f}" if isinstance(got, float) else repr(got)
-            assert isinstance(got, float) and abs(got - loss.item()) <= 1e-5 * max(1.0, abs(loss.item())), said(
-                "train_step's loss not one process's",
-                f"{mesh}: train_step returned {shown} on rank {rank} in step {step}: one process's loss on the batch"
-                f" is {loss.item():.6f}, the mean over all its rows, and every rank returns it",
-            )
+            mine = block_of_rows(rank, dp, tp)
+            with torch.no_grad():
+                own = F.cross_entropy(full(x[mine]), y[mine]).item()
+            judge_loss(mesh, result["losses"][step], loss.item(), own, rank, step, dp, tp)
         optimizer.step()
         for rank, result in enumerate(results):
             for name, expected in pieces(full, rank, dp, tp).items():

@@ -954,6 +954,25 @@ def test_a_rank_missing_the_checked_barrier_reads_as_a_wait():
     assert f.report().startswith("Ranks [0] waited in a collective that not every rank joined")
 
 
+def test_a_wait_in_new_group_says_its_rule():
+    """A rank that waits in dist.new_group (ranks that made different groups, exercise 16) reads as that, with
+    the rule that every rank makes every group in the same order, not as a skipped collective."""
+    report = dict(
+        rank=0,
+        when=1.0,
+        error="RuntimeError",
+        message="[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 4000 ms",
+        full_message="[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 4000 ms",
+        frames=[("/x/nd.py", 74, "mesh_groups"), ("/t/torch/distributed/distributed_c10d.py", 1, "new_group")],
+    )
+    f = diagnose([report], [], 2)
+    assert f.kind == "wait" and f.ranks[0].collective == "new_group", f
+    assert f.report().startswith(
+        "Ranks [0] waited, some of them in dist.new_group. dist.new_group is called by every rank for every group"
+    ), f.report()
+    assert "rank 0 waits in new_group at nd.py:74 in mesh_groups" in f.report(), f.report()
+
+
 def whoami():
     """What a sandbox changes for a worker: its user, and its user and pid namespaces."""
     return os.getuid(), os.readlink("/proc/self/ns/user"), os.readlink("/proc/self/ns/pid")
