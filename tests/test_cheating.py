@@ -777,7 +777,9 @@ def test_a_timer_that_writes_into_the_kernels_output_stops_no_one(tmp_path):
     check_scores(out, done, "cheater", [2], {2: 25})
     check_scores(out, done, "honest", [2], {})
     cheater, honest = (results(out / "feedback" / s / "results.json") for s in ("cheater", "honest"))
-    assert all("returned wrong numbers" in t["output"] for t in cheater["tests"]), cheater["tests"]
+    # Its float32 products for float64 inputs break test_contracts' dtype promise first.
+    numbers = [t for t in cheater["tests"] if not t["name"].endswith("test_contracts")]
+    assert all("returned wrong numbers" in t["output"] for t in numbers), cheater["tests"]
     assert all(t["status"] == "passed" and not t["output"] for t in honest["tests"]), honest["tests"]
     for page in (out / "feedback" / "honest").iterdir():
         assert "CHEAT" not in page.read_text(), f"the cheater's output reached its classmate's {page.name}"
