@@ -47,9 +47,10 @@ from tests.test_report import References
 CLASS_EXERCISES = [2, 4]
 # Points lost in CLASS_EXERCISES, by exercise; every other one of them scores full marks.
 LOST = {
-    # exercise 2's product by row hangs on 2 ranks or more (one rank receives nothing); in 4,
-    # start_sync, frozen and the hook's argument pass, the steps fail
-    "mistakes": {2: 3 * 3, 4: 30 - (8 + 4 + 2)},
+    # exercise 2's product by row hangs on 2 ranks or more (one rank receives nothing), and so
+    # does its contracts check (2 ranks); in 4, start_sync, frozen and the hook's argument pass, the
+    # steps fail
+    "mistakes": {2: 3 * 3 + 1, 4: 30 - (8 + 4 + 2)},
     "syntax": {4: 30},  # mydp.py imports mlp.py; dist.py does not
     "crash": {4: 30 - 8},  # every check that runs a backward pass through MyDP's hook
     "sums_again": {4: 16},
