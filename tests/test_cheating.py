@@ -36,6 +36,7 @@ import time
 
 import pytest
 
+from course import checks as course_checks
 from course import sandbox
 from course.student import ROOT, SOLUTIONS, STUDENT_FILES
 from tests import warm
@@ -78,8 +79,12 @@ def results(path):
     return found
 
 
-def assert_no_points(done, path, said="", checks=8):
-    """0 points, a valid results.json, every check failed, and `said` in their feedback."""
+EX2_CHECKS = len(course_checks.of_module("tests.test_ex2_dist"))
+
+
+def assert_no_points(done, path, said="", checks=EX2_CHECKS):
+    """0 points, a valid results.json, every check failed (by default all of exercise 2's), and
+    `said` in their feedback."""
     assert done.returncode == 0, done.stdout + done.stderr
     found = results(path)
     assert found["score"] == 0 and [t["status"] for t in found["tests"]] == ["failed"] * checks, found
