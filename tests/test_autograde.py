@@ -1,6 +1,6 @@
 """Instructors only: `make autograde` end to end, on sample submissions made from the reference.
 
-Two runs grade six students through nbgrader (the expensive part of the suite, so it runs once,
+Two runs grade seven students through nbgrader (the expensive part of the suite, so it runs once,
 in one test). The first grades the reference on every exercise that has a notebook:
 - perfect: the reference, whose code also writes to stderr in the workers, as gloo and torch
   warnings do: nbgrader would zero a test cell with stderr output.
@@ -19,6 +19,10 @@ with a mistake already made, for the class report, on the exercises where they l
   (grading/report.html and report.json, course/report.py) counts three students in its row.
   sums_too also hands in notebooks that are not: a written answer whose source is not text, and a
   file that is not JSON (the reasons reach its feedback; the class is graded).
+- timer: the student files, dist.py's TODOs answered with wrong numbers and a timer that writes into
+  the output the kernel reads its probes from (tests/test_cheating.py's TIMER_INTO_THE_OUTPUT): it
+  scores 0, exercise 2's checks saying its wrong numbers, and no classmate's feedback holds what it
+  wrote.
 Two of the class (a hang and assertion failures; a segfault) are graded again by `python -m course
 grade`, which must give every check the points nbgrader gave it: one grade, whichever path.
 """
@@ -27,6 +31,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,22 +43,26 @@ import pytest
 from course import checks
 from course.layout import ROOT
 from course.make_notebooks import exercise_of, sources
+from course.student import STUDENT_FILES
 from tests import warm
 from tests.helpers import world
 from tests.mutants import make_mutant
+from tests.test_cheating import TIMER_INTO_THE_OUTPUT
 from tests.test_report import References
 
 # What the second run grades: where its students lose points.
 CLASS_EXERCISES = [2, 4]
 # Points lost in CLASS_EXERCISES, by exercise; every other one of them scores full marks.
 LOST = {
-    # exercise 2's product by row hangs on 2 ranks or more (one rank receives nothing), in its 3 checks
-    # and in test_contracts' (1 point); in 4, start_sync, frozen and the hook's argument pass, the steps fail
+    # exercise 2's product by row hangs on 2 ranks or more (one rank receives nothing), and so
+    # does its contracts check (2 ranks); in 4, start_sync, frozen and the hook's argument pass, the
+    # steps fail
     "mistakes": {2: 3 * 3 + 1, 4: 30 - (8 + 4 + 2)},
     "syntax": {4: 30},  # mydp.py imports mlp.py; dist.py does not
-    "crash": {4: 30 - 8},  # every check that runs a backward pass through MyDP's hook
+    "crash": {4: 30 - (8 + 1)},  # every check that runs a backward pass through MyDP's hook
     "sums_again": {4: 16},
     "sums_too": {4: 16},
+    "timer": {2: 25, 4: 30},
 }
 
 
@@ -129,6 +138,11 @@ def make_submissions(root):
     _unreadable_notebooks(
         make_mutant(root / "sums_too", "mydp.py", "mean = grad / dist.get_world_size()", "mean = grad + 0")
     )
+    (root / "timer").mkdir()  # the student's files, dist.py with a cheat
+    for name in STUDENT_FILES:
+        shutil.copy(os.path.join(ROOT, name), root / "timer")
+    with open(root / "timer" / "dist.py", "a") as f:
+        f.write("\n" + TIMER_INTO_THE_OUTPUT)
     make_mutant(
         root / "syntax",
         "mlp.py",
@@ -246,8 +260,20 @@ def test_autograde_end_to_end(tmp_path):
         "2.0x the expected average" in page and "test_mydp_steps[3]" in page and "One all-reduce per parameter." in page
     )
 
+    def ex2_tests(student):
+        with open(out / "feedback" / student / "results.json") as f:
+            return [t for t in json.load(f)["tests"] if t["name"].startswith("Exercise 2:")]
+
+    # Each of the timer's checks says its own reason (its stubs keep no dtype: test_contracts says so).
+    said = {t["name"]: t["output"] for t in ex2_tests("timer")}
+    assert all(("dtype" if "contracts" in name else "returned wrong numbers") in s for name, s in said.items()), said
+    assert all(t["status"] == "passed" and not t["output"] for t in ex2_tests("sums_again")), "a correct dist.py"
+    for student in set(LOST) - {"timer"}:
+        for page in (out / "feedback" / student).iterdir():
+            assert "CHEAT" not in page.read_text(), f"the timer's output reached {student}'s {page.name}"
+
     check_class_report(out, done.stdout)
-    assert re.search(r"^\[1/5\] \w+: its checks ran [\d.]+ s; about \d+ s left$", done.stdout, re.M), (
+    assert re.search(r"^\[1/6\] \w+: its checks ran [\d.]+ s; about \d+ s left$", done.stdout, re.M), (
         "one progress line per student as it is graded"
     )
 
