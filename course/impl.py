@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import traceback
 from types import SimpleNamespace
 
 from course.layout import ROOT, SOLUTIONS
@@ -55,7 +56,21 @@ def _import(folder: str, name: str):
     try:
         return importlib.import_module(name)
     except Exception as error:  # noqa: BLE001 - whatever a submission raises at import time
-        return Unimportable(name, error)
+        return Unimportable(_culprit(folder, name, error), error)
+
+
+def _culprit(folder: str, name: str, error: BaseException) -> str:
+    """The student file whose code raised: mydp.py's `from mlp import` of an mlp.py with a syntax error
+    is mlp.py's mistake, and its message says so."""
+    # The innermost first: a syntax error's file, then the frames from the deepest out.
+    files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(error.__traceback__)][::-1]
+    if isinstance(error, SyntaxError) and error.filename:
+        files.insert(0, error.filename)
+    for file in files:
+        module = os.path.splitext(os.path.basename(file))[0]
+        if module in MODULES and os.path.dirname(os.path.abspath(file)) == folder:
+            return module
+    return name
 
 
 def load(folder: str) -> SimpleNamespace:

@@ -131,6 +131,18 @@ def test_a_broken_file_fails_only_the_exercises_that_use_it(tmp_path):
         _ = ex.mydp.MyDP
 
 
+@pytest.mark.parametrize("mistake", ["def broken(:\n", "raise NameError('oops')\n"])
+def test_a_file_that_does_not_import_is_named_by_the_files_that_import_it(tmp_path, mistake):
+    """mydp.py imports mlp.py: a mistake in mlp.py is mlp.py's, whichever exercise meets it first."""
+    for name in STUDENT_FILES:
+        shutil.copy(os.path.join(SOLUTIONS, name), tmp_path)
+    with open(tmp_path / "mlp.py", "a") as f:
+        f.write(mistake)
+    ex = impl.load(tmp_path)
+    with pytest.raises(ImportError, match=r"^mlp.py does not import: (SyntaxError|NameError)"):
+        _ = ex.mydp.MyDP
+
+
 FAKE_CHECKS = """
 import pytest
 
