@@ -939,17 +939,15 @@ def test_libuv_switch():
     assert env.libuv_available({}) and not env.libuv_available({"USE_LIBUV": "0"})
 
 
+def _barrier_missed(frames):
+    """Rank 0's report of torch's checked barrier that rank 1 never passed, raised at frames."""
+    said = "[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 4000 ms"
+    return dict(rank=0, when=1.0, error="RuntimeError", message=said, full_message=said, frames=frames)
+
+
 def test_a_rank_missing_the_checked_barrier_reads_as_a_wait():
     """With collectives checked, a rank that never arrives can surface as torch's monitored barrier."""
-    report = dict(
-        rank=0,
-        when=1.0,
-        error="RuntimeError",
-        message="[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 4000 ms",
-        full_message="[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 4000 ms",
-        frames=[("/x/dist.py", 9, "par_matmul_by_row")],
-    )
-    f = diagnose([report], [], 2)
+    f = diagnose([_barrier_missed([("/x/dist.py", 9, "par_matmul_by_row")])], [], 2)
     assert f.kind == "wait" and (f.ranks[0].file, f.ranks[0].line) == ("dist.py", 9)
     assert f.report().startswith("Ranks [0] waited in a collective that not every rank joined")
 
@@ -957,15 +955,8 @@ def test_a_rank_missing_the_checked_barrier_reads_as_a_wait():
 def test_a_wait_in_new_group_says_its_rule():
     """A rank that waits in dist.new_group (ranks that made different groups, exercise 16) reads as that, with
     the rule that every rank makes every group in the same order, not as a skipped collective."""
-    report = dict(
-        rank=0,
-        when=1.0,
-        error="RuntimeError",
-        message="[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 4000 ms",
-        full_message="[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 4000 ms",
-        frames=[("/x/nd.py", 74, "mesh_groups"), ("/t/torch/distributed/distributed_c10d.py", 1, "new_group")],
-    )
-    f = diagnose([report], [], 2)
+    frames = [("/x/nd.py", 74, "mesh_groups"), ("/t/torch/distributed/distributed_c10d.py", 1, "new_group")]
+    f = diagnose([_barrier_missed(frames)], [], 2)
     assert f.kind == "wait" and f.ranks[0].collective == "new_group", f
     assert f.report().startswith(
         "Ranks [0] waited, some of them in dist.new_group. dist.new_group is called by every rank for every group"
