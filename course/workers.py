@@ -20,11 +20,12 @@ list of their return values, indexed by rank. It never hangs and never leaves a 
   serves the next call with the same settings, instead of new processes (a world costs about
   0.1 s of start-up and warm-up, a call on a kept one a few ms). Each call still gets the code
   under test read afresh, and the random state, environment, working folder, threads, defaults,
-  signal handlers and mask the world's first call found, with no timer set; a call that fails,
-  times out, starts a thread, replaces a function of torch, ends the process group, sets a signal
-  handler from C or keeps a descriptor that is not the world's own (its caller's output, a file)
-  stops its world. Kept workers end with this
-  process (``stop_kept`` ends them sooner).
+  signal handlers and mask the world's first call found, with no timer set. A call that fails
+  stops its world, unless every rank raised before it made a group or sent or started anything (a
+  stub's NotImplementedError: no rank waits for another); so does a call that times out, starts a
+  thread, replaces a function of torch, ends the process group, sets a signal handler from C or
+  keeps a descriptor that is not the world's own (its caller's output, a file). Kept workers end
+  with this process (``stop_kept`` ends them sooner).
 
 What went wrong is diagnosed in course/failure.py; ``WorldFailed.failure`` carries it.
 """
@@ -407,7 +408,7 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
             os._exit(0)
         if hasattr(signal, "SIGUSR1"):  # the parent asks for the stack with it
             loops.install()
-        code, kept = 1, False
+        code, kept, before = 1, False, None
         try:
             if baseline is None:  # the world's first call
                 gpus = torch.cuda.device_count() if settings.device == "cuda" else 0
@@ -434,6 +435,7 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
             messages.pending.clear()
             messages.waiting = None
             waits.clear()
+            before = _traffic()
             result = fn(*args)
             never_waited = messages.never_waited()
             if never_waited:
@@ -451,13 +453,13 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
                     # waits for it (the parent stops the world as soon as every rank has answered).
                     dist.destroy_process_group()
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-            _send(
-                conn,
-                (
-                    "error",
-                    failure.rank_report(rank, exc, time.time(), messages.waiting, waits.broken, messages.dropped()),
-                ),
-            )
+            report = failure.rank_report(rank, exc, time.time(), messages.waiting, waits.broken, messages.dropped())
+            # An exception raised before the rank made a group or sent anything (a stub's
+            # NotImplementedError) leaves no peer waiting for it: where every rank's is such, the
+            # parent keeps the world (_World.collect).
+            if settings.keep and baseline is not None and isinstance(exc, Exception) and before is not None and _traffic() == before:
+                kept = baseline.restored()
+            _send(conn, ("error", report, kept))
         finally:
             _end_descendants()
             sys.stdout.flush()
@@ -465,6 +467,17 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
             if not kept:
                 os._exit(code)
             drop_streams()
+
+
+def _traffic() -> tuple | None:
+    """How many groups this rank has made, and the sequence number of each (torch counts every
+    collective and message of a group in it, barriers and monitored ones too); None where torch
+    cannot say."""
+    c10d = dist.distributed_c10d
+    try:
+        return c10d._world.group_count, tuple(g._get_sequence_number_for_group() for g in list(c10d._world.pg_map))
+    except Exception:  # noqa: BLE001 - a backend without sequence numbers: no call is taken for clean
+        return None
 
 
 def _end_descendants() -> None:
@@ -651,11 +664,12 @@ def run(
             world = _World.start(method, dataclasses.replace(settings, view=view, reference=reference))
             world.call(call)
         world.timeout = timeout
-        results = world.collect()
-        if world.reusable:
-            _kept.put(key, world)
-            world = None
-        return results
+        try:
+            return world.collect()
+        finally:
+            if world.reusable:
+                _kept.put(key, world)
+                world = None
     except KeyboardInterrupt:
         if world is None:  # while it started: start stopped what it had started
             raise
@@ -787,6 +801,8 @@ class _World:
             if stuck is not None:
                 raise WorldFailed(stuck)
         if self.reports or self.ended:
+            # Every rank raised before it sent or started anything: none waits, the world serves on.
+            self.reusable = not self.ended and not self.pending and all(kept)
             self.ended += self._where_running()  # a rank that never reported: where it is
             raise WorldFailed(failure.diagnose(self.reports, self.ended, self.world_size))
         if self.pending:
@@ -827,7 +843,7 @@ class _World:
             )
             return False
         try:
-            status, payload = torch.load(io.BytesIO(data), weights_only=True)
+            status, payload, *rest = torch.load(io.BytesIO(data), weights_only=True)
             if status == "ok":
                 result, imported, kept = payload["result"], set(payload["imported"]), payload["kept"] is True
         except Exception as exc:  # noqa: BLE001 - whatever a worker sent, it is that rank's failure
@@ -839,7 +855,7 @@ class _World:
             return False
         if status != "ok":
             self.reports.append(payload)
-            return False
+            return rest == [True]  # it raised before it sent or started anything
         self.results[rank] = result
         _needed.update(imported & set(env.ON_DEMAND_MODULES))
         return kept

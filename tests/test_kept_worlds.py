@@ -115,6 +115,26 @@ def raises():
     raise ValueError("on purpose")
 
 
+def raises_after(what):
+    """Raise on every rank after what: each a trace that a peer may wait for, or that the next call would meet."""
+    rank = dist.get_rank()
+    if what == "all_reduce":
+        dist.all_reduce(torch.ones(1))
+    elif what == "new_group":
+        dist.new_group([0, 1])
+    elif what == "monitored_barrier":
+        dist.monitored_barrier()
+    elif what == "a message from rank 1" and rank == 1:
+        dist.isend(torch.ones(1), 0)
+    elif what == "SystemExit on rank 1" and rank == 1:
+        raise SystemExit(3)
+    elif what == "a thread":
+        starts_a_thread()
+    elif what == "traces":
+        leaves_traces()
+    raise NotImplementedError(f"after {what}")
+
+
 def prints(text):
     print(f"rank {dist.get_rank()}: {text}", flush=True)
     print(f"rank {dist.get_rank()} on stderr: {text}", file=sys.stderr, flush=True)
@@ -232,14 +252,35 @@ def test_a_call_may_leave_a_new_group_of_the_same_shape():
     assert run(pid, 1, keep=True, debug=True) == pids
 
 
-def test_a_failed_call_ends_its_world():
+@pytest.mark.parametrize(
+    "what", ["all_reduce", "new_group", "monitored_barrier", "a message from rank 1", "SystemExit on rank 1", "a thread"]
+)
+def test_a_failed_call_ends_its_world(what):
     pids = run(pid, 2, keep=True)
     with pytest.raises(WorldFailed) as caught:
-        run(raises, 2, keep=True)
-    assert caught.value.failure.kind == "error"
+        run(raises_after, 2, what, keep=True)
+    assert caught.value.failure.kind in ("error", "no_result")  # a rank's SystemExit: it sent no result
     assert workers.kept_workers() == []
     assert not any(alive(p) for p in pids)
     assert set(run(pid, 2, keep=True)).isdisjoint(pids)
+
+
+def test_a_call_whose_every_rank_raised_before_sending_anything_keeps_its_world():
+    """A stub's NotImplementedError on every rank: no rank waits for another, so the next call (the
+    next check of unwritten code) needs no new world; it finds what the first call found."""
+    found = run(what_it_finds, 2, keep=True)
+    pids = run(pid, 2, keep=True)
+    for what in ("nothing", "traces"):
+        with pytest.raises(WorldFailed) as caught:
+            run(raises_after, 2, what, keep=True)
+        assert caught.value.failure.kind == "error" and f"after {what}" in str(caught.value)
+        assert sorted(workers.kept_workers()) == sorted(pids)
+    again = run(what_it_finds, 2, keep=True)
+    assert run(pid, 2, keep=True) == pids
+    for before, after in zip(found, again):
+        assert torch.equal(before.pop("torch"), after.pop("torch"))
+        assert before == after
+    assert run(all_reduce_is_torchs, 2, keep=True) == [True, True]
 
 
 def test_a_kept_worker_killed_while_it_waits_is_replaced():
