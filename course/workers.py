@@ -457,7 +457,13 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
             # An exception raised before the rank made a group or sent anything (a stub's
             # NotImplementedError) leaves no peer waiting for it: where every rank's is such, the
             # parent keeps the world (_World.collect).
-            if settings.keep and baseline is not None and isinstance(exc, Exception) and before is not None and _traffic() == before:
+            if (
+                settings.keep
+                and baseline is not None
+                and isinstance(exc, Exception)
+                and before is not None
+                and _traffic() == before
+            ):
                 kept = baseline.restored()
             _send(conn, ("error", report, kept))
         finally:

@@ -253,7 +253,8 @@ def test_a_call_may_leave_a_new_group_of_the_same_shape():
 
 
 @pytest.mark.parametrize(
-    "what", ["all_reduce", "new_group", "monitored_barrier", "a message from rank 1", "SystemExit on rank 1", "a thread"]
+    "what",
+    ["all_reduce", "new_group", "monitored_barrier", "a message from rank 1", "SystemExit on rank 1", "a thread"],
 )
 def test_a_failed_call_ends_its_world(what):
     pids = run(pid, 2, keep=True)
