@@ -1,6 +1,7 @@
 """What a worker watches in the code it runs, so that failures can be named exactly.
 
-- ``PointToPoint`` notes every send and receive that a rank starts, and whether it was waited for:
+- ``PointToPoint`` notes every send and receive that a rank starts, and whether it was waited for
+  (and refuses one with a peer outside its group, which gloo leaves to hang or crash):
   a request never waited for is reported when fn returns (instead of a hang), and a rank stuck in
   a message names its peer. With collectives checked it carries the default group's messages on
   an unchecked twin of it (``unchecked_group``): gloo counts every send and receive in the
@@ -109,6 +110,12 @@ class PointToPoint:
         def tracked(group, *args, **kwargs):
             call, frame = _caller(method)
             peer = args[1] if method != "recv_anysource" and len(args) > 1 else None
+            if isinstance(peer, int) and not 0 <= peer < group.size():
+                # gloo does not check: such a message waited for ever, or crashed the rank (torch 2.13).
+                raise ValueError(
+                    f"dist.{call} with rank {peer}: its group has {group.size()} rank{'s' * (group.size() != 1)},"
+                    f" 0 to {group.size() - 1}"
+                )
             carrier = self.carriers.get(group, group)
             entry = dict(collective=call, peer=peer, frame=frame, direction=_DIRECTION[method][0])
             known = _group_of(group)

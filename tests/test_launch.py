@@ -573,6 +573,24 @@ def test_an_isend_never_waited_for_is_reported_not_hung():
     assert "never waited for" in f.sentence()
 
 
+def message_outside_the_group(direction):
+    """Rank 0 sends to, or receives from, the rank after the last (a pipeline's last stage sending on)."""
+    t = torch.zeros(1)
+    if dist.get_rank() == 0:
+        (dist.isend if direction == "send" else dist.irecv)(t, dist.get_world_size()).wait()
+
+
+@pytest.mark.parametrize("direction", ["send", "recv"])
+def test_a_message_to_a_rank_outside_the_group_is_refused_at_once(direction):
+    """gloo waited for such a message until the collective timeout, or crashed the rank (torch 2.13)."""
+    failed, seconds = timed_failure(message_outside_the_group, 2, direction, collective_timeout=30)
+    assert seconds < 5
+    f = failed.failure
+    assert f.kind == "error" and f.first == 0
+    assert f"ValueError: dist.i{direction} with rank 2: its group has 2 ranks, 0 to 1" in f.sentence(), f.sentence()
+    assert f.fact(0).line == line_with(message_outside_the_group, "dist.isend"), f.fact(0)
+
+
 def test_ddp_runs_while_every_other_collective_is_checked():
     """torch 2.13's DDP segfaults on the fingerprinting group; the workers give it an unchecked one."""
     assert run(builds_ddp, 2, debug=True) == [None, None]
