@@ -439,14 +439,14 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
             result = fn(*args)
             never_waited = messages.never_waited()
             if never_waited:
-                _send(conn, ("error", failure.unwaited_report(rank, time.time(), never_waited)))
+                _send(conn, ("error", failure.unwaited_report(rank, time.time(), never_waited), False))
             else:
                 # A rank that skipped a collective arrives here while its peers wait inside that
                 # collective: the barrier turns the silent hang into a reported mismatch.
                 dist.barrier()
                 kept = settings.keep and baseline.restored()
                 imported = [m for m in env.ON_DEMAND_MODULES if m in sys.modules]
-                _send(conn, ("ok", {"result": result, "imported": imported, "kept": kept}))
+                _send(conn, ("ok", {"result": result, "imported": imported}, kept))
                 code = 0
                 if not kept:
                     # gloo takes about 20 ms to tear a group down: after the result, so that no one
@@ -457,13 +457,7 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
             # An exception raised before the rank made a group or sent anything (a stub's
             # NotImplementedError) leaves no peer waiting for it: where every rank's is such, the
             # parent keeps the world (_World.collect).
-            if (
-                settings.keep
-                and baseline is not None
-                and isinstance(exc, Exception)
-                and before is not None
-                and _traffic() == before
-            ):
+            if settings.keep and isinstance(exc, Exception) and before is not None and _traffic() == before:
                 kept = baseline.restored()
             _send(conn, ("error", report, kept))
         finally:
@@ -806,14 +800,13 @@ class _World:
             stuck = self._deadlock() if grace_end is None else None
             if stuck is not None:
                 raise WorldFailed(stuck)
+        # Every rank answered and can run another call: it returned, or every one raised before it sent anything.
+        self.reusable = not self.pending and all(kept)
         if self.reports or self.ended:
-            # Every rank raised before it sent or started anything: none waits, the world serves on.
-            self.reusable = not self.ended and not self.pending and all(kept)
             self.ended += self._where_running()  # a rank that never reported: where it is
             raise WorldFailed(failure.diagnose(self.reports, self.ended, self.world_size))
         if self.pending:
             raise WorldFailed(failure.timed_out(self._where_running(), self.world_size, self.timeout))
-        self.reusable = all(kept)
         return [self.results[r] for r in range(self.world_size)]
 
     def _boards(self) -> list | None:
@@ -849,9 +842,10 @@ class _World:
             )
             return False
         try:
-            status, payload, *rest = torch.load(io.BytesIO(data), weights_only=True)
+            # kept: whether the rank can run another call (it returned, or raised before it sent anything)
+            status, payload, kept = torch.load(io.BytesIO(data), weights_only=True)
             if status == "ok":
-                result, imported, kept = payload["result"], set(payload["imported"]), payload["kept"] is True
+                result, imported = payload["result"], set(payload["imported"])
         except Exception as exc:  # noqa: BLE001 - whatever a worker sent, it is that rank's failure
             reason = (
                 f"it sent something that is not data (tensors, numbers, strings, lists, dicts):"
@@ -861,10 +855,10 @@ class _World:
             return False
         if status != "ok":
             self.reports.append(payload)
-            return rest == [True]  # it raised before it sent or started anything
-        self.results[rank] = result
-        _needed.update(imported & set(env.ON_DEMAND_MODULES))
-        return kept
+        else:
+            self.results[rank] = result
+            _needed.update(imported & set(env.ON_DEMAND_MODULES))
+        return kept is True
 
     def _stack(self, rank: int, offset: int = 0) -> str:
         try:

@@ -673,7 +673,7 @@ _real_send = _workers._send
 
 def _send(conn, message):
     if message[0] == "error":
-        message = ("ok", {"result": [], "imported": [], "kept": False})
+        message = ("ok", {"result": [], "imported": []}, False)  # a reply as workers send one
     _real_send(conn, message)
 
 

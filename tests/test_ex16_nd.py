@@ -33,6 +33,11 @@ MESHES = [(2, 2), (1, 4), (4, 1), (2, 1)]
 GROUPS_TIME_LIMIT = 8
 
 
+def the_mesh(dp, tp):
+    """How the messages name a mesh."""
+    return f"the mesh (dp {dp}, tp {tp})"
+
+
 def coordinates(rank, tp):
     return rank // tp, rank % tp
 
@@ -136,7 +141,7 @@ def check_groups(folder, dp, tp):
         {"grid": many(many(int)), "coordinates": many(int, 2), "tp": group, "dp": group},
     )
     results = world(groups_in_world, dp * tp, folder, dp, tp, expect=expect, timeout=GROUPS_TIME_LIMIT)
-    mesh = f"the mesh (dp {dp}, tp {tp})"
+    mesh = the_mesh(dp, tp)
     judge_calls(mesh, results)
     for rank, found in enumerate(results):
         assert "returned" not in found, said(
@@ -282,13 +287,13 @@ def check_collectives(folder, dp=2, tp=2):
     to its dp group, and none to the world."""
     expect = either(CALLS, dict.fromkeys(("forward", "backward"), list))
     results = world(collectives_in_world, dp * tp, folder, dp, tp, expect=expect)
-    judge_calls(f"the mesh (dp {dp}, tp {tp})", results)
+    judge_calls(the_mesh(dp, tp), results)
     blocks = (len(WIDTHS) - 1) // 2
     expected = {
         "forward": Counter({ALL_GATHER: 2 * blocks, ALL_REDUCE: blocks}),
         "backward": Counter({REDUCE_SCATTER: 2 * blocks, ALL_REDUCE: blocks}),
     }
-    mesh = f"the mesh (dp {dp}, tp {tp})"
+    mesh = the_mesh(dp, tp)
     for rank, found in enumerate(results):
         row, column = row_of(rank, dp, tp), column_of(rank, dp, tp)
         groups = {ALL_REDUCE: ("tp", row), ALL_GATHER: ("dp", column), REDUCE_SCATTER: ("dp", column)}
@@ -377,7 +382,7 @@ def run_steps(folder, dp, tp, steps):
         "bytes": many(int, 4),
     }
     results = world(train_in_world, dp * tp, folder, dp, tp, steps, expect=either(CALLS, expect))
-    judge_calls(f"the mesh (dp {dp}, tp {tp})", results)
+    judge_calls(the_mesh(dp, tp), results)
     return results
 
 
@@ -479,7 +484,7 @@ def check_steps(folder, dp, tp, steps=STEPS):
     results = run_steps(folder, dp, tp, steps)
     full = Blocks()
     optimizer = torch.optim.SGD(full.parameters(), lr=LR)
-    mesh = f"the mesh (dp {dp}, tp {tp})"
+    mesh = the_mesh(dp, tp)
     for rank, result in enumerate(results):
         judge_rows(mesh, result["rows"], rank, dp, tp)
     for step in range(steps):
@@ -526,7 +531,7 @@ def check_memory(folder, dp=2, tp=2):
     for rank, result in enumerate(results):
         expected = sum(t.numel() * t.element_size() for t in pieces(full, rank, dp, tp).values())
         parameters, gradients, peak, after = result["bytes"]
-        mesh = f"the mesh (dp {dp}, tp {tp})"
+        mesh = the_mesh(dp, tp)
         for what, held in zip(("parameters", "gradients"), (parameters, gradients)):
             assert held == expected, said(
                 f"{what} not 1/(dp tp) of the model's",

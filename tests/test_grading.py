@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from course import checks, impl
+from course import checks, impl, workers
 from course import make_notebooks as notebooks
 from course.grade import explain
 from course.launch import WorldFailed, run
@@ -384,24 +384,6 @@ def _sleeping(pids, name):
     return False
 
 
-def _descendants(pid):
-    """The live processes below pid."""
-    children = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def test_an_interrupted_grade_says_so_and_gives_no_score(tmp_path):
     """Ctrl-C (SIGINT to the terminal's process group) while a check runs: no table, no score."""
     import signal
@@ -424,7 +406,7 @@ def test_an_interrupted_grade_says_so_and_gives_no_score(tmp_path):
     # Ctrl-C once its first check's workers sleep in dist.py, however long a loaded machine takes to start them
     # (a time guessed instead sent it, under load, before any check ran).
     started = time.monotonic()
-    while not _sleeping(_descendants(grader.pid), "sleeps-in-dist") and time.monotonic() < started + 60:
+    while not _sleeping(workers.descendants([grader.pid]), "sleeps-in-dist") and time.monotonic() < started + 60:
         time.sleep(0.2)
     time.sleep(0.5)
     os.killpg(grader.pid, signal.SIGINT)
