@@ -13,8 +13,6 @@ What differs across the range, and how the course handles it:
   the function the handout names, so the checks recognise a collective by what it does.
 - DTensor.full_tensor() on gloo needs the process group's allgather_into_tensor_coalesced, which
   2.11's gloo lacks: full_tensor() here gathers the local pieces with a plain all-gather instead.
-  Under torch's collective check (DETAIL debug, as the checks run) 2.11 asks for it for any
-  DTensor all-gather: cpu_mesh() puts torch's own DTensor code on a group the check leaves alone.
 """
 
 from __future__ import annotations
@@ -51,8 +49,7 @@ def quiet_renamed_collectives() -> None:
 
 def cpu_mesh():
     """A one-dimensional CPU DeviceMesh of every rank, for torch's own DTensor code in the checks'
-    probes, on a group that torch's collective check (DETAIL debug) leaves unwrapped: 2.11's wrapper
-    turns DTensor's all-gather into allgather_into_tensor_coalesced, which 2.11's gloo lacks."""
+    probes, on a group whose collectives the ranks do not compare: torch's code is not what is checked."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from course.instrument import unchecked_group

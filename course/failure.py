@@ -79,7 +79,7 @@ class RankFact:
     traceback: str = ""
     exit_code: int | None = None  # for a rank that ended without reporting
     when: float = float("inf")  # when it went wrong (time.time()): the first failure is the cause
-    op: str = ""  # with collectives checked: the OpType torch's fingerprint gave ("ALLREDUCE")
+    op: str = ""  # with collectives checked: its collective, by torch's OpType name ("ALLREDUCE")
     pieces: int | None = None  # a scatter/gather given a list of this many tensors for world_size ranks
     root: int | None = None  # with collectives checked: the root of its collective (src, dst), if it has one
     reduce_op: str = ""  # and its reduce op ("SUM")

@@ -82,7 +82,7 @@ def add_launch_arguments(parser) -> None:
         "--no-check-collectives",
         dest="check_collectives",
         action="store_false",
-        help="do not compare the ranks' collectives on every call (TORCH_DISTRIBUTED_DEBUG=DETAIL):"
+        help="do not compare the ranks' collectives before each one starts:"
         " a mismatch is then reported only at the collective timeout",
     )
 

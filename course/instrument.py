@@ -3,16 +3,15 @@
 - ``PointToPoint`` notes every send and receive that a rank starts, and whether it was waited for
   (and refuses one with a peer outside its group, which gloo leaves to hang or crash):
   a request never waited for is reported when fn returns (instead of a hang), and a rank stuck in
-  a message names its peer. With collectives checked it carries the default group's messages on
-  an unchecked twin of it (``unchecked_group``): gloo counts every send and receive in the
-  sequence number that torch's check compares before each collective, so ranks that sent
-  different numbers of messages (the middle stages of a pipeline send twice as many as the ends)
-  were reported as calling different collectives at their next one.
-- ``Agreement``: with collectives checked, the ranks compare each collective of the default group
-  before they start it, on the unchecked twin: which one, its root (src, dst), its reduce op, and
-  its tensor's shape and dtype. torch's check compares neither root nor reduce op, and reports a
-  shape or dtype that differs as different collectives. A broadcast whose src differs between ranks
-  then fails at once, naming the src, instead of waiting for the collective timeout.
+  a message names its peer.
+- ``Agreement``: with collectives checked (gloo), the ranks compare each collective before they start
+  it, on a twin of its group that carries nothing else: which one, its root (src, dst), its reduce
+  op, and its tensor's shape and dtype. Ranks that call different collectives, or the same one with
+  a different src, op, shape or dtype, fail at once, each named with its own, instead of waiting
+  for the collective timeout (or gloo pairing them and giving wrong numbers). It replaced torch's
+  own check (TORCH_DISTRIBUTED_DEBUG=DETAIL), which compared no root or reduce op, cost a monitored
+  barrier and two all-gathers per collective (a sixth of a whole grade), counted messages as
+  collectives (a pipeline's middle stages send twice as many as its ends) and crashed built-in DDP.
 - ``Waits``: what the rank's main thread is blocked in now (a send, a receive, a collective) and what it
   has started that a peer may wait for, on its ``Board``, which the parent reads at any moment: a
   world whose every rank waits for what no peer will ever do is reported at once
@@ -20,10 +19,6 @@
 - ``Loops``: where a rank that runs loops, for the parent that stopped its world. One stack cannot
   tell a loop from what it calls again and again: largest_world looping for ever over t_sync_of
   showed as stuck in t_sync_of, or in a check's function that t_sync_of was.
-- ``check_ddp_on_an_unchecked_group``: built-in DistributedDataParallel segfaults in its
-  constructor on the process group that TORCH_DISTRIBUTED_DEBUG=DETAIL wraps around the default
-  one (torch 2.13, CPU, seen here). A group made with the check off works, so DDP gets one, and
-  every other collective stays checked.
 """
 
 from __future__ import annotations
@@ -39,9 +34,11 @@ import sys
 import threading
 import time
 import weakref
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed import ProcessGroup
 
 from course.failure import C10D_FILE, ArgumentsDiffer, is_plumbing, loop_dump
@@ -94,12 +91,7 @@ class PointToPoint:
     def __init__(self):
         self.pending: dict = {}  # id of a request not yet waited for -> its entry
         self.waiting: dict | None = None  # the entry of the message a wait() is blocked on
-        self.carriers: dict = {}  # a group -> the group that carries its messages instead
         self.waits: Waits | None = None  # told of each wait()
-
-    def carry_on(self, group: ProcessGroup, carrier: ProcessGroup) -> None:
-        """Send and receive the messages of ``group`` on ``carrier``, a group of the same ranks."""
-        self.carriers[group] = carrier
 
     def install(self) -> None:
         for method in _DIRECTION:
@@ -116,12 +108,11 @@ class PointToPoint:
                     f"dist.{call} with rank {peer}: its group has {group.size()} rank{'s' * (group.size() != 1)},"
                     f" 0 to {group.size() - 1}"
                 )
-            carrier = self.carriers.get(group, group)
             entry = dict(collective=call, peer=peer, frame=frame, direction=_DIRECTION[method][0])
             known = _group_of(group)
             if known is not None:  # for the waits board: peers by their rank in the world
                 entry.update(group=known[0], to=known[1][peer] if peer is not None and peer < len(known[1]) else None)
-            request = _Request(original(carrier, *args, **kwargs), self, entry)
+            request = _Request(original(group, *args, **kwargs), self, entry)
             self.pending[id(request)] = request._entry
             return request
 
@@ -217,28 +208,43 @@ def _record(method: str, args: tuple) -> list:
 
 
 class Agreement:
-    """Patches the process group's collectives, for the life of a worker, so that the ranks compare
-    each collective of ``group`` before they start it, on ``carrier`` (a group of the same ranks)."""
+    """Patches the process group's collectives, for the life of a worker, so that the ranks compare each
+    collective of a group before they start it, on the group's twin: a group of the same ranks, made with
+    it, that carries nothing else. The default group's twin is made at install; every group made later
+    (dist.new_group, and what calls it: new_subgroups, a DeviceMesh) gets its own as it is made, by the same
+    ranks in the same order. A group made unchecked (a group_desc that starts with UNCHECKED) has none."""
 
-    def install(self, group: ProcessGroup, carrier: ProcessGroup) -> None:
-        self.group, self.carrier = group, carrier
-        self.allgather = vars(ProcessGroup)["allgather"]  # the original: the exchange is not a collective of the code
+    def install(self, timeout: timedelta) -> None:
+        self.carriers = {dist.group.WORLD: unchecked_group(timeout, "agreement")}
+        self.allgather = vars(ProcessGroup)["allgather"]  # as Waits sees it: a wait of the rank, not a collective of the code
         for method in _CALLS:
             if method in vars(ProcessGroup):
                 setattr(ProcessGroup, method, self._compared(method, vars(ProcessGroup)[method]))
+        made, carriers = c10d._new_group_with_tag, self.carriers
+
+        def _new_group_with_tag(*args, **kwargs):
+            group = made(*args, **kwargs)
+            if not str(kwargs.get("group_desc") or "").startswith(UNCHECKED):
+                twin = made(*args, **dict(kwargs, group_desc=f"{UNCHECKED} twin"))
+                if isinstance(group, ProcessGroup):  # not a member: GroupMember.NON_GROUP_MEMBER
+                    carriers[group] = twin
+            return group
+
+        c10d._new_group_with_tag = _new_group_with_tag
 
     def _compared(self, method: str, original):
         def compared(group, *args, **kwargs):
-            if group is self.group:
-                self._compare(method, args)
+            carrier = self.carriers.get(group)
+            if carrier is not None:
+                self._compare(carrier, method, args)
             return original(group, *args, **kwargs)
 
         return compared
 
-    def _compare(self, method: str, args: tuple) -> None:
+    def _compare(self, carrier: ProcessGroup, method: str, args: tuple) -> None:
         mine = torch.tensor(_record(method, args), dtype=torch.int64)
-        every = [torch.empty_like(mine) for _ in range(self.carrier.size())]
-        self.allgather(self.carrier, [every], [mine]).wait()
+        every = [torch.empty_like(mine) for _ in range(carrier.size())]
+        self.allgather(carrier, [every], [mine]).wait()
         records = [r.tolist() for r in every]
         if any(r != records[0] for r in records):
             names = list(_CALLS)
@@ -443,31 +449,17 @@ class Loops:
         self.held = running
 
 
+# What a group's group_desc starts with where its collectives are not compared (Agreement).
+UNCHECKED = "unchecked"
 _unchecked: dict = {}
 
 
-def unchecked_group(timeout=None, use: str = "messages") -> ProcessGroup:
-    """A group of every rank whose collectives torch's check does not wrap, for one use: made once
-    per world, by every rank at the same point (its first call), with the collective timeout
-    ``timeout``. "messages": the default group's sends and receives, and DDP's collectives;
-    "agreement": Agreement's exchanges, which must not interleave with DDP's (Join's included);
-    "torch": torch's own DTensor code in the checks' probes (course/compat.py, cpu_mesh); "given": a group
-    handed to code under test, which must use it rather than the default group (tests/contracts.py)."""
+def unchecked_group(timeout=None, use: str = "agreement") -> ProcessGroup:
+    """A group of every rank whose collectives Agreement does not compare, for one use: made once per
+    world, by every rank at the same point (its first call), with the collective timeout ``timeout``.
+    "agreement": the default group's twin, which carries Agreement's exchanges; "torch": torch's own
+    DTensor code in the checks' probes (course/compat.py, cpu_mesh); "given": a group handed to code
+    under test, which must use it rather than the default group (tests/contracts.py)."""
     if use not in _unchecked:
-        level = dist.get_debug_level()
-        dist.set_debug_level(dist.DebugLevel.OFF)
-        _unchecked[use] = dist.new_group(timeout=timeout)
-        dist.set_debug_level(level)
+        _unchecked[use] = dist.new_group(timeout=timeout, group_desc=f"{UNCHECKED} {use}")
     return _unchecked[use]
-
-
-def check_ddp_on_an_unchecked_group() -> None:
-    ddp = torch.nn.parallel.DistributedDataParallel
-    original = ddp.__init__
-
-    def __init__(self, module, *args, **kwargs):
-        if len(args) < 6 and kwargs.get("process_group") is None:  # process_group is the 7th parameter
-            kwargs["process_group"] = unchecked_group()
-        original(self, module, *args, **kwargs)
-
-    ddp.__init__ = __init__

@@ -11,8 +11,8 @@ list of their return values, indexed by rank. It never hangs and never leaves a 
   nothing a worker sends can run code here. A rank that ends without sending one has failed.
 - A worker sees only its own pipe and stack file (other descriptors are closed after fork); what
   it starts dies with the world (workers and this process are child subreapers on Linux).
-- With TORCH_DISTRIBUTED_DEBUG=DETAIL (``debug=True``) torch checks before every collective that
-  all ranks call the same one.
+- With ``debug=True`` the ranks compare every collective before it starts, on every group: the
+  same one, with the same root, reduce op, shape and dtype (course/instrument.py's Agreement).
 - Workers ignore Ctrl-C (the parent stops them and says where they were) and die with their
   parent (Linux; elsewhere they end when its pipe closes). Their output is line-buffered, so two
   ranks never share a line, and goes where the parent's goes at each call.
@@ -71,9 +71,7 @@ from course.instrument import (
     Loops,
     PointToPoint,
     Waits,
-    check_ddp_on_an_unchecked_group,
     read_board,
-    unchecked_group,
 )
 from course.layout import ROOT
 
@@ -109,6 +107,7 @@ class _WorkerSettings:
     guard: Any = None  # what its workers need of the world's sandbox.Guard (its handle)
     view: tuple | None = None  # where grades are made: all its workers see (sandbox.view: the course, the code graded)
     reference: bool = False  # a world of this repository's code and torch only: it loads no code under test
+    compare: bool = False  # the ranks compare each collective before it starts (course/instrument.py's Agreement)
 
 
 # --- processes: die with the parent, and take descendants along -------------------------------
@@ -389,9 +388,6 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
     os.environ.update(settings.env)
     # The names torchrun sets, so code can ask os.environ["RANK"] as it would on a cluster.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(settings.world_size))
-    dist.set_debug_level_from_env()  # torch read TORCH_DISTRIBUTED_DEBUG when it was imported
-    if dist.get_debug_level() == dist.DebugLevel.DETAIL:
-        check_ddp_on_an_unchecked_group()
     compat.quiet_renamed_collectives()
     messages = PointToPoint()
     messages.install()
@@ -425,12 +421,8 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
                     timeout=timedelta(seconds=settings.collective_timeout),
                     device_id=bound_device(settings.backend),
                 )
-                if dist.get_debug_level() == dist.DebugLevel.DETAIL and settings.backend == "gloo":
-                    # NCCL counts collectives apart from messages (seqCollective_ in torch's source;
-                    # not run here), and batches a step's messages on the group they name: they stay.
-                    timeout = timedelta(seconds=settings.collective_timeout)
-                    messages.carry_on(dist.group.WORLD, unchecked_group(timeout))
-                    Agreement().install(dist.group.WORLD, unchecked_group(timeout, "agreement"))
+                if settings.compare and settings.backend == "gloo":
+                    Agreement().install(timedelta(seconds=settings.collective_timeout))
                 baseline = _Baseline()
             messages.pending.clear()
             messages.waiting = None
@@ -639,8 +631,6 @@ def run(
             f"{fn!r} and its arguments must be picklable by reference: define it at the top level of a .py file ({exc})"
         ) from exc
     child_env = env.loopback_settings(sys.platform)
-    if debug:
-        child_env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     level = sandbox_level() if (sandbox or _every_world_sandboxed) and not reference else None
     confinement = level.name if level else "none"
     # Where grades are made, the workers see the course's public files and the code graded, no more.
@@ -648,7 +638,7 @@ def run(
     view = submission_view() if viewed else None
     keep = keep and port is None and _PASS_STREAMS
     key = (world_size, threads, backend, device, collective_timeout, method, tuple(sorted(child_env.items())))
-    key += (confinement, view, reference)
+    key += (confinement, view, reference, debug)
     world = _kept.take(key) if keep else None
     try:
         if world is not None:
@@ -661,7 +651,7 @@ def run(
             settings = _WorkerSettings(
                 world_size, threads, backend, device, "", port, "", collective_timeout, child_env, keep, confinement
             )
-            world = _World.start(method, dataclasses.replace(settings, view=view, reference=reference))
+            world = _World.start(method, dataclasses.replace(settings, view=view, reference=reference, compare=debug))
             world.call(call)
         world.timeout = timeout
         try:

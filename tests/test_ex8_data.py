@@ -414,7 +414,7 @@ def expected_training(world_size, joined, by_active=False):
 
 
 # The kinds of failure where ranks stopped in collectives that did not match (a crash: gloo aborting on one).
-UNMATCHED = ("mismatch", "wait", "timeout", "crash")
+UNMATCHED = ("mismatch", "arguments", "wait", "timeout", "crash")
 
 
 def stopped(failed, concept, advice):

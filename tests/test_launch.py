@@ -40,6 +40,16 @@ def mismatched():
         dist.broadcast(t, src=0)
 
 
+def mismatched_in_a_group():
+    """Ranks 0 and 1 of a group of their own call different collectives in it; ranks 2 and 3 do nothing."""
+    group = dist.new_group([0, 1])
+    t = torch.ones(3)
+    if dist.get_rank() == 0:
+        dist.all_reduce(t, group=group)
+    elif dist.get_rank() == 1:
+        dist.broadcast(t, src=1, group=group)
+
+
 def src_differs():
     """Both ranks in the same broadcast, each naming itself the source (torch's check compares
     neither roots nor reduce ops): each would wait for the other until the collective timeout."""
@@ -180,6 +190,18 @@ def test_mismatched_collectives_are_named():
     assert f.report().startswith(
         "Ranks called different collectives (world of 2):\n  rank 0 called ALLREDUCE of shape [3] in all_reduce at test_launch.py:"
     )
+
+
+def test_mismatched_collectives_in_a_group_are_named():
+    """The ranks compare the collectives of every group, each on a twin made with it, not only the default one's."""
+    failed, seconds = timed_failure(mismatched_in_a_group, 4, debug=True, collective_timeout=30)
+    assert seconds < 5, "found when the ranks compare their collectives, not at the collective timeout"
+    f = failed.failure
+    assert f.kind == "mismatch" and [r.op for r in f.ranks[:2]] == ["ALLREDUCE", "BROADCAST"], f.report()
+    assert [(r.line, r.func) for r in f.ranks[:2]] == [
+        (line_with(mismatched_in_a_group, "all_reduce"), "mismatched_in_a_group"),
+        (line_with(mismatched_in_a_group, "broadcast"), "mismatched_in_a_group"),
+    ]
 
 
 def test_a_collective_whose_ranks_give_different_arguments_is_named_at_once():
@@ -546,7 +568,8 @@ def chain_then_all_reduce():
 
 
 def test_ranks_that_sent_different_numbers_of_messages_call_the_same_collective():
-    """gloo counts messages in the sequence number torch's check compares; the workers keep them out of it."""
+    """Ranks that sent different numbers of messages (a pipeline's middle stages send twice as many) then call
+    the same collective: torch's own check, which compared gloo's sequence numbers, took it for a mismatch."""
     assert run(chain_then_all_reduce, 3, debug=True) == [[3.0] * 3] * 3
 
 
@@ -592,7 +615,8 @@ def test_a_message_to_a_rank_outside_the_group_is_refused_at_once(direction):
 
 
 def test_ddp_runs_while_every_other_collective_is_checked():
-    """torch 2.13's DDP segfaults on the fingerprinting group; the workers give it an unchecked one."""
+    """torch 2.13's DDP segfaulted on the group that torch's own check wrapped; the ranks' comparison leaves
+    DDP's group as it is."""
     assert run(builds_ddp, 2, debug=True) == [None, None]
     failed, seconds = timed_failure(ddp_then_mismatched, debug=True, collective_timeout=30)
     assert failed.failure.kind == "mismatch" and seconds < 5
