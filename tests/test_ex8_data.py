@@ -10,7 +10,7 @@ from torch.utils.data import DistributedSampler
 from course.checks import said
 from course.launch import WorldFailed
 from tests.comm_log import CommLog
-from tests.helpers import CONFIG, SMALL_PARAMETERS, SmallMLP, load, many, world
+from tests.helpers import CONFIG, SMALL_PARAMETERS, PlainSGD, SmallMLP, load, many, world
 
 # (n, fractions, the sizes of the rule in data.py's shard_sizes docstring): whole parts first, left-overs by
 # largest fractional part, lower rank first among equal ones. 0.29 * 100 is 28.999999999999996 in floats.
@@ -71,24 +71,6 @@ def dataset():
 def fresh_model():
     torch.manual_seed(100)  # the same start on every rank and in the judge: these functions broadcast nothing
     return SmallMLP()
-
-
-class PlainSGD:
-    """The probes' optimizer: torch.optim.SGD's step without momentum, p -= lr * p.grad. Its first step
-    in a process imports torch._dynamo (1.4 s per rank on 2 cores), which every notebook check would pay."""
-
-    def __init__(self, params, lr):
-        self.params, self.lr = list(params), lr
-
-    def zero_grad(self):
-        for param in self.params:
-            param.grad = None
-
-    @torch.no_grad()
-    def step(self):
-        for param in self.params:
-            if param.grad is not None:
-                param.add_(param.grad, alpha=-self.lr)
 
 
 def state(model):
