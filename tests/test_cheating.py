@@ -108,7 +108,7 @@ for _name, _mod in list(_sys.modules.items()):
 
 PATCH_GRADER = """
 import course.grade as _grade
-_grade.POINTS[2] = 1000
+_grade.points_of = lambda item: 1000
 _grade.Check.score = property(lambda self: self.max_score)
 _grade.explain = lambda error: ""
 _grade._Grader.pytest_runtest_logreport = lambda self, report: None
@@ -169,11 +169,11 @@ def par_matmul_by_reduction(A, B):
 
 
 def test_the_cheat_of_issue_14_gains_nothing(tmp_path):
-    assert_no_points(*grade(tmp_path, {"mlp.py": ISSUE_14}), "par_matmul_by_row is not written yet")
+    assert_no_points(*grade(tmp_path, {"dist.py": ISSUE_14}), "par_matmul_by_row is not written yet")
 
 
 def test_patching_the_grader_plugin_and_its_points_gains_nothing(tmp_path):
-    assert_no_points(*grade(tmp_path, {"mlp.py": PATCH_GRADER}), "par_matmul_by_row is not written yet")
+    assert_no_points(*grade(tmp_path, {"dist.py": PATCH_GRADER}), "par_matmul_by_row is not written yet")
 
 
 def test_patching_torch_comparisons_gains_nothing(tmp_path):
@@ -181,11 +181,11 @@ def test_patching_torch_comparisons_gains_nothing(tmp_path):
 
 
 def test_a_worker_that_exits_0_without_a_result_gains_nothing(tmp_path):
-    assert_no_points(*grade(tmp_path, {"mlp.py": EXIT_0}), r"exit code 0|result")
+    assert_no_points(*grade(tmp_path, {"dist.py": EXIT_0}), r"exit code 0|result")
 
 
 def test_printing_a_fake_table_gains_nothing(tmp_path):
-    done, path = grade(tmp_path, {"mlp.py": FAKE_TABLE})
+    done, path = grade(tmp_path, {"dist.py": FAKE_TABLE})
     assert_no_points(done, path, "par_matmul_by_row is not written yet")
     assert done.stdout.count("exercise   checks") == 1, done.stdout
 
@@ -206,7 +206,7 @@ def test_the_reference_scores_full_marks(tmp_path):
 def test_the_grader_files_fingerprint_catches_an_edit_where_there_is_no_sandbox(tmp_path):
     """Without a sandbox (macOS, a kernel without user namespaces) a worker can edit the checks on
     disk: the reference with that edit would score 25/25 if the grader did not notice."""
-    grader, submission = _copy_grader(tmp_path, {"mlp.py": EDIT_CHECKS}, SOLUTIONS)
+    grader, submission = _copy_grader(tmp_path, {"dist.py": EDIT_CHECKS + "_edit_checks()\n"}, SOLUTIONS)
     env = dict(os.environ, COURSE_IMPL=str(submission), COURSE_SANDBOX="off")
     done = warm.run(["-m", "course", "grade", "--ex", "2"], cwd=grader, env=env)
     assert_no_points(
@@ -378,9 +378,11 @@ for _pid in _targets():
 # The checks, edited on disk: the grader would run the edited test module in later runs.
 EDIT_CHECKS = """
 import os as _os
-from course.student import ROOT as _ROOT
-with open(_os.path.join(_ROOT, "tests", "test_ex2_dist.py"), "a") as _f:
-    _f.write("\\n# a submission was here\\n")
+from course.layout import ROOT as _ROOT
+
+def _edit_checks():
+    with open(_os.path.join(_ROOT, "tests", "test_ex2_dist.py"), "a") as _f:
+        _f.write("\\n# a submission was here\\n")
 """
 
 # A unix socket of the grader's user (multiprocessing's servers, which unpickle what they are sent; an
@@ -405,7 +407,7 @@ ATTACKS = {
     "write_its_pipe": WRITE_ITS_PIPE,
     "late_bytecode": LATE_BYTECODE,
     "plant_a_link": PLANT_A_LINK,
-    "edit_checks": EDIT_CHECKS,
+    "edit_checks": EDIT_CHECKS + '_tried("edit the checks on disk", _edit_checks)\n',
     "reach_a_unix_socket": REACH_A_UNIX_SOCKET,
 }
 
@@ -546,7 +548,7 @@ def test_an_attack_through_the_system_gains_nothing(attacked, attack):
     server.setblocking(False)
     payload = f"DAEMON_NAME = {daemon!r}\nSOCKET_PATH = {server.getsockname()!r}\n" + PRELUDE + ATTACKS[attack]
     with server:
-        done, path = grade_as(base, who, {"mlp.py": payload}, args=[ONE_CHECK, TWO_CHECKS][checks - 1])
+        done, path = grade_as(base, who, {"dist.py": payload}, args=[ONE_CHECK, TWO_CHECKS][checks - 1])
         with pytest.raises(BlockingIOError):  # no connection is waiting
             server.accept()
     said = "\n".join(line for line in done.stderr.splitlines() if line.startswith("CHEAT")) or "(nothing)"
@@ -594,7 +596,7 @@ def test_a_grader_killed_from_outside_leaves_a_failing_results_json(attacked):
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        done, _ = grade_as(base, who, {"mlp.py": SPIN.format(name=spinner)}, timeout=60)
+        done, _ = grade_as(base, who, {"dist.py": SPIN.format(name=spinner)}, timeout=60)
     finally:
         grading.set()
         watcher.join()
@@ -653,7 +655,7 @@ except CheckFailed as failed:
 def test_taking_the_notebook_kernels_socket_gains_nothing(attacked):
     """What the kernel of `make autograde` (or a student's notebook) does for each check cell."""
     base, who = attacked
-    cheat = {"mlp.py": PRELUDE + STEAL_THE_KERNELS_SOCKET}
+    cheat = {"dist.py": PRELUDE + STEAL_THE_KERNELS_SOCKET}
     done, _ = grade_as(base, who, cheat, args=["kernel.py"], files={"kernel.py": KERNEL})
     said = "\n".join(line for line in done.stderr.splitlines() if line.startswith("CHEAT")) or "(nothing)"
     assert done.returncode == 0, done.stdout + done.stderr
@@ -707,7 +709,8 @@ def grade_only(tmp_path, cheats, args, base=ROOT):
 def test_rewritten_replies_gain_nothing(tmp_path):
     """Issue 36: the stubs with this cheat scored 71/370, 19 checks among them exercise 5's ring and exercise
     12's. Each check now fails, naming what came back where it expected what."""
-    found = grade_only(tmp_path, {"mlp.py": REWRITE_REPLIES}, ["--ex", "5", "--ex", "12"])
+    # In the files that the two exercises' checks load: dist.py (the ring) and mlp.py (cost.py imports it).
+    found = grade_only(tmp_path, {"dist.py": REWRITE_REPLIES, "mlp.py": REWRITE_REPLIES}, ["--ex", "5", "--ex", "12"])
     cases = sum(len(course_checks.of_module(m)) for m in ("tests.test_ex5_ring", "tests.test_ex12_cost"))
     assert found["score"] == 0 and len(found["tests"]) == cases, found
     for test in found["tests"]:
