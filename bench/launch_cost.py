@@ -1,7 +1,8 @@
 """What one world costs to start and finish, per start method: `make bench-launch`.
 
 Times course.launch.run for a world whose ranks each do one all_reduce, so the figure is the
-launcher's own cost: start the processes, rendezvous, init gloo, collect, stop. For comparison,
+launcher's own cost: start the processes, rendezvous, init gloo, collect, stop; with the ranks' comparison
+of collectives (course/instrument.py's Agreement) off and on. For comparison,
 the same world started by torch's own torch.distributed.elastic.multiprocessing.start_processes.
 """
 
@@ -79,10 +80,10 @@ def main(repeats=5):
             steady = statistics.median(times[1:] if method == "forkserver" else times)
             rows.append((world_size, method, "off", steady, first))
         times = seconds_per_world(world_size, repeats, start_method="fork", debug=True)
-        rows.append((world_size, "fork", "DETAIL", statistics.median(times), None))
+        rows.append((world_size, "fork", "on", statistics.median(times), None))
         times = elastic_seconds_per_world(world_size, repeats, "fork")
         rows.append((world_size, "elastic fork", "off", statistics.median(times), None))
-    print(f"{'world':>5}  {'start':<12}  {'fingerprints':<12}  {'s per world':>11}  {'first world':>11}")
+    print(f"{'world':>5}  {'start':<12}  {'compared':<12}  {'s per world':>11}  {'first world':>11}")
     for world_size, method, debug, steady, first in rows:
         first_text = f"{first:.2f}" if first is not None else ""
         print(f"{world_size:>5}  {method:<12}  {debug:<12}  {steady:>11.3f}  {first_text:>11}")
