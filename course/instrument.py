@@ -215,7 +215,7 @@ class Agreement:
     ranks in the same order. A group made unchecked (a group_desc that starts with UNCHECKED) has none."""
 
     def install(self, timeout: timedelta) -> None:
-        self.carriers = {dist.group.WORLD: unchecked_group(timeout, "agreement")}
+        self.carriers = {dist.group.WORLD: unchecked_group("agreement", timeout)}
         self.allgather = vars(ProcessGroup)["allgather"]  # as Waits sees it: a wait of the rank, not a collective of the code
         for method in _CALLS:
             if method in vars(ProcessGroup):
@@ -454,9 +454,9 @@ UNCHECKED = "unchecked"
 _unchecked: dict = {}
 
 
-def unchecked_group(timeout=None, use: str = "agreement") -> ProcessGroup:
+def unchecked_group(use: str, timeout=None) -> ProcessGroup:
     """A group of every rank whose collectives Agreement does not compare, for one use: made once per
-    world, by every rank at the same point (its first call), with the collective timeout ``timeout``.
+    world, by every rank at the same point, with the collective timeout ``timeout``.
     "agreement": the default group's twin, which carries Agreement's exchanges; "torch": torch's own
     DTensor code in the checks' probes (course/compat.py, cpu_mesh); "given": a group handed to code
     under test, which must use it rather than the default group (tests/contracts.py)."""
