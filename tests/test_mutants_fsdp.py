@@ -109,6 +109,15 @@ MUTANTS = {
         check_gather,
         "the all-gather got a tensor that requires grad",
     ),
+    # What torch does now and then with the mistake above (gloo raises in its thread, after the exchange, on
+    # some ranks only): the ranks must not part, the one that did not raise waiting in the next all-gather.
+    "torch's error for the Parameter handed to the all-gather, raised on some ranks only": (
+        GATHER,
+        GATHER + "    if dist.get_rank() != 2:\n"
+        "        raise RuntimeError('A view was created in no_grad mode and is being modified inplace')\n",
+        check_gather,
+        "the all-gather got a tensor that requires grad",
+    ),
     "the parameters freed before the module's forward": (
         "        output = self.module(*cast_floats(inputs, self.full.dtype))\n        if self.reshard_after_forward:\n"
         "            free(self.full)\n",
