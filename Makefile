@@ -86,7 +86,7 @@ help::
 	@echo "make classroom DEST=dir TEMPLATE=owner/name  GitHub Classroom's grading workflow into a release (REF=, EX=)"
 	@echo "make autograde SUBMISSIONS=dir grade one folder per student through nbgrader"
 	@echo "               and write the class report (grading/report.html; python -m course.report grading/)"
-	@echo "make bench-grade   how long make grade takes, per exercise and in all, against its targets"
+	@echo "make bench-grade   how long make grade takes, per exercise and in all, against its targets (EX=16: one)"
 	@echo "make gpu-check  every reference solution on this machine's GPUs, compared with the CPU (ARGS=mlp.py flags)"
 
 # Instructors get everything: nbgrader for the notebooks' grading, ruff for lint.
@@ -111,7 +111,7 @@ student: $(VENV)/.installed
 	$(PY) -m course.student
 
 bench-grade: $(VENV)/.installed
-	$(PY) bench/grade_time.py
+	EX="$(EX)" $(PY) bench/grade_time.py
 
 release: $(VENV)/.instructors
 	$(PY) -m course.release $(DEST)

@@ -3,7 +3,8 @@
 Runs `python -m course grade [--ex N]` (what `make grade` runs) on the reference solutions, for
 every exercise and for all of them, REPEAT times each (default 3), with the start method this
 platform gets and with forkserver (what macOS gets), and prints the median wall time of each
-against the targets: 5 s for one exercise, 10 s for all.
+against the targets: 5 s for one exercise, 10 s for all. EX="16" (or "6 7"): those exercises only,
+without the run of all of them.
 """
 
 import json
@@ -47,7 +48,8 @@ def main():
     base = dict(os.environ, COURSE_IMPL=SOLUTIONS)
     print(f"median of {REPEAT} runs, wall seconds, reference solutions; load average before: {os.getloadavg()[0]:.1f}")
     print(f"{'what':>22}  {'default':>8}  {'forkserver':>10}  {'target':>6}")
-    for ex in [*graded_exercises(), None]:
+    chosen = [int(n) for n in os.environ.get("EX", "").split()]
+    for ex in chosen or [*graded_exercises(), None]:
         command = grade + (["--ex", str(ex)] if ex is not None else [])
         default = seconds(command, base)
         forkserver = seconds(command, dict(base, COURSE_START_METHOD="forkserver"))
