@@ -216,7 +216,8 @@ class Agreement:
 
     def install(self, timeout: timedelta) -> None:
         self.carriers = {dist.group.WORLD: unchecked_group("agreement", timeout)}
-        self.allgather = vars(ProcessGroup)["allgather"]  # as Waits sees it: a wait of the rank, not a collective of the code
+        # As Waits sees it: a wait of the rank, not a collective of the code.
+        self.allgather = vars(ProcessGroup)["allgather"]
         for method in _CALLS:
             if method in vars(ProcessGroup):
                 setattr(ProcessGroup, method, self._compared(method, vars(ProcessGroup)[method]))
