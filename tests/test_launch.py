@@ -133,7 +133,7 @@ def descendants(pid):
 def stray_workers():
     """Our descendants, less the forkserver, tests/warm.py's server and the processes of kept worlds
     (they live as long as this process, by design)."""
-    servers = [multiprocessing.forkserver._forkserver._forkserver_pid, warm.server_pid(), *workers.kept_processes()]
+    servers = [multiprocessing.forkserver._forkserver._forkserver_pid, *warm.server_pids(), *workers.kept_processes()]
     helpers = {p for server in servers if server for p in [server, *descendants(server)]}
     return [p for p in descendants(os.getpid()) if p not in helpers]
 

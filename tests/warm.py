@@ -125,10 +125,10 @@ def _start(python, environ):
     return server
 
 
-def server_pid():
-    """The pid of this interpreter's server, while it runs: it lives as long as the test process."""
-    server = _servers.get(sys.executable)
-    return server.process.pid if server is not None and server.process.poll() is None else None
+def server_pids():
+    """The pids of this process's servers, one per interpreter (test_cheating's attackers run one of a Python
+    every user can read), while they run: they live as long as the test process."""
+    return [server.process.pid for server in _servers.values() if server.process.poll() is None]
 
 
 def run(args, cwd, env=None, timeout=120, python=None, user=None, name=""):
