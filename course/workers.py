@@ -421,7 +421,7 @@ def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
                     timeout=timedelta(seconds=settings.collective_timeout),
                     device_id=bound_device(settings.backend),
                 )
-                if settings.compare and settings.backend == "gloo":
+                if settings.compare:
                     Agreement().install(timedelta(seconds=settings.collective_timeout))
                 baseline = _Baseline()
             messages.pending.clear()
@@ -651,7 +651,9 @@ def run(
             settings = _WorkerSettings(
                 world_size, threads, backend, device, "", port, "", collective_timeout, child_env, keep, confinement
             )
-            world = _World.start(method, dataclasses.replace(settings, view=view, reference=reference, compare=debug))
+            # The comparison's exchanges are CPU tensors: gloo only (NCCL compares nothing, docs/design.md).
+            compare = debug and backend == "gloo"
+            world = _World.start(method, dataclasses.replace(settings, view=view, reference=reference, compare=compare))
             world.call(call)
         world.timeout = timeout
         try:

@@ -131,7 +131,7 @@ def descendants(pid):
 
 
 def stray_workers():
-    """Our descendants, less the forkserver, tests/warm.py's server and the processes of kept worlds
+    """Our descendants, less the forkserver, tests/warm.py's servers and the processes of kept worlds
     (they live as long as this process, by design)."""
     servers = [multiprocessing.forkserver._forkserver._forkserver_pid, *warm.server_pids(), *workers.kept_processes()]
     helpers = {p for server in servers if server for p in [server, *descendants(server)]}
