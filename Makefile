@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # Set-up is course/setup.py, which works without make too (Windows): `python3 -m course setup`.
 SETUP := $(PYTHON) -m course setup
-# Workers share the cores: see course/env.py. Tests run two pytest processes.
+# Workers share the cores: see course/runtime/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
 .PHONY: help setup notebooks test grade non-iid bench bench-launch bench-cost bench-zero bench-fsdp bench-tp bench-pp bench-nd
@@ -38,7 +38,7 @@ notebooks: $(VENV)/.notebooks
 non-iid: $(VENV)/.installed
 	$(PY) $(if $(wildcard solutions/.),solutions/)sync.py --non-iid-plot non_iid.png
 
-# A score below full marks is not an error; a broken grader is (see course/grade.py).
+# A score below full marks is not an error; a broken grader is (see course/grading/plugin.py).
 grade: $(VENV)/.installed
 	@$(PY) -m course grade $(foreach e,$(EX),--ex $(e))
 
@@ -85,7 +85,7 @@ help::
 	@echo "make gradescope                autograder.zip, a Gradescope autograder (EX=\"6 7\": this week's)"
 	@echo "make classroom DEST=dir TEMPLATE=owner/name  GitHub Classroom's grading workflow into a release (REF=, EX=)"
 	@echo "make autograde SUBMISSIONS=dir grade one folder per student through nbgrader"
-	@echo "               and write the class report (grading/report.html; python -m course.report grading/)"
+	@echo "               and write the class report (grading/report.html; python -m course.instructors.report grading/)"
 	@echo "make bench-grade   how long make grade takes, per exercise and in all, against its targets (EX=16: one)"
 	@echo "make gpu-check  every reference solution on this machine's GPUs, compared with the CPU (ARGS=mlp.py flags)"
 
@@ -94,44 +94,44 @@ $(VENV)/.instructors: requirements-instructors.txt $(VENV)/.notebooks
 	$(SETUP) --instructors
 
 demo: $(VENV)/.installed
-	$(PY) -m course.compat_check --scripts
+	$(PY) -m course.instructors.compat_check --scripts
 
-# The side venv lives in ~/.cache/ddp-course (course/compat_check.py): a CUDA build of torch is several GB.
+# The side venv lives in ~/.cache/ddp-course (course/instructors/compat_check.py): a CUDA build of torch is several GB.
 compat: $(VENV)/.installed
-	$(PY) -m course.compat_check $(if $(TORCH),--torch $(TORCH))
+	$(PY) -m course.instructors.compat_check $(if $(TORCH),--torch $(TORCH))
 
 test: $(VENV)/.instructors
-	COURSE_IMPL=solutions $(PYTEST) tests
+	COURSE_IMPL=solutions $(PYTEST) checks tests
 
 lint: $(VENV)/.instructors
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
 student: $(VENV)/.installed
-	$(PY) -m course.student
+	$(PY) -m course.instructors.student
 
 bench-grade: $(VENV)/.installed
 	EX="$(EX)" $(PY) bench/grade_time.py
 
 release: $(VENV)/.instructors
-	$(PY) -m course.release $(DEST)
+	$(PY) -m course.instructors.release $(DEST)
 
-# The Gradescope autograder (course/gradescope.py): autograder.zip; EX="6 7" grades only those exercises.
+# The Gradescope autograder (course/instructors/gradescope.py): autograder.zip; EX="6 7" grades only those exercises.
 gradescope: $(VENV)/.instructors
-	$(PY) -m course.gradescope build autograder.zip $(foreach e,$(EX),--ex $(e))
+	$(PY) -m course.instructors.gradescope build autograder.zip $(foreach e,$(EX),--ex $(e))
 
-# GitHub Classroom (course/classroom.py, docs/classroom.md): the workflow, into the release at DEST that
+# GitHub Classroom (course/instructors/classroom.py, docs/classroom.md): the workflow, into the release at DEST that
 # becomes the template repository TEMPLATE; its checks at REF (a tag of the release) grade.
 classroom: $(VENV)/.installed
-	$(PY) -m course.classroom $(DEST) --template $(TEMPLATE) $(if $(REF),--ref $(REF)) $(foreach e,$(EX),--ex $(e))
+	$(PY) -m course.instructors.classroom $(DEST) --template $(TEMPLATE) $(if $(REF),--ref $(REF)) $(foreach e,$(EX),--ex $(e))
 
 # Grades, gradebook and feedback go to OUT (default grading/); EX="2 4" grades only those exercises.
 OUT ?= grading
 autograde: $(VENV)/.instructors
-	$(PY) -m course.autograde $(SUBMISSIONS) --out $(OUT) $(foreach e,$(EX),--ex $(e))
+	$(PY) -m course.instructors.autograde $(SUBMISSIONS) --out $(OUT) $(foreach e,$(EX),--ex $(e))
 
 gpu-check: $(VENV)/.installed
-	$(PY) -m course.gpu_check $(ARGS)
+	$(PY) -m course.instructors.gpu_check $(ARGS)
 else
 help::
 	@echo "make test     the same as make grade"

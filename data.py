@@ -1,4 +1,5 @@
 # Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
+# ruff: noqa: F401, F821, F841, B007
 """Exercise 8: split the data by fractions, weigh the gradients by shard, and end uneven shards cleanly.
 
     python data.py --world-size 2                  # shards of 0.7 and 0.3, batches in proportion

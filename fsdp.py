@@ -1,4 +1,5 @@
 # Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
+# ruff: noqa: F401, F821, F841, B007
 """Exercise 13: fully sharded data parallelism by hand: gradients sharded (ZeRO-2), then parameters too (ZeRO-3).
 
     python fsdp.py --world-size 2          # DDP, ZeRO-1, ZeRO-2, ZeRO-3: bytes per rank, step time, loss

@@ -1,4 +1,5 @@
 # Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
+# ruff: noqa: F401, F821, F841, B007
 """Exercise 10: data parallelism from the optimizer's side, the way Horovod does it.
 
     python hvd.py --world-size 2     # Adam with weight decay; the optimizer averages the gradients

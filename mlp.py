@@ -1,4 +1,5 @@
 # Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
+# ruff: noqa: F401, F821, F841, B007
 """Exercises 1 and 3: train a toy MLP on one process, then data-parallel with built-in DDP.
 
     python mlp.py                    # exercise 1: one process

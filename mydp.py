@@ -1,4 +1,5 @@
 # Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
+# ruff: noqa: F401, F821, F841, B007
 """Exercises 4, 6 and 7: data parallelism by hand, in a wrapper as easy to use as the built-in DDP.
 
     python mydp.py --world-size 2

@@ -1,4 +1,5 @@
 # Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
+# ruff: noqa: F401, F821, F841, B007
 """Exercise 16: two dimensions at once, data x tensor parallel on a mesh of process sub-groups.
 
     python nd.py --dp 2 --tp 2      # 4 ranks: 2 copies of the model, each split over 2 ranks

@@ -1,4 +1,5 @@
 # Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
+# ruff: noqa: F401, F821, F841, B007
 """Exercise 15: pipeline parallelism, GPipe then 1F1B, from point-to-point messages.
 
     python pp.py --world-size 2 --schedule 1f1b     # the MLP trained on a pipeline of 2 stages

@@ -1,4 +1,5 @@
 # Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
+# ruff: noqa: F401, F821, F841, B007
 """Exercise 9: what the ranks must agree on besides their gradients.
 
     python sync.py --world-size 2                  # BatchNorm on 2 ranks: per rank, synchronised, one process

@@ -1,4 +1,5 @@
 # Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
+# ruff: noqa: F401, F821, F841, B007
 """Exercise 14: tensor and sequence parallelism, forward and backward, built on exercise 2.
 
     python tp.py --world-size 2                        # each rank holds 1/W of every layer

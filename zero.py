@@ -1,4 +1,5 @@
 # Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
+# ruff: noqa: F401, F821, F841, B007
 """Exercise 11: shard the optimizer state over the ranks (ZeRO stage 1), and a DDP communication hook.
 
     python zero.py --world-size 2               # sharded Adam: each rank keeps 1/W of its state

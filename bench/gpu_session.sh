@@ -9,7 +9,7 @@ PY=${1:-.venv/bin/python}
 started=$SECONDS
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 "$PY" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count())"
-timeout 240 "$PY" -m course.gpu_check
+timeout 240 "$PY" -m course.instructors.gpu_check
 echo "gpu-check exit status $? after $((SECONDS - started)) s"
 gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 echo "--- $((gpus + 1)) nccl ranks on $gpus GPU(s): one line, exit status 2"

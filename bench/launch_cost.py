@@ -2,7 +2,7 @@
 
 Times course.launch.run for a world whose ranks each do one all_reduce, so the figure is the
 launcher's own cost: start the processes, rendezvous, init gloo, collect, stop; with the ranks' comparison
-of collectives (course/instrument.py's Agreement) off and on. For comparison,
+of collectives (course/runtime/instrument.py's Agreement) off and on. For comparison,
 the same world started by torch's own torch.distributed.elastic.multiprocessing.start_processes.
 """
 

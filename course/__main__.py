@@ -4,11 +4,10 @@
     .venv/bin/python -m course grade [--ex N]               what `make grade [EX=N]` does
     .venv/bin/python -m course grade --fail-under 100       exit status 1 unless every check passed
 
-Python 3.6 must reach setup's version check: this file keeps to 3.6's syntax (tests/test_setup.py).
+Python 3.6 must reach setup's version check: this file keeps to 3.6's syntax (tests/runtime/test_setup.py).
 """
 
 import argparse
-import glob
 import os
 import sys
 
@@ -20,7 +19,7 @@ def grade(args) -> int:
 
     No plugins but the grader's: pytest-xdist's processes each import torch and the checks anew,
     which costs more than the few checks of one exercise take; the grader forks a copy of itself
-    instead where it can (course.grade.processes_here; docs/design.md, "Grading, `make grade`").
+    instead where it can (course.grading.plugin.processes_here; docs/design.md, "Grading, `make grade`").
     """
     import gc
     import importlib.util
@@ -35,10 +34,11 @@ def grade(args) -> int:
         )
         return 2
     # Importing torch, torch._dynamo and the checks takes a fifth longer with the cyclic garbage
-    # collector running, and they make no garbage to collect: course/workers.py turns it back on
+    # collector running, and they make no garbage to collect: course/runtime/workers.py turns it back on
     # before the first world starts.
     gc.disable()
-    from course import grade as plugin
+    from course.exercises import by_number
+    from course.grading import plugin as plugin
     from course.layout import ROOT, graded_elsewhere, graded_exercises
 
     elsewhere = None if os.environ.get("COURSE_IMPL") else graded_elsewhere(os.getcwd())
@@ -53,13 +53,13 @@ def grade(args) -> int:
             plugin.give_github_output(plugin.not_graded([problem]))
         return 2
     chosen = sorted(set(args.ex)) if args.ex else graded_exercises()
-    checks = [path for n in chosen for path in sorted(glob.glob(os.path.join(ROOT, "tests", f"test_ex{n}_*.py")))]
+    checks = [os.path.join(ROOT, by_number(n).checks) for n in chosen]
     os.environ.setdefault("COURSE_IMPL", "student")
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     import pytest
 
     # --assert=plain: pytest's rewritten asserts would make a new string of a check's message, and
-    # lose the concept a check gives it (course/checks.py's said()), as the notebooks keep it.
+    # lose the concept a check gives it (course/grading/points.py's said()), as the notebooks keep it.
     options = ["-p", "no:cacheprovider", "--assert=plain", "--rootdir", ROOT, "--grade-results", args.results]
     options += ["--grade-processes", str(plugin.processes_here())]
     if args.fail_under is not None:

@@ -1,4 +1,4 @@
-"""The device this rank computes on, as the launcher chose it (see course/env.py, choose_device).
+"""The device this rank computes on, as the launcher chose it (see course/runtime/env.py, choose_device).
 
 The lesson code asks ``current_device()`` and moves its model and data there; everything else
 about GPUs (which one, which backend) is decided by ``course.launch``.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from course import env
+from course.runtime import env
 
 # A script's world is stopped, and each rank's line shown, after this long: a hang is explained
 # within about a minute. Training runs that need longer pass --time-limit.

@@ -6,7 +6,7 @@ folder holding the student files of course/layout.py (a submission, or a mutant 
 
 Modules are loaded from that folder by path and never left in sys.modules, so a worker that is
 handed a folder loads exactly that folder's code. The exercise checks call load() only in their
-worker processes: the process that grades never runs the code under test (tests/helpers.py).
+worker processes: the process that grades never runs the code under test (checks/helpers.py).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class _Refused:
 
 def refuse() -> None:
     """From now on this process loads no code under test: load() raises, and so does importing a module named
-    as a student file (a reference world's workers, course/workers.py: what a judge compares with is computed
+    as a student file (a reference world's workers, course/runtime/workers.py: what a judge compares with is computed
     where no submission ran, so no submission's patch of torch or of the checks can forge it)."""
     global _refused
     _refused = True

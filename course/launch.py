@@ -1,8 +1,8 @@
 """``launch``: run a function on every rank of a world, for scripts. Prints what went wrong.
 
-The work is split by job: course/workers.py starts and supervises worker processes (``run``),
-course/failure.py diagnoses a world that failed, course/flags.py holds the command-line flags,
-course/cluster.py joins the world of a cluster launcher (torchrun, srun, mpiexec).
+The work is split by job: course/runtime/workers.py starts and supervises worker processes (``run``),
+course/runtime/failure.py diagnoses a world that failed, course/flags.py holds the command-line flags,
+course/runtime/cluster.py joins the world of a cluster launcher (torchrun, srun, mpiexec).
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from course import env
-from course.cluster import choose, run_in_external_world
 from course.device import select as select_device
-from course.failure import Failure, RankFact
 from course.flags import SCRIPT_TIME_LIMIT, add_launch_arguments, launch_options
-from course.workers import Interrupted, WorldFailed, run
+from course.runtime import env
+from course.runtime.cluster import choose, run_in_external_world
+from course.runtime.failure import Failure, RankFact
+from course.runtime.workers import Interrupted, WorldFailed, run
 
 __all__ = ["run", "launch", "bench", "WorldFailed", "Failure", "RankFact", "add_launch_arguments", "launch_options"]
 

@@ -1,47 +1,78 @@
-"""Where the course's pieces are, in one place: every module that needs one of these imports it here.
+"""Where the course's pieces are, and which of them the students' copy holds.
 
-A new exercise file is one entry in STUDENT_FILES; a new exercise is a tests/test_exN_*.py module
-(its checks), a handout exercises/NN_*.md and a notebook source solutions/notebooks/NN_*.md.
+The exercises themselves are listed once, in course/exercises.py; everything here that names an
+exercise's files reads them from there. This module imports nothing of the course but that list.
 """
 
 from __future__ import annotations
 
-import glob
+import fnmatch
 import os
-import re
+
+from course.exercises import EXERCISES, STUDENT_FILES, STUDENT_MODULES  # noqa: F401 - re-exported
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOLUTIONS = os.path.join(ROOT, "solutions")
-TESTS = os.path.join(ROOT, "tests")
-
-# The files students write; the instructors' repository generates them from solutions/ (course/student.py).
-STUDENT_FILES = (
-    "mlp.py",
-    "dist.py",
-    "mydp.py",
-    "data.py",
-    "sync.py",
-    "hvd.py",
-    "zero.py",
-    "cost.py",
-    "fsdp.py",
-    "tp.py",
-    "pp.py",
-    "nd.py",
-)
-STUDENT_MODULES = tuple(name[: -len(".py")] for name in STUDENT_FILES)
+# The checks that grade: a folder of their own, which the students' copy holds whole.
+CHECKS = os.path.join(ROOT, "checks")
 
 # nbgrader's markers around what a student writes.
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 
+# What the students' copy holds (course/instructors/release.py writes it; the grading sandbox shows
+# the same files to a submission's workers): the patterns, each matching within its own folder.
+RELEASED = (
+    *STUDENT_FILES,
+    "Makefile",
+    "README.md",
+    "pyproject.toml",
+    "requirements.txt",
+    "requirements-notebooks.txt",
+    ".gitignore",
+    "course/*.py",
+    "course/runtime/*.py",
+    "course/grading/*.py",
+    "checks/*.py",  # the checks, their helpers and contracts: read from the docstrings, no solution
+    "bench/*.py",
+    "bench/*.json",  # the measurements of docs/benchmarks.md, and their figures
+    "bench/*.png",
+    "exercises/*.md",
+    "exercises/*.ipynb",
+    "exercises/*.svg",
+    "docs/*.md",  # the README links them
+)
+# Of those, what serves instructors only. Their tools are the folder course/instructors/, which
+# no pattern above matches.
+INSTRUCTORS_ONLY = (
+    "bench/grade_time.py",
+    "docs/instructors.md",
+    "docs/design.md",
+    "docs/classroom.md",
+)
+
+
+def released_files(root: str = ROOT) -> list:
+    """The released paths, relative to root."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        for name in files:
+            path = os.path.relpath(os.path.join(folder, name), root)
+            if path in INSTRUCTORS_ONLY:
+                continue
+            if any(fnmatch.fnmatch(path, pattern) and path.count(os.sep) == pattern.count("/") for pattern in RELEASED):
+                found.append(path)
+    return sorted(found)
+
+
+def instructors_repository(root: str = ROOT) -> bool:
+    """Whether root is the instructors' repository (with solutions/), not a students' copy."""
+    return os.path.isdir(os.path.join(root, "solutions"))
+
 
 def graded_exercises() -> list[int]:
-    """The exercises `make grade` grades: one tests/test_exN_*.py module each."""
-    found = (
-        re.fullmatch(r"test_ex(\d+)_\w+\.py", os.path.basename(path))
-        for path in glob.glob(os.path.join(TESTS, "test_ex*_*.py"))
-    )
-    return sorted(int(m.group(1)) for m in found if m)
+    """The exercises `make grade` grades: each one whose checks are here."""
+    return [e.number for e in EXERCISES if os.path.isfile(os.path.join(ROOT, e.checks))]
 
 
 def course_folder_of(path: str) -> str | None:

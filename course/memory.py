@@ -18,10 +18,10 @@ import weakref
 import torch
 from torch.distributed import ProcessGroup
 
-from course.compat import collective
+from course.runtime.compat import collective
 
 # The process group methods of dist.all_gather_into_tensor, the all-gather that writes one output
-# tensor (from torch 2.13 on, and before: course/compat.py), and the others sampled at their start.
+# tensor (from torch 2.13 on, and before: course/runtime/compat.py), and the others sampled at their start.
 GATHERS = ("all_gather_single", "_allgather_base")
 SAMPLED = GATHERS + ("reduce_scatter_single", "_reduce_scatter_base", "allreduce", "allgather", "broadcast")
 

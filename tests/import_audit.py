@@ -2,9 +2,9 @@
 
     COURSE_IMPORT_AUDIT=FILE python -m course grade -- -p tests.import_audit
 
-A module that the grader (or its copy, course/grade.py) first imports after its first world of
+A module that the grader (or its copy, course/grading/plugin.py) first imports after its first world of
 workers started is read from disk after submission code ran, where a worker without a sandbox
-could have written its bytecode (course/sandbox.py stops that; this checks that nothing relies on
+could have written its bytecode (course/runtime/sandbox.py stops that; this checks that nothing relies on
 it). After each check, the process that ran it appends to FILE one line per such module: its pid
 and the module's name. An empty FILE: every module was imported before.
 """
@@ -12,7 +12,7 @@ and the module's name. An empty FILE: every module was imported before.
 import os
 import sys
 
-from course import workers
+from course.runtime import workers
 
 _before: set | None = None  # the modules of this process when its first world had started
 
@@ -42,10 +42,10 @@ def pytest_runtest_teardown(item):
 
 
 def _audit_autograde(argv) -> int:
-    """`python -m tests.import_audit course.autograde ARGS`: autograding, with the modules its own
+    """`python -m tests.import_audit course.instructors.autograde ARGS`: autograding, with the modules its own
     process imports once its first kernel is asked for (its workers may run from then on) written
     to COURSE_IMPORT_AUDIT."""
-    from course import autograde
+    from course.instructors import autograde
 
     before = {}
     first_execute = autograde.execute
@@ -62,7 +62,7 @@ def _audit_autograde(argv) -> int:
     return code
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["course.autograde"]:
+if __name__ == "__main__" and sys.argv[1:2] == ["course.instructors.autograde"]:
     code = _audit_autograde(sys.argv[2:])
     sys.stdout.flush()
-    os._exit(code)  # as course.autograde does: no slow teardown of what nbgrader built
+    os._exit(code)  # as course.instructors.autograde does: no slow teardown of what nbgrader built

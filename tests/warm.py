@@ -12,7 +12,7 @@ run(..., user=(uid, gid)) runs the command as that user (the server must run as 
 run(..., name=NAME) gives it (and what it forks) that process name (Linux's comm).
 
 What differs from a fresh interpreter: those modules are already imported, so what torch reads
-from the environment at import comes from the suite's (tests/conftest.py). Tests about how a
+from the environment at import comes from the suite's (checks/conftest.py). Tests about how a
 process starts or stops (signals, Ctrl-C, a killed parent), the release test's `make grade`, and
 the README's commands in a fresh clone, start real interpreters.
 """
@@ -165,7 +165,7 @@ def grade(*args, impl, cwd, env=None, timeout=120):
 
 
 def _kill(pid):
-    """The command and what it started (its workers die with it: course/workers.py)."""
+    """The command and what it started (its workers die with it: course/runtime/workers.py)."""
     try:
         os.kill(pid, signal.SIGKILL)
     except OSError:

@@ -1,0 +1,104 @@
+"""Exercise 5: ring all-reduce from point-to-point messages."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from checks.comm_log import SUMMARY, CommLog
+from checks.helpers import load, many, world
+from course.grading.points import said
+
+# No world of these checks builds an optimizer: grading them alone need not import torch._dynamo
+# (checks/conftest.py).
+IMPORTS_DYNAMO = False
+
+# Shapes from empty to long, shorter than the world and not divisible by it; floats and integers.
+CASES = [
+    ((1,), torch.float32),
+    ((2,), torch.int64),
+    ((3,), torch.float64),
+    ((5,), torch.int32),
+    ((0,), torch.float32),
+    ((7, 9), torch.float32),
+    ((1000,), torch.int64),
+    ((4099,), torch.float32),
+]
+
+
+def rank_tensor(i, rank):
+    """Rank rank's input of case i."""
+    shape, dtype = CASES[i]
+    g = torch.Generator().manual_seed(10 * i + rank)
+    return (torch.randn(shape, generator=g) * 100).to(dtype)
+
+
+def ring_in_world(folder):
+    """Probe, on every rank: ring_all_reduce each case, and note what it sent to whom."""
+    d = load(folder).dist
+    rank = dist.get_rank()
+    out = []
+    for i in range(len(CASES)):
+        tensor = rank_tensor(i, rank)
+        with CommLog() as log:
+            d.ring_all_reduce(tensor)
+        out.append((tensor, log.summary()))
+    return out
+
+
+def check_ring(folder, world_size):
+    """ring_all_reduce sums in place over the ranks with point-to-point messages only: one chunk per step to
+    one neighbour, every message waited for."""
+    results = world(ring_in_world, world_size, folder, expect=many((torch.Tensor, SUMMARY), len(CASES)))
+    sums = [sum(rank_tensor(i, rank) for rank in range(world_size)) for i in range(len(CASES))]
+    for rank, per_case in enumerate(results):
+        neighbours = {(rank + 1) % world_size, (rank - 1) % world_size} - {rank}
+        for (shape, dtype), expected, (got, log) in zip(CASES, sums, per_case):
+            what = f"with {world_size} ranks, a {dtype} tensor of shape {list(shape)}"
+            assert not log["collectives"], said(
+                "a collective in the ring",
+                f"{what}: ring_all_reduce called {log['collectives'][0]}: use only point-to-point messages"
+                " (dist.isend, dist.irecv), no collective",
+            )
+            assert got.dtype == dtype and got.shape == expected.shape, said(
+                "the sum not in place", f"{what}: ring_all_reduce should sum in place"
+            )
+            same = (
+                torch.equal(got, expected.to(dtype))
+                if not dtype.is_floating_point
+                else torch.allclose(got, expected, rtol=1e-5, atol=1e-3)
+            )
+            assert same, said(
+                "not the sum over the ranks",
+                f"{what}: rank {rank} does not hold the sum over ranks that dist.all_reduce gives",
+            )
+            ring_bytes = 2 * (world_size - 1) * math.ceil(got.numel() / world_size) * got.element_size()
+            assert log["sent_bytes"] <= ring_bytes, said(
+                "more than one chunk sent per step",
+                f"{what}: rank {rank} sent {log['sent_bytes']} bytes, a ring sends at most {ring_bytes}"
+                f" (2(W-1) chunks of 1/W of the tensor): send one chunk per step, not the whole tensor",
+            )
+            assert len(log["send_peers"]) <= 1 and set(log["send_peers"]) <= neighbours, said(
+                "sends to other ranks than one neighbour",
+                f"{what}: rank {rank} sent to ranks {log['send_peers']}: on a ring it sends to one neighbour only",
+            )
+            assert len(log["receive_peers"]) <= 1 and set(log["receive_peers"]) <= neighbours, said(
+                "receives from other ranks than one neighbour",
+                f"{what}: rank {rank} received from ranks {log['receive_peers']}: on a ring it receives from one"
+                " neighbour only",
+            )
+            assert not log["not_waited"], said(
+                "messages never waited for",
+                f"{what}: rank {rank} returned before waiting for all its sends and receives",
+            )
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.points(6)), 3, 4])
+@pytest.mark.points(7)
+def test_ring(impl_dir, world_size):
+    """A ring of 1 rank sends nothing and keeps the tensor: a function that does nothing would pass
+    it alone, so it is part of the case of 2 ranks."""
+    if world_size == 2:
+        check_ring(impl_dir, 1)
+    check_ring(impl_dir, world_size)

@@ -1,0 +1,1126 @@
+"""Submissions that try to change their own grade, and gain nothing.
+
+Each test grades a copy of the grader (course/ and tests/, so a cheat that edits them cannot
+damage this repository) on a submission: the untouched student files with a cheat appended to
+one of them; a submission that solves nothing must still score 0, the grader must still write a
+valid results.json, and its feedback says what happened where it can. Exercise 2 only: its checks
+are the quickest.
+
+Two kinds of cheat:
+- In Python, inside the workers: patch the checks, the grader or torch, send a result that runs
+  code when unpickled, print a table. Graded once, as the suite runs.
+- Through the operating system (course/runtime/sandbox.py): kill, stop, read or write the grader's
+  processes, their memory, descriptors and files, outlive them. Each is graded as root at the
+  level this machine gives root, as root at the uid level (Gradescope's: a Python every user can
+  read is needed), and as a normal user (a laptop, an instructor's machine): the ATTACKERS below.
+  The graders run with COURSE_SANDBOX=required or uid, so a machine that allows no sandbox skips
+  these tests and says why, rather than passing them unsandboxed. Each payload says on stderr
+  what the system let it do, which a failure shows.
+"""
+
+import functools
+import json
+import os
+import pathlib
+import pwd
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+
+import pytest
+
+from course.grading import points as course_checks
+from course.instructors.student import ROOT, SOLUTIONS, STUDENT_FILES
+from course.runtime import sandbox
+from tests import warm
+
+# One of exercise 2's checks, or two: two make two grading processes (course/grading/plugin.py), so that the
+# pipe from the copy to the grader is there to attack. -s: what a payload prints reaches stderr.
+ONE_CHECK = ["-m", "course", "grade", "--ex", "2", "--", "-s", "-k", "test_by_row[2]"]
+TWO_CHECKS = ["-m", "course", "grade", "--ex", "2", "--", "-s", "-k", "test_by_row[1] or test_by_row[2]"]
+GRADER_NAME = "grader"  # the process name (comm) of the graders these tests start: what a cheat looks for
+
+
+def _copy_grader(base, cheats, solved=ROOT):
+    grader, submission = base / "grader", base / "submission"
+    for folder in ("course", "tests"):
+        shutil.copytree(os.path.join(ROOT, folder), grader / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    submission.mkdir()
+    for name in STUDENT_FILES:
+        shutil.copy(os.path.join(solved, name), submission)
+    for name, text in cheats.items():
+        with open(submission / name, "a") as f:
+            f.write("\n" + text)
+    return grader, submission
+
+
+def grade(tmp_path, cheats, base=ROOT, ex=2):
+    """Grade, in a copy of the grader, the files of `base` with each cheat appended to its file."""
+    grader, submission = _copy_grader(tmp_path, cheats, base)
+    done = warm.run(
+        ["-m", "course", "grade", *(["--ex", str(ex)] if ex else [])],
+        cwd=grader,
+        env=dict(os.environ, COURSE_IMPL=str(submission)),
+    )
+    return done, grader / "results.json"
+
+
+def results(path):
+    with open(path) as f:
+        found = json.load(f)
+    assert {"score", "tests", "output"} <= found.keys()
+    return found
+
+
+EX2_CHECKS = len(course_checks.of_module("checks.test_ex02_dist"))
+
+
+def assert_no_points(done, path, said="", checks=EX2_CHECKS):
+    """0 points, a valid results.json, every check failed (by default all of exercise 2's), and
+    `said` in their feedback."""
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = results(path)
+    assert found["score"] == 0 and [t["status"] for t in found["tests"]] == ["failed"] * checks, found
+    assert re.search(said, " ".join(t["output"] for t in found["tests"])), found["tests"][0]["output"]
+    assert "GRADER ERROR" not in done.stdout, done.stdout
+    assert "25/25" not in done.stdout and "0/" in done.stdout, done.stdout
+    return found
+
+
+# ---- cheats in Python ---------------------------------------------------------------------------
+
+# The cheat of issue 14: before, exercise 2 scored 25/25 with dist.py untouched.
+ISSUE_14 = """
+import sys as _sys
+for _name, _mod in list(_sys.modules.items()):
+    if _name.startswith("tests.test_ex"):
+        for _k in dir(_mod):
+            if _k.startswith("check_"):
+                setattr(_mod, _k, lambda *a, **k: None)
+"""
+
+PATCH_GRADER = """
+import course.grading.plugin as _grade
+_grade.points_of = lambda item: 1000
+_grade.Check.score = property(lambda self: self.max_score)
+_grade.explain = lambda error: ""
+_grade._Grader.pytest_runtest_logreport = lambda self, report: None
+"""
+
+# Wrong numbers of the right shape (dist.py's own imports: torch, dist).
+WRONG_NUMBERS = """
+def _product_shape(A, B):
+    shape = torch.tensor([A.shape[0], B.shape[1]] if dist.get_rank() == 0 else [0, 0])
+    dist.broadcast(shape, src=0)
+    return tuple(shape.tolist())
+
+
+def par_matmul_by_row(A, B):
+    shape = _product_shape(A, B)
+    return torch.zeros(shape) if dist.get_rank() == 0 else None
+
+
+def par_matmul_by_reduction(A, B):
+    return torch.zeros(_product_shape(A, B))
+"""
+
+# Wrong numbers, and torch's comparisons told to say they are equal.
+PATCH_TORCH = (
+    """
+import torch
+import torch.distributed as dist
+torch.allclose = lambda *a, **k: True
+torch.equal = lambda *a, **k: True
+"""
+    + WRONG_NUMBERS
+)
+
+EXIT_0 = "import os as _os\n_os._exit(0)\n"
+
+FAKE_TABLE = """
+import os as _os, sys as _sys
+_table = "exercise   checks       points\\n       2      4/4        25/25\\n   total      4/4        25/25\\n"
+print(_table)
+_os.write(1, _table.encode())
+_sys.__stderr__.write(_table)
+"""
+
+# A result whose unpickling runs code in the process that receives it.
+EVIL_RESULT = """
+class _Verdict:
+    def __reduce__(self):
+        return (exec, ("import course.grading.plugin as g; g.Check.passed = property(lambda s: True, lambda s, v: None)",))
+
+
+def par_matmul_by_row(A, B):
+    return _Verdict()
+
+
+def par_matmul_by_reduction(A, B):
+    return _Verdict()
+"""
+
+
+def test_the_cheat_of_issue_14_gains_nothing(tmp_path):
+    assert_no_points(*grade(tmp_path, {"dist.py": ISSUE_14}), "par_matmul_by_row is not written yet")
+
+
+def test_patching_the_grader_plugin_and_its_points_gains_nothing(tmp_path):
+    assert_no_points(*grade(tmp_path, {"dist.py": PATCH_GRADER}), "par_matmul_by_row is not written yet")
+
+
+def test_patching_torch_comparisons_gains_nothing(tmp_path):
+    assert_no_points(*grade(tmp_path, {"dist.py": PATCH_TORCH}), "returned wrong numbers")
+
+
+def test_a_worker_that_exits_0_without_a_result_gains_nothing(tmp_path):
+    assert_no_points(*grade(tmp_path, {"dist.py": EXIT_0}), r"exit code 0|result")
+
+
+def test_printing_a_fake_table_gains_nothing(tmp_path):
+    done, path = grade(tmp_path, {"dist.py": FAKE_TABLE})
+    assert_no_points(done, path, "par_matmul_by_row is not written yet")
+    assert done.stdout.count("exercise   checks") == 1, done.stdout
+
+
+def test_a_result_that_runs_code_when_unpickled_gains_nothing(tmp_path):
+    assert_no_points(*grade(tmp_path, {"dist.py": EVIL_RESULT}))
+
+
+def test_the_reference_scores_full_marks(tmp_path):
+    """The control of the cheats above: the same grader, in the same copy, gives honest code exercise 2's
+    points. (Every exercise's checks pass on the reference in the suite's own test_exN_*.py.)"""
+    done, path = grade(tmp_path, {}, base=SOLUTIONS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = results(path)
+    assert found["score"] == 25 and all(t["status"] == "passed" for t in found["tests"]), done.stdout
+
+
+def test_the_grader_files_fingerprint_catches_an_edit_where_there_is_no_sandbox(tmp_path):
+    """Without a sandbox (macOS, a kernel without user namespaces) a worker can edit the checks on
+    disk: the reference with that edit would score 25/25 if the grader did not notice."""
+    grader, submission = _copy_grader(tmp_path, {"dist.py": EDIT_CHECKS + "_edit_checks()\n"}, SOLUTIONS)
+    env = dict(os.environ, COURSE_IMPL=str(submission), COURSE_SANDBOX="off")
+    done = warm.run(["-m", "course", "grade", "--ex", "2"], cwd=grader, env=env)
+    assert_no_points(
+        done, grader / "results.json", r"the grader's own files changed while it ran \(checks/test_ex02_dist.py\)"
+    )
+    assert "without a sandbox (COURSE_SANDBOX=off): this grade is advisory" in done.stdout, done.stdout
+
+
+# ---- cheats through the operating system ------------------------------------------------------
+
+# What every payload below starts with: the grading processes it can see (by process name, other
+# than its own world's ranks: its parent's children), and a line on stderr for each thing it tries.
+PRELUDE = f"""
+import json as _json, os as _os, signal as _signal, sys as _sys
+
+def _targets():
+    found = []
+    for _p in _os.listdir("/proc"):
+        if not _p.isdigit() or int(_p) == _os.getpid():
+            continue
+        try:
+            with open(f"/proc/{{_p}}/comm") as _f:
+                _name = _f.read().strip()
+            with open(f"/proc/{{_p}}/stat") as _f:
+                _parent = int(_f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if _name == {GRADER_NAME!r} and _parent != _os.getppid():
+            found.append(int(_p))
+    return found
+
+def _tried(what, act):
+    try:
+        act()
+        print(f"CHEAT {{what}}: done", file=_sys.stderr, flush=True)
+    except Exception as _e:
+        print(f"CHEAT {{what}}: refused ({{type(_e).__name__}}: {{_e}})", file=_sys.stderr, flush=True)
+
+_FAKE = {{"score": 160, "execution_time": 1, "output": "", "tests": []}}
+
+def _forge(folder):
+    with open(_os.path.join(folder, "results.json"), "w") as _f:
+        _json.dump(_FAKE, _f)
+"""
+
+# results.json with full marks where the grader writes it, then the grader and its copy killed:
+# Gradescope reads the file whatever the grader's exit status.
+FORGE_THEN_KILL = """
+_tried("forge results.json", lambda: _forge(_os.getcwd()))
+for _pid in _targets():
+    _tried(f"kill {_pid}", lambda: _os.kill(_pid, _signal.SIGKILL))
+"""
+
+# A daemon that forks and exits without pause, so that no snapshot of the processes holds it (a
+# fresh small interpreter: a fork of a worker, torch and all, takes milliseconds), and rewrites
+# results.json with full marks for 10 s, after the grader is gone.
+CHAIN = """
+import json, os, sys, time
+with open("/proc/self/comm", "w") as f:
+    f.write(sys.argv[2])  # its name, this test's own
+fake = json.dumps({"score": 160, "execution_time": 1, "output": "", "tests": []})
+end, n = time.time() + 10, 0
+while time.time() < end:
+    if os.fork():
+        os._exit(0)
+    n += 1
+    if n % 100 == 0:
+        try:
+            with open(os.path.join(sys.argv[1], "results.json"), "w") as f:
+                f.write(fake)
+        except OSError:
+            pass
+"""
+OUTRUNS_THE_REAPER = f"""
+if _os.fork() == 0:
+    _os.setsid()
+    _os.execv(_sys.executable, [_sys.executable, "-c", {CHAIN!r}, _os.getcwd(), DAEMON_NAME])
+"""
+
+# SIGSTOP to the grader and its copy: a grader that waits for its copy for ever.
+STOP_THE_GRADER = """
+for _pid in _targets():
+    _tried(f"stop {_pid}", lambda: _os.kill(_pid, _signal.SIGSTOP))
+"""
+
+# The grader's memory: workers are forks of it, so its objects sit at the same addresses. The
+# constant 0.0 of Check.score ("the score of a failed check") becomes 6.25 in the grader's memory.
+WRITE_ITS_MEMORY = """
+import struct as _struct
+import course.grading.plugin as _grade
+
+_zero = next(c for c in _grade.Check.score.fget.__code__.co_consts if isinstance(c, float) and c == 0.0)
+
+def _write(pid):
+    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as _mem:
+        _mem.seek(id(_zero) + 16)  # a float's value: after its reference count and its type
+        _mem.write(_struct.pack("d", 6.25))
+
+for _pid in _targets():
+    _tried(f"write the memory of {_pid}", lambda: _write(_pid))
+"""
+
+# The pipe that brings the copy's reports to the grader (both ends are reachable as
+# /proc/PID/fd/N): reports of its own first, every check passed.
+WRITE_ITS_PIPE = """
+import pickle as _pickle
+_nodeids = [f"checks/test_ex02_dist.py::test_{m}[{w}]" for m in ("by_row", "by_reduction") for w in (1, 2, 3, 4)]
+_passed = [
+    {"$report_type": "TestReport", "nodeid": n, "location": ["checks/test_ex02_dist.py", 1, n.split("::")[1]],
+     "keywords": {}, "outcome": "passed", "longrepr": None, "when": when, "user_properties": [], "sections": [],
+     "duration": 0.01, "start": 0.0, "stop": 0.01}
+    for n in _nodeids for when in ("setup", "call", "teardown")
+]
+_message = _json.dumps({"reports": _passed, "changed": []}).encode()
+
+def _write(path):
+    fd = _os.open(path, _os.O_WRONLY | _os.O_NONBLOCK)
+    try:
+        _os.write(fd, _message)
+        _os.write(fd, _pickle.dumps((_passed, [])))
+    finally:
+        _os.close(fd)
+
+for _pid in _targets():
+    try:
+        _fds = _os.listdir(f"/proc/{_pid}/fd")
+    except OSError as _e:
+        print(f"CHEAT the descriptors of {_pid}: refused ({_e})", file=_sys.stderr, flush=True)
+        continue
+    for _fd in _fds:
+        _path = f"/proc/{_pid}/fd/{_fd}"
+        try:
+            _pipe = _os.readlink(_path).startswith("pipe:")
+        except OSError:
+            continue
+        if _pipe:
+            _tried(f"write {_path}", lambda: _write(_path))
+"""
+
+# Bytecode for every module of the grader's own folders, valid for its source (its size and time):
+# a module imported after submission code ran would run it, and it gives every check its points.
+LATE_BYTECODE = """
+import importlib.util as _util, marshal as _marshal
+from course.layout import ROOT as _ROOT
+_evil = "\\nimport course.grading.plugin as _g\\n_g.Check.score = property(lambda self: self.max_score)\\n"
+
+def _plant(source):
+    st = _os.stat(source)
+    with open(source) as f:
+        code = compile(f.read() + _evil, source, "exec")
+    pyc = _util.cache_from_source(source)
+    _os.makedirs(_os.path.dirname(pyc), exist_ok=True)
+    header = _util.MAGIC_NUMBER + (0).to_bytes(4, "little") + (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
+    with open(pyc, "wb") as f:
+        f.write(header + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little") + _marshal.dumps(code))
+
+for _top, _dirs, _files in _os.walk(_os.path.join(_ROOT, "course")):
+    for _name in _files:
+        if _name.endswith(".py"):
+            _tried(f"plant bytecode for {_name}", lambda: _plant(_os.path.join(_top, _name)))
+"""
+
+# The name the grader once wrote its results to before moving them into place, made a link.
+PLANT_A_LINK = """
+for _pid in _targets():
+    _tried(f"link for {_pid}", lambda: _os.symlink("/tmp/course-cheat-victim", f".results.json.{_pid}.tmp"))
+"""
+
+# The checks, edited on disk: the grader would run the edited test module in later runs.
+EDIT_CHECKS = """
+import os as _os
+from course.layout import ROOT as _ROOT
+
+def _edit_checks():
+    with open(_os.path.join(_ROOT, "tests", "test_ex02_dist.py"), "a") as _f:
+        _f.write("\\n# a submission was here\\n")
+"""
+
+# A unix socket of the grader's user (multiprocessing's servers, which unpickle what they are sent; an
+# SSH agent; the kernels' forkserver under autograde). Under namespaces, a read-only mount does not
+# stop a connect(): the seccomp filter that refuses AF_UNIX sockets does.
+REACH_A_UNIX_SOCKET = """
+import socket as _socket
+
+def _reach():
+    with _socket.socket(_socket.AF_UNIX) as _s:
+        _s.connect(SOCKET_PATH)
+        _s.sendall(b"a pickle for the server")
+
+_tried("connect to the grader's user's unix socket", _reach)
+"""
+
+ATTACKS = {
+    "forge_then_kill": FORGE_THEN_KILL,
+    "outruns_the_reaper": OUTRUNS_THE_REAPER,
+    "stop_the_grader": STOP_THE_GRADER,
+    "write_its_memory": WRITE_ITS_MEMORY,
+    "write_its_pipe": WRITE_ITS_PIPE,
+    "late_bytecode": LATE_BYTECODE,
+    "plant_a_link": PLANT_A_LINK,
+    "edit_checks": EDIT_CHECKS + '_tried("edit the checks on disk", _edit_checks)\n',
+    "reach_a_unix_socket": REACH_A_UNIX_SOCKET,
+}
+
+
+@functools.cache
+def _free_uid():
+    """A uid of no account, outside the sandbox's range: the normal user these tests grade as."""
+
+    def no_account(uid):
+        try:
+            pwd.getpwuid(uid)
+            return False
+        except KeyError:
+            return True
+
+    return next(uid for uid in range(61000, 62000) if no_account(uid))
+
+
+@functools.cache
+def readable_python():
+    """This Python version as every user can run it (its standard library outside /root, say), with
+    this environment's packages on PYTHONPATH; None if there is none. The uid level needs it, and
+    so does a normal user's grader on a machine whose venv's Python lives under /root."""
+    packages = sysconfig.get_paths()["purelib"]
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for python in (sys.executable, f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"):
+        if not os.path.exists(python):
+            continue
+        uid = _free_uid()
+
+        def as_nobody(uid=uid):
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+
+        # Where it finds its standard library, as root and as another user: a Python that cannot
+        # read its own falls back to another one, which a process forked from root's would not.
+        probe = "import os, secrets, numpy, sys; print(sys.version_info[:2], os.__file__)"
+        env = dict(os.environ, PYTHONPATH=packages)
+        found = [
+            subprocess.run([python, "-c", probe], env=env, capture_output=True, text=True, preexec_fn=drop)
+            for drop in (None, as_nobody)
+        ]
+        same = found[0].stdout == found[1].stdout and found[1].returncode == 0
+        if same and found[0].stdout.startswith(str(tuple(sys.version_info[:2]))):
+            return python, packages
+    return None
+
+
+def _who(name):
+    """(python, user, COURSE_SANDBOX, PYTHONPATH) of a configuration, or a reason to skip it."""
+    if not sandbox.LINUX:
+        return f"no sandbox on {sys.platform}"
+    root = os.geteuid() == 0
+    if name == "root":
+        return (sys.executable, None, "required", "") if root else "the grader runs as a normal user here"
+    readable = readable_python() if root else (sys.executable, "")
+    if readable is None:
+        return "no Python every user can read here (the venv's lives where only root can read)"
+    python, packages = readable
+    if name == "root, uid level":
+        return (python, None, "uid", packages) if root else "the uid level needs root"
+    return python, (_free_uid(), _free_uid()) if root else None, "required", packages
+
+
+ATTACKERS = ["root", "root, uid level", "a normal user"]
+
+
+@pytest.fixture
+def attacked(request):
+    """A folder every user can enter, owned by the grader's user, removed afterwards; and the grader's settings."""
+    who = _who(request.param)
+    if isinstance(who, str):
+        pytest.skip(who)
+    base = tempfile.mkdtemp(prefix="course-cheat-")
+    os.chmod(base, 0o755)
+    yield base, who
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def grade_as(base, who, cheats, args=ONE_CHECK, timeout=120, files=None):
+    """Grade the stubs with cheats appended, as `who` says, in the grader's copy with files
+    ({name: text}) added; (done, results.json's path)."""
+    python, user, mode, packages = who
+    grader, submission = _copy_grader(pathlib.Path(base), cheats)
+    for name, text in (files or {}).items():
+        (grader / name).write_text(text)
+    if user is not None:
+        for top, dirs, files in os.walk(base):
+            for name in [top, *(os.path.join(top, n) for n in dirs + files)]:
+                os.lchown(name, *user)
+    env = dict(os.environ, COURSE_IMPL=str(submission), COURSE_SANDBOX=mode)
+    if packages:
+        env["PYTHONPATH"] = packages
+    done = warm.run([*args], cwd=grader, env=env, python=python, user=user, name=GRADER_NAME, timeout=timeout)
+    return done, grader / "results.json"
+
+
+def _outermost_grader(pid):
+    """The first grading process (GRADER_NAME) that pid descends from: not its forked copy; None if none."""
+    found = None
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            break
+        if stat[stat.index("(") + 1 : stat.rindex(")")] == GRADER_NAME:
+            found = pid
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return found
+
+
+def _daemons(name):
+    """Live processes of that name (zombies do nothing)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if f"({name})" in stat and stat.rsplit(")", 1)[1].split()[0] != "Z":
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.parametrize("attacked", ATTACKERS, indirect=True)
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_an_attack_through_the_system_gains_nothing(attacked, attack):
+    base, who = attacked
+    checks = 2 if attack == "write_its_pipe" else 1
+    daemon = f"daemon-{os.urandom(4).hex()}"  # a name of this test's own: tests run side by side
+    server = socket.socket(socket.AF_UNIX)  # what REACH_A_UNIX_SOCKET tries to reach: anyone may connect
+    server.bind(os.path.join(base, "server.sock"))
+    os.chmod(os.path.join(base, "server.sock"), 0o777)
+    server.listen()
+    server.setblocking(False)
+    payload = f"DAEMON_NAME = {daemon!r}\nSOCKET_PATH = {server.getsockname()!r}\n" + PRELUDE + ATTACKS[attack]
+    with server:
+        done, path = grade_as(base, who, {"dist.py": payload}, args=[ONE_CHECK, TWO_CHECKS][checks - 1])
+        with pytest.raises(BlockingIOError):  # no connection is waiting
+            server.accept()
+    said = "\n".join(line for line in done.stderr.splitlines() if line.startswith("CHEAT")) or "(nothing)"
+    assert_no_points(done, path, "par_matmul_by_row is not written yet", checks=checks)
+    assert "Submission code ran sandboxed" in done.stdout, done.stdout
+    if attack == "outruns_the_reaper":
+        for _ in range(20):  # had it survived the grader, it would rewrite results.json every 2 ms
+            assert not _daemons(daemon), f"a daemon outlived the grader; what the payload could do:\n{said}"
+            time.sleep(0.05)
+        assert results(path)["score"] == 0, said
+    if attack == "edit_checks":
+        with open(os.path.join(base, "grader", "tests", "test_ex02_dist.py")) as f:
+            assert "a submission was here" not in f.read(), said
+    if attack == "plant_a_link":
+        assert not os.path.exists("/tmp/course-cheat-victim"), said
+    assert " done" not in said or attack in ("outruns_the_reaper",), f"the system let the payload do:\n{said}"
+
+
+# A submission that spins for ever under a name of its own, so that the test can look for it.
+SPIN = """
+import ctypes as _ctypes
+_ctypes.CDLL(None).prctl(15, {name!r}.encode(), 0, 0, 0)  # PR_SET_NAME
+while True:
+    pass
+"""
+
+
+@pytest.mark.parametrize("attacked", ATTACKERS, indirect=True)
+def test_a_grader_killed_from_outside_leaves_a_failing_results_json(attacked):
+    """Gradescope's time limit, say: the results.json written before any check says 0, and why; and
+    the workers spinning in submission code die with the grader (a worker that changed its user
+    lost the parent-death signal until the sandbox set it again)."""
+    base, who = attacked
+    spinner = f"spin-{os.urandom(4).hex()}"
+    seen, grading = [], threading.Event()
+
+    def watch():  # the spinners must have run before the kill, or the last assert proves nothing
+        while not grading.is_set() and not seen:
+            seen.extend(_daemons(spinner))
+            time.sleep(0.05)
+        graders = [_outermost_grader(pid) for pid in seen]
+        for pid in set(filter(None, graders)):  # the time limit, as soon as submission code spins
+            os.kill(pid, signal.SIGKILL)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        done, _ = grade_as(base, who, {"dist.py": SPIN.format(name=spinner)}, timeout=60)
+    finally:
+        grading.set()
+        watcher.join()
+    assert done.returncode != 0, done.stdout + done.stderr
+    found = results(pathlib.Path(base) / "grader" / "results.json")
+    assert found["score"] == 0 and "did not finish" in found["output"], found
+    assert seen, "no worker reached the submission's loop before the grader was killed"
+    deadline = time.monotonic() + 5
+    while _daemons(spinner) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = _daemons(spinner)
+    for pid in survivors:  # a failed test leaves no spinning process behind
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"workers outlived the grader that was killed: {survivors}"
+
+
+# The kernel's side of a notebook's check (course/grading/in_notebook.py): its checks process holds a
+# socket to the kernel. A worker takes it (pidfd_getfd) and answers first: "passed".
+STEAL_THE_KERNELS_SOCKET = """
+import ctypes as _ctypes, stat as _stat, struct as _struct
+_libc = _ctypes.CDLL(None, use_errno=True)
+_answer = _json.dumps({"verdict": "", "facts": None}).encode()
+
+def _steal(pid):
+    pidfd = _os.pidfd_open(pid)
+    try:
+        for fd in range(3, 64):
+            got = _libc.syscall(438, pidfd, fd, 0)  # pidfd_getfd
+            if got < 0:
+                if _ctypes.get_errno() == 1:
+                    raise PermissionError("pidfd_getfd: operation not permitted")
+                continue
+            if _stat.S_ISSOCK(_os.fstat(got).st_mode):
+                _os.write(got, _struct.pack("!i", len(_answer)) + _answer)
+            _os.close(got)
+    finally:
+        _os.close(pidfd)
+
+for _pid in _targets():
+    _tried(f"take the sockets of {_pid}", lambda: _steal(_pid))
+"""
+
+KERNEL = """
+import json
+from course.grading.in_notebook import CheckFailed, check
+from checks.test_ex02_dist import check_by_row
+try:
+    check(check_by_row, world_size=2)
+    print(json.dumps("passed"))
+except CheckFailed as failed:
+    print(json.dumps(str(failed)))
+"""
+
+
+@pytest.mark.parametrize("attacked", ATTACKERS, indirect=True)
+def test_taking_the_notebook_kernels_socket_gains_nothing(attacked):
+    """What the kernel of `make autograde` (or a student's notebook) does for each check cell."""
+    base, who = attacked
+    cheat = {"dist.py": PRELUDE + STEAL_THE_KERNELS_SOCKET}
+    done, _ = grade_as(base, who, cheat, args=["kernel.py"], files={"kernel.py": KERNEL})
+    said = "\n".join(line for line in done.stderr.splitlines() if line.startswith("CHEAT")) or "(nothing)"
+    assert done.returncode == 0, done.stdout + done.stderr
+    verdict = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "par_matmul_by_row is not written yet" in verdict, f"{verdict}; what the payload could do:\n{said}"
+    assert " done" not in said, f"the system let the payload do:\n{said}"
+
+
+# ---- issue 36: a worker's reply is data the judge validates, a failure pays only when the grader saw it ----
+
+# The worker rewrites what it sends back: where the probe failed (a stub), an empty list as its result.
+REWRITE_REPLIES = """
+import course.runtime.workers as _workers
+
+_real_send = _workers._send
+
+
+def _send(conn, message):
+    if message[0] == "error":
+        message = ("ok", {"result": [], "imported": []}, False)  # a reply as workers send one
+    _real_send(conn, message)
+
+
+_workers._send = _send
+"""
+
+# A hang made up by the worker: rank 0 raises what a rank stopped in a collective of data.py would, rank 1 returns
+# after its 6 steps. Before, exercise 8's check believed those facts and paid.
+MADE_UP_HANG = """
+import torch.distributed as _dist
+
+
+def train_shard(model, optimizer, X, Y, shard, batch, steps=None, average=None):
+    if _dist.get_rank() == 0:
+        raise RuntimeError(
+            "Detected mismatch between collectives on ranks. Rank 0 is running collective: CollectiveFingerPrint("
+            "SequenceNumber=7, OpType=ALLREDUCE, TensorShape=[10, 12], TensorDtypes=Float)"
+        )
+    return 6
+"""
+
+
+def grade_only(tmp_path, cheats, args, base=ROOT):
+    """Grade, in a copy of the grader, the files of `base` with each cheat appended: course grade's args."""
+    grader, submission = _copy_grader(tmp_path, cheats, base)
+    done = warm.run(["-m", "course", "grade", *args], cwd=grader, env=dict(os.environ, COURSE_IMPL=str(submission)))
+    assert done.returncode == 0 and "GRADER ERROR" not in done.stdout, done.stdout + done.stderr
+    return results(grader / "results.json")
+
+
+def test_rewritten_replies_gain_nothing(tmp_path):
+    """Issue 36: the stubs with this cheat scored 71/370, 19 checks among them exercise 5's ring and exercise
+    12's. Each check now fails, naming what came back where it expected what."""
+    # In the files that the two exercises' checks load: dist.py (the ring) and mlp.py (cost.py imports it).
+    found = grade_only(tmp_path, {"dist.py": REWRITE_REPLIES, "mlp.py": REWRITE_REPLIES}, ["--ex", "5", "--ex", "12"])
+    cases = sum(len(course_checks.of_module(m)) for m in ("checks.test_ex05_ring", "checks.test_ex12_cost"))
+    assert found["score"] == 0 and len(found["tests"]) == cases, found
+    for test in found["tests"]:
+        assert test["status"] == "failed", test
+        assert re.search(r"the submission returned an empty list where the check expects a", test["output"]), test
+
+
+def test_a_made_up_hang_gains_nothing(tmp_path):
+    """Issue 36: exercise 8's unbalanced shards check paid for a hang the worker described. It pays only for one
+    the grader saw (its own clock ran out, the stacks it sampled): the made-up one earns 0, the reference 2."""
+    args = ["--ex", "8", "--", "-k", "test_unbalanced_hang"]
+    found = grade_only(tmp_path / "cheat", {"data.py": MADE_UP_HANG}, args)
+    assert found["score"] == 0 and [t["status"] for t in found["tests"]] == ["failed"], found
+    assert "the world should hang in a collective that rank 1 never joins, and it ended" in found["tests"][0]["output"]
+    reference = grade_only(tmp_path / "reference", {}, args, base=SOLUTIONS)
+    assert reference["score"] == 2 and [t["status"] for t in reference["tests"]] == ["passed"], reference
+
+
+# Parameters that the owners never share: each rank keeps its own, which is wrong; and torch's
+# ZeroRedundancyOptimizer, which the check compares with, replaced by the same mistake. Before, the
+# reference ran in the kept world where this file had been imported, and the forgery paid.
+FORGED_REFERENCE = """
+import torch.distributed.optim as _torch_optim
+
+ShardedOptimizer.share_parameters = lambda self: None
+
+
+class _Forged(ShardedOptimizer):
+    def __init__(self, params, optimizer_class, **defaults):
+        super().__init__(params, optimizer_class, **defaults)
+        self.optim = self.optimizer
+
+
+_torch_optim.ZeroRedundancyOptimizer = _Forged
+"""
+
+
+def test_a_forged_reference_gains_nothing(tmp_path):
+    """Issue 36: a reference is computed in a world that never loaded submission code, so torch patched by a
+    submission in its own world cannot forge it: the forgery earns 0, the reference full marks."""
+    args = ["--ex", "11", "--", "-k", "test_matches_zero_redundancy"]
+    found = grade_only(tmp_path / "cheat", {"zero.py": FORGED_REFERENCE}, args, base=SOLUTIONS)
+    assert found["score"] == 0 and [t["status"] for t in found["tests"]] == ["failed"], found
+    assert "differs from built-in DDP with ZeroRedundancyOptimizer" in found["tests"][0]["output"], found["tests"]
+    reference = grade_only(tmp_path / "reference", {}, args, base=SOLUTIONS)
+    assert reference["score"] == 4 and [t["status"] for t in reference["tests"]] == ["passed"], reference
+
+
+# ---- one student cannot stop the class (issue 36) ---------------------------------------------
+# A kept worker's timer writes into the output its check gave it (a notebook kernel's), long after
+# the check: into the probe that autograding runs in each kernel after its last cell, which it once
+# read as printed JSON; the error ended grading for the whole class. Its functions return wrong
+# numbers without raising, so that its worlds are kept.
+TIMER_INTO_THE_OUTPUT = (
+    """
+import os as _os, signal as _signal
+
+_out = _os.dup(1)
+
+
+def _garbage(signum, frame):
+    try:
+        _os.write(_out, b"{ CHEAT: not the probe's JSON\\n")
+    except OSError:
+        pass
+
+
+_signal.signal(_signal.SIGALRM, _garbage)
+_signal.setitimer(_signal.ITIMER_REAL, 0.002, 0.002)
+"""
+    + WRONG_NUMBERS
+)
+
+
+def test_a_timer_that_writes_into_the_kernels_output_stops_no_one(tmp_path):
+    """Graded by `course grade`, the cheater scores 0 for its wrong numbers. (Autograded beside its
+    classmates, it scores 0 too, and their feedback is their own: test_autograde_end_to_end's timer.)"""
+    assert_no_points(*grade(tmp_path / "grade", {"dist.py": TIMER_INTO_THE_OUTPUT}), "returned wrong numbers")
+
+
+def _shown(data):
+    return {"output_type": "display_data", "data": data, "metadata": {}}
+
+
+def _printed(text):
+    return {"output_type": "stream", "name": "stdout", "text": text}
+
+
+@pytest.mark.parametrize(
+    "probe, reason",
+    [
+        ([_printed("{ not JSON")], "could not be probed"),
+        ([_printed("[]")], "could not be probed"),  # printed, as any worker holding the output can
+        ([_shown({"text/plain": "[]"})], "could not be probed"),
+        ([_printed("{ not JSON"), _shown({"PROBE": []})], ""),
+        ([_shown({"PROBE": ["mlp"]})], r"held the submission's code \(mlp\)"),
+        ([_shown({"PROBE": {"held": 1}})], "could not be probed"),
+    ],
+    ids=["garbage", "printed", "another_type", "garbage_beside", "held", "malformed"],
+)
+def test_what_a_kernels_probe_shows_costs_its_own_student_only(tmp_path, monkeypatch, probe, reason):
+    """Whatever the last probe of a kernel shows, execute() returns: a probe that does not prove the
+    kernel clean fails that student's checks with the reason (their class is graded: autograde's
+    asyncio.gather goes on); one that does leaves the cells as they ran."""
+    import asyncio
+
+    import nbclient
+    import nbformat
+
+    from course.instructors.autograde import PROBE_MIME, execute
+    from tests.grading.test_autograde import _Kernels
+
+    probe = [dict(o, data={PROBE_MIME: o["data"]["PROBE"]}) if "PROBE" in o.get("data", {}) else o for o in probe]
+    path = tmp_path / "submitted" / "s" / "ex1" / "01_mlp.ipynb"
+    path.parent.mkdir(parents=True)
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")]), path)
+    monkeypatch.setattr(nbclient, "NotebookClient", _Kernels([None], probe))
+    asyncio.run(execute(str(tmp_path), "s", {"ex1": "01_mlp"}, str(tmp_path), 60))
+    outputs = nbformat.read(path, as_version=4).cells[0].outputs
+    if not reason:
+        assert outputs == [], outputs
+    else:
+        assert [o["ename"] for o in outputs] == ["NotGraded"], outputs
+        assert re.search(reason, outputs[0]["evalue"]), outputs[0]["evalue"]
+
+
+# ---- a view per submission, a network per world (issue 36) ------------------------------------
+#
+# A submission's workers see the course's public files and that submission only (course/runtime/sandbox.py's
+# view): not solutions/ of the instructors' repository it is graded in, not a classmate's folder
+# beside it. Each world has a network of its own at every level: no listener of another world (a
+# classmate's gloo ranks) is reachable. Each cheat is graded through `course grade` and through
+# autograde at every level this machine gives, and, as the control that proves the attack, with
+# COURSE_SANDBOX=off, where it pays.
+
+# Exercise 2's functions taken from the reference (solutions/, beside the grader's course/).
+READ_THE_REFERENCE = """
+import importlib.util as _util, os as _os, sys as _sys
+
+
+def _take(path):
+    _spec = _util.spec_from_file_location("_taken_dist", path)
+    _module = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(_module)
+    return _module
+
+
+try:
+    from course.layout import SOLUTIONS as _SOLUTIONS
+
+    _taken = _take(_os.path.join(_SOLUTIONS, "dist.py"))
+    par_matmul_by_row, par_matmul_by_reduction = _taken.par_matmul_by_row, _taken.par_matmul_by_reduction
+    print("CHEAT read the reference: done", file=_sys.stderr, flush=True)
+except Exception as _e:
+    print(f"CHEAT read the reference: refused ({type(_e).__name__}: {_e})", file=_sys.stderr, flush=True)
+"""
+
+# Exercise 2's functions taken from a classmate: any folder beside this submission's with a dist.py.
+READ_A_CLASSMATE = """
+import importlib.util as _util, os as _os, sys as _sys
+
+_mine = _os.path.dirname(_os.path.abspath(__file__))
+_around = _os.path.dirname(_mine)
+try:
+    for _name in sorted(_os.listdir(_around)):
+        _path = _os.path.join(_around, _name, "dist.py")
+        if _os.path.join(_around, _name) != _mine and _os.path.isfile(_path):
+            _spec = _util.spec_from_file_location("_taken_dist", _path)
+            _taken = _util.module_from_spec(_spec)
+            _spec.loader.exec_module(_taken)
+            par_matmul_by_row, par_matmul_by_reduction = _taken.par_matmul_by_row, _taken.par_matmul_by_reduction
+            print(f"CHEAT read a classmate ({_path}): done", file=_sys.stderr, flush=True)
+            break
+    else:
+        print(f"CHEAT read a classmate: refused (no classmate in {_around})", file=_sys.stderr, flush=True)
+except Exception as _e:
+    print(f"CHEAT read a classmate: refused ({type(_e).__name__}: {_e})", file=_sys.stderr, flush=True)
+"""
+
+# A listener of the machine's loopback (what a classmate's gloo ranks open), connected to from a
+# worker: first the one the test names, then any that /proc/net/tcp lists.
+REACH_A_LISTENER = """
+import os as _os, socket as _socket, sys as _sys
+
+def _listeners():
+    with open("/proc/net/tcp") as _f:
+        return [int(l.split()[1].split(":")[1], 16) for l in list(_f)[1:] if l.split()[3] == "0A"]
+
+
+def _reach():
+    with _socket.create_connection(("127.0.0.1", PORT), timeout=2) as _s:
+        _s.sendall(b"a rank of another world")
+
+
+print(f"CHEAT listeners seen: {sorted(set(_listeners()))}", file=_sys.stderr, flush=True)
+try:
+    _reach()
+    print("CHEAT connect to another world's listener: done", file=_sys.stderr, flush=True)
+except OSError as _e:
+    print(f"CHEAT connect to another world's listener: refused ({_e})", file=_sys.stderr, flush=True)
+"""
+
+VIEW_CHEATS = {"reads_the_reference": READ_THE_REFERENCE, "reads_a_classmate": READ_A_CLASSMATE}
+
+
+def _reaching(listener):
+    return f"PORT = {listener.port}\n" + REACH_A_LISTENER
+
+
+class _Listener:
+    """A TCP listener on the machine's loopback that counts the connections it is offered."""
+
+    def __init__(self):
+        self.socket = socket.create_server(("127.0.0.1", 0))
+        self.socket.setblocking(False)
+        self.port = self.socket.getsockname()[1]
+
+    def reached(self) -> bool:
+        try:
+            self.socket.accept()[0].close()
+            return True
+        except BlockingIOError:
+            return False
+
+    def close(self):
+        self.socket.close()
+
+
+def _as_user(base, who):
+    """base and what is in it made the grader's user's, as grade_as does."""
+    user = who[1]
+    if user is not None:
+        for top, dirs, files in os.walk(base):
+            for name in [top, *(os.path.join(top, n) for n in dirs + files)]:
+                os.lchown(name, *user)
+
+
+def _instructors_repository(base, cheats):
+    """A grader's copy with solutions/ (the instructors' repository), the stubs with cheats as the
+    submission, and a correct classmate beside it; (grader, submission)."""
+    grader, submission = _copy_grader(pathlib.Path(base), cheats)
+    shutil.copytree(SOLUTIONS, grader / "solutions", ignore=shutil.ignore_patterns("__pycache__"))
+    classmate = pathlib.Path(base) / "classmate"
+    classmate.mkdir()
+    for name in STUDENT_FILES:
+        shutil.copy(os.path.join(SOLUTIONS, name), classmate)
+    return grader, submission
+
+
+def _grade_in_repository(base, who, cheats):
+    python, user, mode, packages = who
+    grader, _ = _instructors_repository(base, cheats)
+    _as_user(base, who)
+    env = dict(os.environ, COURSE_IMPL=str(pathlib.Path(base) / "submission"), COURSE_SANDBOX=mode)
+    if packages:
+        env["PYTHONPATH"] = packages
+    done = warm.run(
+        ["-m", "course", "grade", "--ex", "2", "--", "-s"], cwd=grader, env=env, python=python, user=user, timeout=240
+    )
+    said = "\n".join(line for line in done.stderr.splitlines() if line.startswith("CHEAT")) or "(nothing)"
+    return done, grader / "results.json", said
+
+
+@pytest.mark.parametrize("attacked", ATTACKERS, indirect=True)
+@pytest.mark.parametrize("cheat", sorted(VIEW_CHEATS))
+def test_reading_the_reference_or_a_classmate_gains_nothing(attacked, cheat):
+    base, who = attacked
+    done, path, said = _grade_in_repository(base, who, {"dist.py": VIEW_CHEATS[cheat]})
+    assert_no_points(done, path, "par_matmul_by_row is not written yet")
+    assert "in a view of the course's public files and its own submission" in done.stdout, done.stdout
+    assert "done" not in said and "refused" in said, f"what the payload could do:\n{said}"
+
+
+@pytest.mark.parametrize("cheat", sorted(VIEW_CHEATS))
+def test_reading_the_reference_or_a_classmate_pays_without_the_view(tmp_path, cheat):
+    """The control: the same cheat, graded with COURSE_SANDBOX=off, takes exercise 2's full marks."""
+    os.chmod(tmp_path, 0o755)
+    done, path, said = _grade_in_repository(
+        tmp_path, (sys.executable, None, "off", ""), {"dist.py": VIEW_CHEATS[cheat]}
+    )
+    assert results(path)["score"] == 25, done.stdout + said
+    assert "done" in said, said
+
+
+@pytest.mark.parametrize("attacked", ATTACKERS, indirect=True)
+def test_reaching_another_worlds_listener_gains_nothing(attacked):
+    base, who = attacked
+    listener = _Listener()
+    try:
+        done, path, said = _grade_in_repository(base, who, {"dist.py": _reaching(listener)})
+        assert not listener.reached(), f"a worker reached a listener of the machine's network:\n{said}"
+    finally:
+        listener.close()
+    assert_no_points(done, path, "par_matmul_by_row is not written yet")
+    assert "refused" in said and "done" not in said, said
+
+
+def test_reaching_another_worlds_listener_succeeds_without_a_network_of_its_own(tmp_path):
+    """The control: with COURSE_SANDBOX=off the worker reaches the machine's listener."""
+    os.chmod(tmp_path, 0o755)
+    listener = _Listener()
+    try:
+        done, _, said = _grade_in_repository(
+            tmp_path, (sys.executable, None, "off", ""), {"dist.py": _reaching(listener)}
+        )
+        assert listener.reached(), said
+    finally:
+        listener.close()
+    assert "connect to another world's listener: done" in said, said
+
+
+def _autograde_class(base, who, listener):
+    """`make autograde` of exercise 2, as who says, in the instructors' repository (a grader's copy
+    with solutions/), on a class: alice, correct, and one student per cheat; the grading folder."""
+    python, user, mode, packages = who
+    base = pathlib.Path(base)
+    grader, _ = _copy_grader(base, {})
+    shutil.copytree(SOLUTIONS, grader / "solutions", ignore=shutil.ignore_patterns("__pycache__"))
+    cheats = {**VIEW_CHEATS, "reaches_a_listener": _reaching(listener)}
+    for student, cheat in [("alice", None), *cheats.items()]:
+        folder = base / "class" / student
+        folder.mkdir(parents=True)
+        for name in STUDENT_FILES:
+            shutil.copy(os.path.join(SOLUTIONS if cheat is None else ROOT, name), folder)
+        if cheat is not None:
+            with open(folder / "dist.py", "a") as f:
+                f.write("\n" + cheat)
+    _as_user(base, who)
+    env = {k: v for k, v in os.environ.items() if k != "COURSE_IMPL"} | {"COURSE_SANDBOX": mode, "HOME": str(base)}
+    if packages:
+        env["PYTHONPATH"] = packages
+    command = ["-m", "course.instructors.autograde", str(base / "class"), "--out", str(base / "grading"), "--ex", "2"]
+    done = warm.run(command, cwd=grader, env=env, python=python, user=user, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return base / "grading"
+
+
+def _graded(out, student):
+    found = results(out / "feedback" / student / "results.json")
+    with open(out / "feedback" / student / "output.txt") as f:
+        said = "\n".join(line for line in f.read().splitlines() if line.startswith("CHEAT")) or "(nothing)"
+    return found, said
+
+
+@pytest.mark.parametrize("mode", ["uid", "namespaces"])
+def test_a_class_whose_cheats_read_or_reach_others_is_graded_as_if_they_did_not(tmp_path, mode):
+    """Autograde, at each level: each cheat scores 0 with its reason, and alice, the classmate they
+    go after, full marks with a correct submission's feedback; no grade is advisory. (The grader
+    runs as this process's user and Python: Jupyter's exporters do not run under another Python
+    with this environment's packages, which the attackers above need for a normal user.)"""
+    if mode == "uid" and os.geteuid() != 0:
+        pytest.skip("the uid level needs root")
+    os.chmod(tmp_path, 0o755)
+    base, who = tmp_path, (sys.executable, None, mode, "")
+    listener = _Listener()
+    try:
+        out = _autograde_class(base, who, listener)
+        assert not listener.reached(), "a worker reached a listener of the machine's network"
+    finally:
+        listener.close()
+    alice, _ = _graded(out, "alice")
+    assert alice["score"] == 25 and {(t["status"], t["output"]) for t in alice["tests"]} == {("passed", "")}, alice
+    for student in [*VIEW_CHEATS, "reaches_a_listener"]:
+        found, said = _graded(out, student)
+        assert found["score"] == 0, (student, said)
+        assert all("is not written yet" in t["output"] for t in found["tests"]), found
+        assert "refused" in said and "done" not in said, f"{student}: what the payload could do:\n{said}"
+        assert "extra_data" not in found, found
+    with open(out / "report.json") as f:
+        assert not json.load(f)["advisory"]
+
+
+def test_a_class_whose_cheats_read_or_reach_others_pays_without_a_sandbox(tmp_path):
+    """The control: with COURSE_SANDBOX=off each cheat takes what it went for, and every grade and
+    the class report say they are advisory, and why."""
+    os.chmod(tmp_path, 0o755)
+    listener = _Listener()
+    try:
+        out = _autograde_class(tmp_path, (sys.executable, None, "off", ""), listener)
+        assert listener.reached()
+    finally:
+        listener.close()
+    for student in VIEW_CHEATS:
+        found, said = _graded(out, student)
+        assert found["score"] == 25, (student, said)
+        assert found["extra_data"]["advisory"] == "submission code ran without a sandbox (COURSE_SANDBOX=off)", found
+        assert "This grade is advisory: submission code ran without a sandbox" in found["output"], found
+    assert "done" in _graded(out, "reaches_a_listener")[1]
+    with open(out / "report.json") as f:
+        assert "COURSE_SANDBOX=off" in json.load(f)["advisory"]
+    assert "These grades are advisory" in (out / "report.html").read_text()
+
+
+def test_a_level_without_a_view_makes_an_advisory_grade(tmp_path):
+    """Where a level is had but its workers cannot be given a view of their own submission (each
+    probe says so here), the grade is made and said to be advisory, with the reason: in its last
+    line and in results.json's extra_data."""
+    probes = (
+        "from course import sandbox\n\n"
+        "_probes = dict(sandbox._PROBES)\n"
+        "sandbox._PROBES.update({n: (lambda p: lambda r, s: (p(r, None)[0], 'no view here'))(p) for n, p in _probes.items()})\n"
+    )
+    (tmp_path / "no_view.py").write_text(probes)
+    environ = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    args = ["--ex", "2", "--results", str(tmp_path / "results.json"), "--", "-p", "no_view", "-k", "test_by_row[1]"]
+    done = warm.grade(*args, impl=SOLUTIONS, cwd=ROOT, env=environ)  # a folder the world's uid can enter
+    assert done.returncode == 0, done.stdout + done.stderr
+    reason = "submission code could read files other than its own (no view here)"
+    assert f"{reason}: this grade is advisory." in done.stdout, done.stdout
+    found = results(tmp_path / "results.json")
+    assert [t["name"] for t in found["tests"]] == ["Exercise 2: test_by_row[1]"], found["tests"]
+    assert found["score"] == found["tests"][0]["max_score"] > 0, found["tests"][0]["output"]
+    assert found["extra_data"] == {"advisory": reason}, found

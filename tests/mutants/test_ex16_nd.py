@@ -1,0 +1,241 @@
+"""The checks of exercise 16 catch the mistakes of a mesh of sub-groups, and a hang while its groups are made
+is reported within seconds.
+
+Instructors only: these need solutions/. Each case makes a mutant of the reference with one
+mistake and shows that the check for it fails, with a message that points at the mistake.
+"""
+
+import re
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from checks.helpers import keyed, world
+from checks.test_ex16_nd import (
+    GROUPS_TIME_LIMIT,
+    ROWS,
+    WIDTHS,
+    Blocks,
+    check_collectives,
+    check_groups,
+    check_memory,
+    check_steps,
+    data,
+    piece,
+    run_steps,
+)
+from course.launch import WorldFailed
+from course.layout import SOLUTIONS
+from tests import warm
+from tests.mutants import assert_caught, assert_refused, make_mutant
+
+ROWS_OVER_DP = '    rows = block(len(x), mesh.dp, mesh.dp_rank, "the batch\'s rows")\n'
+SHARE = "    share = F.cross_entropy(model(x[rows]), y[rows]) / mesh.dp\n"
+GROUPS = """    for row in grid:
+        group = dist.new_group(row)
+        if rank in row:
+            tp_group = group
+"""
+BOTH = (
+    GROUPS
+    + """    for column in zip(*grid):
+        group = dist.new_group(list(column))
+        if rank in column:
+            dp_group = group
+"""
+)
+
+MUTANTS = {
+    "Copy's backward sums over the world": (
+        "        dist.all_reduce(total, group=ctx.group)\n",
+        "        dist.all_reduce(total)\n",
+        check_collectives,
+        "rank 0's backward sent an all-reduce to ranks [0, 1, 2, 3], the whole world: it belongs to the rank's tp"
+        " group, [0, 1]",
+    ),
+    "AllReduce sums over the world": (
+        "        dist.all_reduce(total, group=group)\n",
+        "        dist.all_reduce(total)\n",
+        check_collectives,
+        "rank 0's forward sent an all-reduce to ranks [0, 1, 2, 3], the whole world",
+    ),
+    "the shards all-gathered over the world": (
+        "        dist.all_gather_into_tensor(full, shard.detach().contiguous(), group=group)\n",
+        "        dist.all_gather_into_tensor(full, shard.detach().contiguous())\n",
+        check_collectives,
+        "rank 0's forward sent an all-gather to ranks [0, 1, 2, 3], the whole world: it belongs to the rank's dp"
+        " group, [0, 2]",
+    ),
+    "the gradient reduce-scattered over the world": (
+        "        dist.reduce_scatter_tensor(mine, grad.contiguous(), group=ctx.group)\n",
+        "        dist.reduce_scatter_tensor(mine, grad.contiguous())\n",
+        check_collectives,
+        "rank 0's backward sent a reduce-scatter to ranks [0, 1, 2, 3], the whole world",
+    ),
+    "the row layer's sum sent to the dp group": (
+        "        out = AllReduce.apply(F.linear(x, weight), self.mesh.tp_group)\n",
+        "        out = AllReduce.apply(F.linear(x, weight), self.mesh.dp_group)\n",
+        check_collectives,
+        "rank 0's forward sent an all-reduce to ranks [0, 2], the rank's dp group: it belongs to its tp group, [0, 1]",
+    ),
+    "the tp and dp groups swapped": (
+        BOTH,
+        BOTH.replace("tp_group = group", "swap = group")
+        .replace("dp_group = group", "tp_group = group")
+        .replace("swap = group", "dp_group = group"),
+        lambda folder: check_groups(folder, 2, 2),
+        "rank 0's tp group is [0, 2] and its dp group [0, 1]: swapped",
+    ),
+    "the groups created in a different order on odd ranks": (
+        GROUPS,
+        GROUPS.replace("for row in grid:", "for row in grid if rank % 2 == 0 else grid[::-1]:"),
+        lambda folder: check_groups(folder, 2, 2),
+        "the ranks created their groups in different orders",
+    ),
+    "the groups created in a different order, met by the steps": (
+        GROUPS,
+        GROUPS.replace("for row in grid:", "for row in grid if rank % 2 == 0 else grid[::-1]:"),
+        lambda folder: check_steps(folder, 2, 2, steps=1),
+        "rank 1 for [2, 3] at nd.py:",
+    ),
+    "the grid laid out by columns": (
+        "    grid = [[i * tp + j for j in range(tp)] for i in range(dp)]\n",
+        "    grid = [[j * dp + i for j in range(tp)] for i in range(dp)]\n",
+        lambda folder: check_groups(folder, 2, 2),
+        "expected [[0, 1], [2, 3]]: rank r at row r // tp",
+    ),
+    "the batch split over the world instead of over dp": (
+        ROWS_OVER_DP,
+        ROWS_OVER_DP.replace("mesh.dp, mesh.dp_rank", "dist.get_world_size(), dist.get_rank()"),
+        lambda folder: check_steps(folder, 2, 2, steps=1),
+        "the batch splits over the dp group only, 2 blocks of 4",
+    ),
+    "the loss scaled by 1/world instead of 1/dp": (
+        SHARE,
+        SHARE.replace("mesh.dp", "dist.get_world_size()"),
+        lambda folder: check_steps(folder, 2, 2, steps=1),
+        "is 1/2 of one process's: the loss was divided by the world size 4",
+    ),
+    "the loss not divided by dp": (
+        SHARE,
+        SHARE.replace(" / mesh.dp", ""),
+        lambda folder: check_steps(folder, 4, 1, steps=1),
+        "is 4 times one process's: the dp group's reduce-scatter sums",
+    ),
+    "the loss summed over the world": (
+        "    dist.all_reduce(loss, group=mesh.dp_group)\n",
+        "    dist.all_reduce(loss)\n",
+        lambda folder: check_steps(folder, 2, 2, steps=1),
+        "2 times one process's loss 1.023011: the shares were summed over the world",
+    ),
+    "the loss not summed over the dp group": (
+        "    dist.all_reduce(loss, group=mesh.dp_group)\n",
+        "",
+        lambda folder: check_steps(folder, 2, 2, steps=1),
+        "on rank 0 in step 0, the loss of its own rows: one process's loss 1.023011 is the mean over all the rows",
+    ),
+    "a mean loss that is no loss of the batch": (
+        SHARE,
+        SHARE + "    share = share + 1\n",
+        lambda folder: check_steps(folder, 4, 1, steps=1),
+        "train_step returned",
+    ),
+    "the gathered block kept on the layer": (
+        "        full = GatherShards.apply(self.shard, self.mesh.dp_group)\n",
+        "        self.kept = full = GatherShards.apply(self.shard, self.mesh.dp_group)\n",
+        check_memory,
+        "after train_step, rank 0's gathered blocks still hold",
+    ),
+    "the reduce-scatter's piece kept whole": (
+        "        self.shard = nn.Parameter(padded.chunk(mesh.dp)[mesh.dp_rank].clone())\n",
+        "        self.shard = nn.Parameter(padded.clone())\n",
+        check_memory,
+        "rank 0's parameters hold",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(MUTANTS))
+def test_mistake_is_caught(mistake, tmp_path):
+    assert_caught(tmp_path / "mutant", mistake, "nd.py", *MUTANTS[mistake])
+
+
+def test_groups_made_by_their_members_only_are_named_within_seconds(tmp_path):
+    """Each rank calls dist.new_group for its own two groups only. In torch 2.13 the ranks then wait for one
+    another in new_group, or some return and wait at the end of the run, or all return with groups in which a
+    collective waits for ever: the check names the mistake and the student's lines within its time limit,
+    from the world's report (the first two) or from each rank's calls (the third, before any collective in
+    them)."""
+    own = (
+        "    tp_group = dist.new_group(grid[rank // tp])\n"
+        "    dp_group = dist.new_group([row[rank % tp] for row in grid])\n"
+        "    return Mesh(grid, rank // tp, rank % tp, tp_group, dp_group)\n"
+    )
+    start = "    tp_group = dp_group = None\n"
+    with open(f"{SOLUTIONS}/nd.py") as f:
+        source = f.read()
+    old = source[source.index(start) : source.index("    return Mesh(grid", source.index(start))]
+    old += "    return Mesh(grid, rank // tp, rank % tp, tp_group, dp_group)\n"
+    folder = make_mutant(tmp_path / "mutant", "nd.py", old, own)
+    began = time.monotonic()
+    with pytest.raises((WorldFailed, AssertionError)) as caught:
+        check_groups(folder, 2, 2)
+    seconds = time.monotonic() - began
+    failure = getattr(caught.value, "failure", None)
+    report = failure.report() if failure is not None else str(caught.value)
+    assert re.search(r"(waits in new_group at|\] at) nd\.py:\d+", report), report
+    assert "for every group, its own or not, in the same order" in report, report
+    assert seconds < GROUPS_TIME_LIMIT + 6, f"the hang was reported after {seconds:.1f} s"
+
+
+def test_the_script_trains_as_one_process():
+    """`python nd.py --dp 2 --tp 2`: the loss on the mesh is one process's, and every rank says where it is."""
+    small = ["--dim-in", "16", "--n-classes", "4", "--dim-hidden", "8", "--train-size", "200", "--batch-size", "8"]
+    done = warm.run(["nd.py", "--dp", "2", "--tp", "2", *small, "--niters", "20"], cwd=SOLUTIONS)
+    assert done.returncode == 0, done.stderr
+    final = re.search(r"train_loss ([\d.]+) \| one process ([\d.]+)", done.stdout.splitlines()[-6])
+    assert final and final[1] == final[2], done.stdout
+    for rank in range(4):
+        assert f"rank {rank} at (dp {rank // 2}, tp {rank % 2}): parameters" in done.stdout, done.stdout
+
+
+def torch_composition(dp, tp):
+    """Probe, no student code: torch's composition on the tests' model, one step's gradients, each whole on
+    every rank. init_device_mesh's groups, the tp dimension by ColwiseParallel and RowwiseParallel, the dp
+    dimension by fully_shard, each dp rank on its block of the rows (fully_shard averages over dp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = Blocks()
+    plan = {f"layers.{k}": (ColwiseParallel() if k % 2 == 0 else RowwiseParallel()) for k in range(len(model.layers))}
+    fully_shard(parallelize_module(model, mesh["tp"], plan), mesh=mesh["dp"])
+    x, y = data()
+    i = mesh["dp"].get_local_rank()
+    rows = slice(i * ROWS // dp, (i + 1) * ROWS // dp)
+    F.cross_entropy(model(x[rows]), y[rows]).backward()
+    with warnings.catch_warnings():  # that the strided shard's redistribution takes two all-gathers
+        warnings.simplefilter("ignore")
+        return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_the_reference_trains_as_torchs_composition():
+    """The checks grade against one process; torch's own composition of tensor parallelism (over mesh["tp"]) and
+    fully_shard (over mesh["dp"]) on a (2, 2) mesh gives one process's gradients too, and every shard of the
+    reference's gradients is its piece of torch's. Not a graded check: torch's first step costs seconds in
+    each of 4 ranks, more than a grade's whole budget, and it adds nothing one process does not judge."""
+    dp, tp = 2, 2
+    theirs = world(torch_composition, dp * tp, dp, tp, expect=keyed(torch.Tensor))
+    ours = run_steps(SOLUTIONS, dp, tp, 1)
+    for rank, (got, grads) in enumerate(zip(ours, theirs)):
+        for k in range(len(WIDTHS) - 1):
+            expected = piece(k, grads[f"layers.{k}.weight"], grads[f"layers.{k}.bias"], rank, dp, tp)
+            assert torch.allclose(got["grads"][f"layers.{k}.shard"], expected, atol=1e-7), (rank, k)
+
+
+def test_the_script_refuses_a_world_size_that_is_not_the_mesh():
+    assert_refused("nd.py", ["--world-size", "3", "--dp", "2", "--tp", "2"], "--world-size 3 is not --dp 2 x --tp 2")
