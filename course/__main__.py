@@ -19,7 +19,7 @@ def grade(args) -> int:
 
     No plugins but the grader's: pytest-xdist's processes each import torch and the checks anew,
     which costs more than the few checks of one exercise take; the grader forks a copy of itself
-    instead where it can (course.grading.plugin.processes_here; docs/design.md, "Grading, `make grade`").
+    instead where it can (course.grading.share.processes_here; docs/design.md, "Grading, `make grade`").
     """
     import gc
     import importlib.util
@@ -38,19 +38,19 @@ def grade(args) -> int:
     # before the first world starts.
     gc.disable()
     from course.exercises import by_number
-    from course.grading import plugin as plugin
+    from course.grading import plugin, results, share
     from course.layout import ROOT, graded_elsewhere, graded_exercises
 
     elsewhere = None if os.environ.get("COURSE_IMPL") else graded_elsewhere(os.getcwd())
     if elsewhere:
         print(elsewhere, file=sys.stderr)
 
-    problem = plugin.no_such_exercise(args.ex)
+    problem = results.no_such_exercise(args.ex)
     if problem:
         print(problem, file=sys.stderr)
-        plugin.write_json(args.results, plugin.not_graded([problem]))  # where an autograder reads it
+        results.write_json(args.results, results.not_graded([problem]))  # where an autograder reads it
         if args.github_classroom:
-            plugin.give_github_output(plugin.not_graded([problem]))
+            results.give_github_output(results.not_graded([problem]))
         return 2
     chosen = sorted(set(args.ex)) if args.ex else graded_exercises()
     checks = [os.path.join(ROOT, by_number(n).checks) for n in chosen]
@@ -61,7 +61,7 @@ def grade(args) -> int:
     # --assert=plain: pytest's rewritten asserts would make a new string of a check's message, and
     # lose the concept a check gives it (course/grading/points.py's said()), as the notebooks keep it.
     options = ["-p", "no:cacheprovider", "--assert=plain", "--rootdir", ROOT, "--grade-results", args.results]
-    options += ["--grade-processes", str(plugin.processes_here())]
+    options += ["--grade-processes", str(share.processes_here())]
     if args.fail_under is not None:
         options += ["--grade-fail-under", str(args.fail_under)]
     if args.github_classroom:

@@ -1,5 +1,5 @@
-"""The exercises, as data: the one list that grading, the release, the notebooks, `make demo`,
-`make compat`, `make gpu-check`, the class report and the README's test all read.
+"""The exercises, as data: the one list that grading, the release, the notebooks, the instructors'
+demo, compatibility and GPU checks, the class report and the README's test all read.
 
 An exercise is its own files (the student file's part in solutions/, its handout and notebook
 source, its checks in checks/, its mutants in tests/mutants/) and one entry here. Every path an
@@ -25,8 +25,8 @@ class Exercise:
     run: str  # the command that shows it, as its handout names it first
     points: int  # its checks' points: the sum of their @pytest.mark.points (a test compares)
     written: int  # its notebook's written answers' points, graded by hand (a test compares)
-    demo: tuple = ()  # the reference scripts `make demo` and `make compat` run for it, with their flags
-    gpu: tuple = ()  # its rows in `make gpu-check` (course/instructors/gpu_check.py measures each)
+    demo: tuple = ()  # the reference scripts that show it, with their flags (the instructors' demo runs them)
+    gpu: tuple = ()  # its rows of the instructors' GPU check (course/instructors/gpu_check.py measures each)
 
     @property
     def slug(self) -> str:

@@ -16,8 +16,8 @@ import os
 import sys
 import traceback
 
+from course.exercises import STUDENT_MODULES as MODULES
 from course.layout import ROOT, SOLUTIONS
-from course.layout import STUDENT_MODULES as MODULES
 
 _loaded: dict = {}
 _refused = False
@@ -35,6 +35,15 @@ def selected(default: str | None = None) -> str:
     return os.path.abspath(choice)
 
 
+class NotImportable(ImportError):
+    """Raised by any use of a student file that does not import; ``unimportable`` holds which file and
+    which error, as fields (course/runtime/failure.py carries them to the grader)."""
+
+    def __init__(self, file: str, error: BaseException):
+        super().__init__(f"{file} does not import: {type(error).__name__}: {error}")
+        self.unimportable = {"file": file, "error": type(error).__name__}
+
+
 class Unimportable:
     """Stands in for a module that does not import: any use of it raises the reason.
 
@@ -46,7 +55,7 @@ class Unimportable:
         self.name, self.error = name, error
 
     def __getattr__(self, attribute):
-        raise ImportError(f"{self.name}.py does not import: {type(self.error).__name__}: {self.error}") from self.error
+        raise NotImportable(f"{self.name}.py", self.error) from self.error
 
 
 def _import(folder: str, name: str):

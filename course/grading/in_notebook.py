@@ -31,7 +31,8 @@ import torch  # noqa: E402
 # kernel, it is already there in every check process and worker forked from it.
 import torch._dynamo  # noqa: E402, F401
 
-from course.grading.plugin import CASES_MIME, explain, mistake  # noqa: E402
+from course.grading.explain import explain, mistake  # noqa: E402
+from course.grading.results import CASES_MIME  # noqa: E402
 from course.launch import run  # noqa: E402
 
 

@@ -57,7 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 sys.modules.setdefault("rfc3987_syntax", None)
 
 from course.exercises import by_number  # noqa: E402
-from course.grading.plugin import CASES_MIME, Check, table, write_results  # noqa: E402
+from course.grading.results import CASES_MIME, Check, table, write_results  # noqa: E402
 from course.instructors import report  # noqa: E402
 from course.instructors.make_notebooks import dumps, exercise_of, notebook, sources  # noqa: E402
 from course.layout import ROOT, STUDENT_FILES, graded_exercises  # noqa: E402

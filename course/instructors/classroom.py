@@ -74,7 +74,7 @@ jobs:
 
 def workflow(template: str, ref: str = "", exercises: list | None = None) -> str:
     """The workflow's text for the template repository ``template`` (OWNER/NAME) at ``ref``."""
-    from course.grading.plugin import no_such_exercise
+    from course.grading.results import no_such_exercise
 
     if template.count("/") != 1 or not all(template.split("/")):
         raise ValueError(f"--template is the template repository as OWNER/NAME, not {template!r}")

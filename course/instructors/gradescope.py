@@ -58,7 +58,7 @@ _SKIPPED = {"__MACOSX", "__pycache__", ".git", ".ipynb_checkpoints", ".venv", "v
 def build(out: str, exercises: list | None = None) -> str:
     """Write the autograder zip to out; return its path. Raises ValueError for a number that is
     not an exercise: every submission would be refused."""
-    from course.grading.plugin import no_such_exercise
+    from course.grading.results import no_such_exercise
     from course.instructors.release import release
 
     problem = no_such_exercise(exercises)
@@ -134,7 +134,7 @@ def run(root: str, exercises: list | None = None) -> int:
     env = dict(os.environ, COURSE_IMPL=graded, COURSE_SANDBOX=os.environ.get("COURSE_SANDBOX", "required"))
     done = subprocess.run(command, cwd=ROOT, env=env)
     shutil.rmtree(graded, ignore_errors=True)
-    from course.grading.plugin import not_graded, write_json
+    from course.grading.results import not_graded, write_json
 
     try:
         with open(results) as f:

@@ -25,38 +25,11 @@ import os
 import statistics
 import sys
 
-from course.layout import STUDENT_FILES
+from course.exercises import STUDENT_FILES
+from course.kinds import KINDS, WORLD
 
 # What a submission's failures mean for the submission as a whole, by mistake kind.
-TROUBLE = {
-    "crash": "crashed",
-    "check_died": "crashed",
-    "kernel_died": "crashed",
-    "timeout": "hung",
-    "wait": "hung",
-    "p2p_deadlock": "hung",
-    "cell_timeout": "hung",
-    "unimportable": "did not import",
-    "not_graded": "could not be graded",
-}
-_WORLD = {  # course.runtime.failure.Failure's kinds, in words
-    "error": "raised",
-    "crash": "crashed",
-    "no_result": "ended without sending its result",
-    "unwaited": "returned with a request never waited for",
-    "mismatch": "ranks called different collectives",
-    "wait": "ranks waited in a collective that not every rank joined",
-    "p2p_deadlock": "deadlock: every rank waits in a send or receive",
-    "timeout": "timed out, still running",
-}
-_ONE_RANK = ("error", "crash", "no_result", "unwaited")  # kinds that are one rank's story
-_CELL = {  # what autograding saw of a cell, when the check could not say more
-    "cell_timeout": "the cell ran past --cell-timeout",
-    "kernel_died": "the kernel that ran the checks died",
-    "not_graded": "nbgrader could not grade the notebook",
-    "stderr": "the cell wrote to stderr",
-    "no_points": "no points, and no reason recorded",
-}
+TROUBLE = {name: kind.trouble for name, kind in KINDS.items() if kind.trouble}
 BINS = 10
 
 
@@ -111,19 +84,18 @@ def title(mistake: dict) -> str:
         return f"the check's process died (exit code {mistake.get('exit_code')})"
     if kind == "cell_error":
         return f"the cell raised {mistake.get('error')}"
-    if kind in _CELL:
-        return _CELL[kind]
-    if kind in _WORLD:
+    if kind in WORLD:
         places = [
             (f" {fact['error']}" if kind == "error" and fact.get("error") else "")
             + (f" in {fact['collective']}" if fact.get("collective") else "")
             + (f" at {fact['file']}, {fact['func']}" if fact.get("file") else "")
             for fact in mistake.get("ranks", [])
         ]
-        if kind in _ONE_RANK:
-            return f"a rank {_WORLD[kind]}{places[0] if places else ''}"
-        return f"{_WORLD[kind]}:{';'.join(places)}" if any(places) else _WORLD[kind]
-    return kind
+        label = KINDS[kind].label
+        if not KINDS[kind].story:
+            return f"a rank {label}{places[0] if places else ''}"
+        return f"{label}:{';'.join(places)}" if any(places) else label
+    return KINDS[kind].label if kind in KINDS else kind
 
 
 def check_label(row: dict) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from course.exercises import STUDENT_FILES, stub_facts
+from course.kinds import KINDS
 
 # Frames that are the course's, Python's or an installed library's own, never the student's line:
 # a crash inside ctypes or numpy is reported at the student's call.
@@ -86,6 +87,7 @@ class RankFact:
     differs: tuple = ()  # what of the collective differs between the ranks: of _ARGUMENTS's names
     instance: tuple = ()  # the collective it waited in when it failed: (group, its number on it, what was called)
     dropped: tuple = ()  # a message it freed unfinished, never waited for: (function, peer, file, line, func)
+    unimportable: dict | None = None  # a student file that does not import: {"file": "mlp.py", "error": "SyntaxError"}
 
     def argument(self) -> str:
         """What differs of its collective, as its function names it: 'with src=1', 'with op=MAX',
@@ -120,7 +122,7 @@ class RankFact:
 
 @dataclass
 class Failure:
-    kind: str  # "stub" | "error" | "crash" | "mismatch" | "arguments" | "p2p_deadlock" | "wait" | "timeout" | "unwaited" | "no_result"
+    kind: str  # one of course/kinds.py's WORLD
     world_size: int
     ranks: list = field(default_factory=list)  # RankFact, by rank
     first: int | None = None  # the rank that went wrong first
@@ -245,14 +247,14 @@ class Failure:
     def sentence(self) -> str:
         """One line for the grade table."""
         head = self._head()
-        if self.kind in ("mismatch", "arguments", "p2p_deadlock", "wait", "timeout"):
+        if KINDS[self.kind].story:
             return f"{head} {'; '.join(self._rank_lines())}"
         return head
 
     def report(self) -> str:
         """The text a script prints."""
         head = self._head()
-        if self.kind in ("mismatch", "arguments", "p2p_deadlock", "wait", "timeout"):
+        if KINDS[self.kind].story:
             return "\n".join([head] + ["  " + line for line in self._rank_lines()])
         if self.kind == "error":
             first = self.fact(self.first)
@@ -359,6 +361,8 @@ def rank_report(
         report.update(collective=p2p["collective"], peer=p2p["peer"])
     if isinstance(exc, ArgumentsDiffer):
         report["agreement"] = exc.facts
+    if isinstance(getattr(exc, "unimportable", None), dict):  # course/impl.py's NotImportable
+        report["unimportable"] = exc.unimportable
     if instance(wait):
         report["instance"] = list(instance(wait))
     if dropped:
@@ -407,6 +411,9 @@ def _fact(report: dict) -> RankFact:
         peer=report.get("peer"),
         instance=tuple(report.get("instance", ())),
     )
+    found = report.get("unimportable")
+    if isinstance(found, dict) and all(isinstance(found.get(k), str) for k in ("file", "error")):
+        fact.unimportable = {"file": found["file"], "error": found["error"]}
     if report.get("dropped"):
         call, peer, (path, line, func) = report["dropped"]
         fact.dropped = (call, peer, os.path.basename(path), line, func)

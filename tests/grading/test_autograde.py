@@ -130,7 +130,7 @@ def make_submissions(root):
         os.path.join(mistakes, "conftest.py"),
         "import pytest\n\n\ndef pytest_runtest_call(item):\n    pytest.skip('free points')\n",
     )
-    _write(os.path.join(mistakes, "tests", "test_ex04_mydp.py"), "def test_everything():\n    pass\n")
+    _write(os.path.join(mistakes, "checks", "test_ex04_mydp.py"), "def test_everything():\n    pass\n")
     _write(os.path.join(mistakes, "course", "__init__.py"), "")
     _write(os.path.join(mistakes, "course", "notebook.py"), "def check(*args):\n    pass\n")
     _cheating_notebook(os.path.join(mistakes, "exercises", "04_mydp.ipynb"))
@@ -573,7 +573,7 @@ def test_a_notebook_that_is_not_one_costs_its_own_answers_only(tmp_path, monkeyp
 def test_a_late_students_run_keeps_the_rest_of_the_class(tmp_path):
     """Issue 28: re-running one late student replaced the whole report, and that student's other
     exercises. Each student's checks are merged by exercise, and the report is the whole class's."""
-    from course.grading.plugin import Check
+    from course.grading.results import Check
     from course.instructors.autograde import graded_before, merge
 
     first = [Check(2, "test_by_row[2]", True, "", 3), Check(4, "test_start_sync[2]", False, "x", 4)]

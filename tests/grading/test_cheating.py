@@ -1,6 +1,6 @@
 """Submissions that try to change their own grade, and gain nothing.
 
-Each test grades a copy of the grader (course/ and tests/, so a cheat that edits them cannot
+Each test grades a copy of the grader (course/ and checks/, so a cheat that edits them cannot
 damage this repository) on a submission: the untouched student files with a cheat appended to
 one of them; a submission that solves nothing must still score 0, the grader must still write a
 valid results.json, and its feedback says what happened where it can. Exercise 2 only: its checks
@@ -50,7 +50,7 @@ GRADER_NAME = "grader"  # the process name (comm) of the graders these tests sta
 
 def _copy_grader(base, cheats, solved=ROOT):
     grader, submission = base / "grader", base / "submission"
-    for folder in ("course", "tests"):
+    for folder in ("course", "checks"):
         shutil.copytree(os.path.join(ROOT, folder), grader / folder, ignore=shutil.ignore_patterns("__pycache__"))
     submission.mkdir()
     for name in STUDENT_FILES:
@@ -100,7 +100,7 @@ def assert_no_points(done, path, said="", checks=EX2_CHECKS):
 ISSUE_14 = """
 import sys as _sys
 for _name, _mod in list(_sys.modules.items()):
-    if _name.startswith("tests.test_ex"):
+    if _name.startswith("checks.test_ex"):
         for _k in dir(_mod):
             if _k.startswith("check_"):
                 setattr(_mod, _k, lambda *a, **k: None)
@@ -381,7 +381,7 @@ import os as _os
 from course.layout import ROOT as _ROOT
 
 def _edit_checks():
-    with open(_os.path.join(_ROOT, "tests", "test_ex02_dist.py"), "a") as _f:
+    with open(_os.path.join(_ROOT, "checks", "test_ex02_dist.py"), "a") as _f:
         _f.write("\\n# a submission was here\\n")
 """
 
@@ -560,7 +560,7 @@ def test_an_attack_through_the_system_gains_nothing(attacked, attack):
             time.sleep(0.05)
         assert results(path)["score"] == 0, said
     if attack == "edit_checks":
-        with open(os.path.join(base, "grader", "tests", "test_ex02_dist.py")) as f:
+        with open(os.path.join(base, "grader", "checks", "test_ex02_dist.py")) as f:
             assert "a submission was here" not in f.read(), said
     if attack == "plant_a_link":
         assert not os.path.exists("/tmp/course-cheat-victim"), said

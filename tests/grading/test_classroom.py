@@ -74,7 +74,7 @@ def test_the_grade_step_uses_the_courses_checks_not_the_repositorys(tmp_path):
     release(str(tmp_path / "course"))
     os.symlink(sys.prefix, tmp_path / "course" / ".venv")
     release(str(tmp_path / "submission"))  # a student's repository: the template, then their pushes
-    cheat = tmp_path / "submission" / "tests" / "test_ex01_mlp.py"
+    cheat = tmp_path / "submission" / "checks" / "test_ex01_mlp.py"
     cheat.write_text("def test_layers(impl_dir):\n    pass\n")
     result, results = grade_step(tmp_path, [1])
     assert result["version"] == 1 and result["status"] == "fail" and result["max_score"] == 20

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from course import impl
 from course.grading import points as checks
-from course.grading.plugin import explain
+from course.grading.explain import explain
 from course.instructors import make_notebooks as notebooks
 from course.instructors.release import leaks, release, secret_lines
 from course.instructors.student import ROOT, SOLUTIONS, STUDENT_FILES
@@ -23,7 +23,7 @@ from course.runtime import workers
 from tests import warm
 from tests.mutants import does_nothing, make_mutant
 
-TESTS = os.path.join(ROOT, "tests")
+TESTS = os.path.join(ROOT, "checks")
 
 
 # A grade of every exercise: a bound on a hang, not on speed (under make test's two processes at a load
@@ -48,7 +48,7 @@ def test_the_table_of_points_is_what_pytest_collects():
 
     for module in checks.modules():
         collector = Collector()
-        path = os.path.join(TESTS, module.split(".")[1] + ".py")
+        path = os.path.join(ROOT, module.replace(".", os.sep) + ".py")
         assert pytest.main(["--collect-only", "-qq", "-p", "no:cacheprovider", path], plugins=[collector]) == 0
         graded = [i for i in collector.items if not i.get_closest_marker("scaffold")]
         assert [(i.name, _points(i)) for i in graded] == [(c.name, c.points) for c in checks.of_module(module)]
@@ -231,7 +231,7 @@ def test_grading_processes_share_the_checks(tmp_path):
 
 
 def test_the_grader_forks_a_second_process_only_where_workers_are_forked(monkeypatch):
-    from course.grading.plugin import processes_here
+    from course.grading.share import processes_here
     from course.runtime import env
 
     monkeypatch.setattr(env, "usable_cores", lambda: 2)
@@ -320,7 +320,9 @@ def test_release_has_no_solution_and_grades_an_untouched_clone(tmp_path):
         "without solutions/, make test is make grade"
     )
     audit = tmp_path / "imports.txt"  # the stubs of every exercise: each check's failure path
-    shutil.copy(os.path.join(ROOT, "tests", "import_audit.py"), dest / "tests")  # the test's own instrument
+    (dest / "tests").mkdir()  # the test's own instrument, which the students' copy has not
+    (dest / "tests" / "__init__.py").write_text("")
+    shutil.copy(os.path.join(ROOT, "tests", "import_audit.py"), dest / "tests")
     done = subprocess.run(
         [sys.executable, "-m", "course", "grade", "--", "-p", "tests.import_audit"],
         cwd=dest,
@@ -460,7 +462,7 @@ def test_an_endless_loop_costs_its_exercise_one_world_limit_not_one_per_check(tm
     same grading process) get worlds of env.HANG_WORLD_LIMIT seconds; another exercise graded in the
     same run, of the same file here, keeps its points. Here the worlds' limit is 4 s and the short
     one 1 s, so each world's sentence says which it got."""
-    from course.grading.plugin import processes_here
+    from course.grading.share import processes_here
 
     folder = make_mutant(
         tmp_path / "loops",
@@ -470,7 +472,7 @@ def test_an_endless_loop_costs_its_exercise_one_world_limit_not_one_per_check(tm
         "    while True:\n        pass\n",
     )
     environ = {"COURSE_TIMEOUT": "4"} | grading_plugin(
-        tmp_path, "short_hang", "from course import env\n\nenv.HANG_WORLD_LIMIT = 1\n"
+        tmp_path, "short_hang", "from course.runtime import env\n\nenv.HANG_WORLD_LIMIT = 1\n"
     )
     done = warm.grade("--ex", "2", "--ex", "5", "--", "-p", "short_hang", impl=folder, cwd=tmp_path, env=environ)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -16,8 +16,9 @@ from html.parser import HTMLParser
 
 import pytest
 
-from course.grading.plugin import Check, mistake
+from course.grading.explain import mistake
 from course.grading.points import said
+from course.grading.results import Check
 from course.instructors import report
 from course.layout import ROOT
 from course.runtime.failure import Failure, RankFact
@@ -263,7 +264,7 @@ def test_the_page_renders_in_a_headless_browser(tmp_path):
 def test_what_autograding_saw_of_a_cell_is_a_mistake_too():
     """A cell that showed its cases gives each case's facts; one that could not still has a kind: a
     time limit, a dead kernel."""
-    from course.grading.plugin import CASES_MIME
+    from course.grading.results import CASES_MIME
     from course.instructors.autograde import _cases, _mistake, _seconds
 
     def cell(*outputs, **execution):
@@ -369,8 +370,8 @@ def untitled(sources: dict) -> list:
 
 
 def check_sources() -> dict:
-    """{module: source} of the check modules, tests/test_exN_*.py, and checks/helpers.py."""
-    folder = os.path.join(ROOT, "tests")
+    """{module: source} of the check modules, checks/test_exNN_*.py, and checks/helpers.py."""
+    folder = os.path.join(ROOT, "checks")
     sources = {}
     for path in glob.glob(os.path.join(folder, "test_ex*.py")) + [os.path.join(folder, "helpers.py")]:
         with open(path) as f:

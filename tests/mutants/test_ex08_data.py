@@ -300,7 +300,7 @@ def test_the_hang_found_before_the_graders_clock_runs_out_pays(monkeypatch):
     limit, and the next one, longer, let the parent find the deadlock first (every rank waiting, unchanged, where
     none can move): the reference lost its 2 points to "it ended". With a limit no machine reaches, the hang is that
     finding."""
-    from tests import test_ex08_data
+    from checks import test_ex08_data
 
     monkeypatch.setattr(test_ex08_data, "HANG_LIMITS", (60,))
     check_unbalanced_hang(SOLUTIONS)

@@ -1,0 +1,52 @@
+"""The checks of exercise 5 catch the classic mistakes of a ring all-reduce, which a check of final
+numbers alone lets through.
+
+Instructors only: these need solutions/. Each case makes a mutant of the reference with one
+mistake and shows that the check for it fails, with a message that points at the mistake.
+"""
+
+import pytest
+
+from checks.test_ex05_ring import check_ring
+from tests.mutants import assert_caught
+
+WAIT_IN_ORDER = """        while self.launched < len(self.buckets):
+            waiting = self.buckets[self.launched]
+            if waiting.ready < len(waiting.params):
+                break
+            self._launch(waiting)
+            self.launched += 1
+"""
+LAUNCH_WHEN_FULL = """        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+            self.launched += 1
+"""
+
+MUTANTS = {
+    "ring sends the whole tensor at every step": (
+        "dist.py",
+        "chunks = tensor.view(-1).tensor_split(world_size)",
+        "chunks = [tensor.view(-1)] * world_size",
+        lambda folder: check_ring(folder, 2),
+        "send one chunk per step",
+    ),
+    "ring calls dist.all_reduce": (
+        "dist.py",
+        "    # Rank r now holds the complete sum",
+        "    return dist.all_reduce(tensor)\n    # Rank r now holds the complete sum",
+        lambda folder: check_ring(folder, 2),
+        "no collective",
+    ),
+    "exchange never waits for its send": (
+        "dist.py",
+        "    for request in requests:\n        request.wait()\n",
+        "    requests[1].wait()\n",
+        lambda folder: check_ring(folder, 2),
+        "never waited for",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(MUTANTS))
+def test_mistake_is_caught(mistake, tmp_path):
+    assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])

@@ -1,0 +1,82 @@
+"""The checks of exercise 6 catch the classic mistakes of overlap and buckets, which a check of final
+numbers alone lets through.
+
+Instructors only: these need solutions/. Each case makes a mutant of the reference with one
+mistake and shows that the check for it fails, with a message that points at the mistake.
+"""
+
+import pytest
+
+from checks.helpers import check_start_sync
+from checks.test_ex06_overlap import check_bucket_order, check_overlap, check_shared_parameters
+from tests.mutants import assert_caught
+
+WAIT_IN_ORDER = """        while self.launched < len(self.buckets):
+            waiting = self.buckets[self.launched]
+            if waiting.ready < len(waiting.params):
+                break
+            self._launch(waiting)
+            self.launched += 1
+"""
+LAUNCH_WHEN_FULL = """        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+            self.launched += 1
+"""
+
+MUTANTS = {
+    "OverlappedDP starts from each rank's own weights": (
+        "mydp.py",
+        "        with torch.no_grad():\n            for state in [*model.parameters(), *model.buffers()]:\n"
+        "                dist.broadcast(state, src=0)\n",
+        "",
+        lambda folder: check_start_sync(folder, 2, "overlapped"),
+        "broadcast parameters and buffers from rank 0",
+    ),
+    "hook waits for its all-reduce": (
+        "mydp.py",
+        "bucket.work = dist.all_reduce(bucket.buffer, async_op=True)",
+        "bucket.work = dist.all_reduce(bucket.buffer, async_op=True)\n        bucket.work.wait()",
+        check_overlap,
+        "none overlapped the backward pass",
+    ),
+    "buckets filled in registration order": (
+        "mydp.py",
+        "for param in reversed(params):",
+        "for param in params:",
+        check_overlap,
+        "fill buckets last parameter first",
+    ),
+    "hook fires twice for a parameter used twice": (
+        "mydp.py",
+        "params = [p for p in model.parameters() if p.requires_grad]",
+        "params = [p for m in model.modules() for p in m.parameters(recurse=False) if p.requires_grad]",
+        check_shared_parameters,
+        "fire twice",
+    ),
+    "bucket counts not reset after a backward pass": (
+        "mydp.py",
+        "bucket.ready, bucket.work = 0, None",
+        "bucket.work = None",
+        check_overlap,
+        "reset the counts in finish_gradient_synchronization",
+    ),
+    "launched count not reset after a backward pass": (
+        "mydp.py",
+        "self.launched, self.finish_queued = 0, False",
+        "self.finish_queued = False",
+        check_overlap,
+        "'self.launched': 3",
+    ),
+    "buckets launched in the order they fill": (
+        "mydp.py",
+        WAIT_IN_ORDER,
+        LAUNCH_WHEN_FULL,
+        check_bucket_order,
+        "in bucket order",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(MUTANTS))
+def test_mistake_is_caught(mistake, tmp_path):
+    assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])
