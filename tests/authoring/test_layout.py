@@ -13,7 +13,18 @@ from course.layout import ROOT, released_files
 
 # course/'s layers, lowest first: a module imports only from its own layer or one below it.
 LAYERS = (
-    ("base", ("course", "course.exercises", "course.kinds", "course.layout", "course.device", "course.impl", "course.timeline")),
+    (
+        "base",
+        (
+            "course",
+            "course.exercises",
+            "course.kinds",
+            "course.layout",
+            "course.device",
+            "course.impl",
+            "course.timeline",
+        ),
+    ),
     ("runtime", ("course.runtime",)),
     ("student API", ("course.launch", "course.flags", "course.memory")),
     ("grading", ("course.grading",)),

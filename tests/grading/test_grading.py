@@ -21,6 +21,7 @@ from course.launch import WorldFailed, run
 from course.layout import graded_elsewhere, graded_exercises
 from course.runtime import workers
 from tests import warm
+from tests.grading.test_grades_unchanged import compare
 from tests.mutants import does_nothing, make_mutant
 
 TESTS = os.path.join(ROOT, "checks")
@@ -285,6 +286,8 @@ def test_no_check_gives_points_to_code_that_does_nothing(tmp_path):
         and not passed
         and len(found["tests"]) == sum(map(len, map(checks.of_module, checks.modules())))
     ), passed
+    differ = compare(found["tests"], "does_nothing")  # and each sentence is what it was before issue 46's move
+    assert not differ, "\n".join(differ)
 
 
 def test_release_has_no_solution_and_grades_an_untouched_clone(tmp_path):
@@ -336,6 +339,8 @@ def test_release_has_no_solution_and_grades_an_untouched_clone(tmp_path):
     with open(dest / "results.json") as f:
         results = json.load(f)
     assert results["score"] == 0 and results["tests"]
+    differ = compare(results["tests"], "stubs")  # each sentence is what it was before issue 46's move
+    assert not differ, "\n".join(differ)
     messages, exercise = {}, None
     for line in done.stdout[done.stdout.index("exercise") :].splitlines():
         if re.match(r" +\d+ ", line):
