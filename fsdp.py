@@ -1,5 +1,4 @@
 # Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
-# ruff: noqa: F401, F821, F841, B007
 """Exercise 13: fully sharded data parallelism by hand: gradients sharded (ZeRO-2), then parameters too (ZeRO-3).
 
     python fsdp.py --world-size 2          # DDP, ZeRO-1, ZeRO-2, ZeRO-3: bytes per rank, step time, loss
@@ -301,3 +300,5 @@ if __name__ == "__main__":
     )
     if args.check_collectives:  # built-in DDP's collectives go through a group of their own, unchecked
         print("step ms: every collective but DDP's is checked; time them with --no-check-collectives")
+
+# ruff: noqa: F401, F821, F841, B007 - what a stub leaves unused or undefined until it is written

@@ -1,5 +1,4 @@
 # Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
-# ruff: noqa: F401, F821, F841, B007
 """Exercises 1 and 3: train a toy MLP on one process, then data-parallel with built-in DDP.
 
     python mlp.py                    # exercise 1: one process
@@ -236,3 +235,5 @@ if __name__ == "__main__":
     print(asdict(config) | {"world_size": args.world_size})
     # A world of one trains right here, without a process group: exercise 1 needs no DDP.
     report(launch(train, args.world_size, config, args.check, single_process=True, **launch_options(args))[0])
+
+# ruff: noqa: F401, F821, F841, B007 - what a stub leaves unused or undefined until it is written

@@ -1,5 +1,4 @@
 # Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
-# ruff: noqa: F401, F821, F841, B007
 """Exercise 9: what the ranks must agree on besides their gradients.
 
     python sync.py --world-size 2                  # BatchNorm on 2 ranks: per rank, synchronised, one process
@@ -272,3 +271,5 @@ if __name__ == "__main__":
         print(
             f"wrote {stem}.json; no {args.non_iid_plot}: matplotlib is not installed (python3 -m course setup --notebooks)"
         )
+
+# ruff: noqa: F401, F821, F841, B007 - what a stub leaves unused or undefined until it is written

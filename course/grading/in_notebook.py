@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 from course import impl
 from course.layout import ROOT
-from course.runtime import env, sandbox, workers
+from course.runtime import env, processes, sandbox, workers
 
 # The settings the test suite uses, applied before torch is imported; and the checks live in tests/.
 os.environ.update(env.check_settings())
@@ -105,7 +105,7 @@ def _serve(conn) -> None:
     """The checks' own process: run the checks it is sent, one after another, answering each with
     one sentence ('' for passed) and the mistake's facts. Its worlds of workers are kept from one
     check to the next (course/runtime/workers.py): they start once, not once per check."""
-    workers.die_with_parent()
+    sandbox.die_with_parent()
     sandbox.protect()
     workers.sandbox_every_world()
     if hasattr(os, "setpgid"):
@@ -113,15 +113,15 @@ def _serve(conn) -> None:
         # until none is left, reaping none (2.6 s a kernel). This process ends when its pipe closes.
         os.setpgid(0, 0)
     # The kernel's descriptors, forked with it, held open between checks, would stop its shutdown.
-    workers.private_descriptors({conn.fileno()})
-    workers.drop_streams()
+    processes.private_descriptors({conn.fileno()})
+    processes.drop_streams()
     torch.set_num_threads(1)  # the judges compare small tensors; their workers have threads of their own
     faulthandler.enable()  # a crash shows its Python stack in the cell's output
     usual_limit = os.environ["COURSE_TIMEOUT"]  # a world's, under the checks (env.check_settings)
     while True:
         try:
             asked = _receive(conn)
-            workers.take_streams(conn)
+            processes.take_streams(conn)
         except EOFError:  # the kernel is gone
             break
         where, kwargs = asked["folder"], asked["kwargs"]
@@ -136,7 +136,7 @@ def _serve(conn) -> None:
             verdict, facts = "", None
         except Exception as error:  # noqa: BLE001 - any failure of the check is the student's to read
             verdict, facts = explain(error) or type(error).__name__, mistake(error)
-        workers.drop_streams()
+        processes.drop_streams()
         _send(conn, {"verdict": verdict, "facts": facts})
     workers.stop_kept()
 
@@ -166,7 +166,7 @@ def _stop_checks_process() -> None:
         _checker["conn"].close()
         _checker["process"].join(timeout=10)
         if _checker["process"].is_alive():
-            workers.stop_tree(_checker["process"].pid, _checker["process"].join)
+            processes.stop_tree(_checker["process"].pid, _checker["process"].join)
         _checker.clear()
 
 
@@ -195,7 +195,7 @@ def _ask(fn, kwargs: dict, after_a_hang: bool = False) -> tuple:
     try:
         asked = {"module": fn.__module__, "name": fn.__qualname__, "folder": folder(), "kwargs": kwargs}
         _send(conn, asked | {"after_a_hang": after_a_hang})
-        workers.send_streams(conn, process.pid)
+        processes.send_streams(conn, process.pid)
         # In short waits: Python acts on a signal between two of them, whichever of the kernel's
         # threads received it, whereas a read blocked in the main thread ends only with the check.
         while not conn.poll(_INTERRUPT_LATENCY):
@@ -209,7 +209,7 @@ def _ask(fn, kwargs: dict, after_a_hang: bool = False) -> tuple:
         return verdict, {"kind": "check_died", "exit_code": process.exitcode}
     except BaseException:  # Ctrl-C (the kernel interrupted): the check and its workers stop
         _checker.clear()
-        workers.stop_tree(process.pid, process.join)
+        processes.stop_tree(process.pid, process.join)
         raise
 
 

@@ -43,7 +43,7 @@ class Share:
     """A forked copy of the grading process that runs some of the checks.
 
     It reports to the process it was forked from through a pipe that no worker keeps
-    (course/runtime/workers.py closes every inherited descriptor in a worker), as JSON: nothing read from
+    (course/runtime/processes.py cuts a worker off every descriptor it inherited), as JSON: nothing read from
     it can run code here. It dies with that process, and leaves Ctrl-C to it. Reports missing when
     it ends (it crashed, or ran past its time) fail their checks as grader errors.
     """
@@ -59,7 +59,7 @@ class Share:
             try:
                 os.close(reader)
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
-                workers.die_with_parent()
+                sandbox.die_with_parent()
                 sandbox.protect()
                 reports = [
                     self.config.hook.pytest_report_to_serializable(config=self.config, report=r)
@@ -93,14 +93,14 @@ class Share:
         """The reports it sent, once it has ended; a failed one for each check it did not report."""
         from _pytest.reports import TestReport
 
-        from course.runtime import workers
+        from course.runtime import processes
 
         try:
             found = json.loads(self._read())
             sent, self.changed = found["reports"], found["changed"]
         except (ValueError, KeyError, TypeError, TimeoutError) as error:
             sent, status = [], f"{type(error).__name__}: {error}"
-            workers.stop_tree(self.pid)
+            processes.stop_tree(self.pid)
         else:
             status = f"exit status {os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])}"
         self.pid = None
@@ -114,7 +114,7 @@ class Share:
 
     def stop(self) -> None:
         if self.pid:  # it has not ended: this process was interrupted
-            from course.runtime import workers
+            from course.runtime import processes
 
-            workers.stop_tree(self.pid)
+            processes.stop_tree(self.pid)
         os.close(self.pipe)

@@ -18,27 +18,11 @@ import sys
 import tempfile
 import time
 
+from course.exercises import EXERCISES
 from course.runtime.compat import NEWEST, OLDEST
 
-# The reference scripts, as `make demo` runs them: each exercise file's main paths.
-SCRIPTS = (
-    "mlp.py --niters 300",
-    "dist.py --world-size 3",
-    "mlp.py --world-size 2 --niters 300 --check",
-    "mydp.py --world-size 2 --niters 300 --compare",
-    "data.py --world-size 3",
-    "data.py --world-size 2 --uneven join",
-    "sync.py --world-size 2",
-    "zero.py --world-size 2 --niters 300",
-    "zero.py --world-size 2 --niters 300 --bf16-hook",
-    "hvd.py --world-size 2 --niters 300",
-    "cost.py",
-    "fsdp.py --world-size 2 --niters 50",
-    "tp.py --world-size 2 --niters 300",
-    "tp.py --world-size 2 --niters 300 --sequence-parallel",
-    "pp.py --world-size 2 --schedule 1f1b --niters 300",
-    "nd.py --dp 2 --tp 2 --niters 100",
-)
+# The reference scripts, as `make demo` runs them: each exercise's (course/exercises.py).
+SCRIPTS = tuple(script for exercise in EXERCISES for script in exercise.demo)
 
 
 def venv_for(version: str, cache: str | None = None) -> str:

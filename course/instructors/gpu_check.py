@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from course import impl
 from course.device import current_device, using
+from course.exercises import EXERCISES
 from course.instructors.student import SOLUTIONS
 from course.launch import WorldFailed, run
 
@@ -44,7 +45,8 @@ MATMUL_SHAPE = (1000, 700, 500)  # no side divides by a small world size: the pa
 # Exercise 13 trains with Adam at fsdp.py's own rate. At mlp.py's 0.1, set for SGD, Adam diverges
 # and where it ends is chaotic: a 1e-7 nudge of the initial weights moved the final loss by up to 0.9.
 FSDP_LR = 1e-3
-MULTI_RANK = {2, 3, 4, 5, 6, 13, 14, 15, 16}  # the exercises whose cases run on more than one rank
+# The exercises whose rows run on more than one rank: all but exercise 1, which trains one process.
+MULTI_RANK = {exercise.number for exercise in EXERCISES if exercise.gpu} - {1}
 RING_LENGTH = 100_003  # not a multiple either; its sums over 16 ranks stay below 2**24, exact in float32
 
 
@@ -255,23 +257,27 @@ def compare(
             *(run(mesh_on_rank, world_size, code, even, **where)[0] for code, where in (on_cpu, on_device))
         )
 
-    cases = [
-        ("1 MLP, one process", 1, TOLERANCE[config.amp], alone),
-        ("2 matmul, by row and by reduction", world_size, ex.dist.MATMUL_TOLERANCE, matmul),
-        ("3 DDP", world_size, TOLERANCE[False], data_parallel("ddp")),
-        ("3 DDP --amp", world_size, TOLERANCE[True], data_parallel("ddp", amp=True)),
-        ("4 MyDP", world_size, TOLERANCE[False], data_parallel("mydp")),
-        ("4 MyDP --amp", world_size, TOLERANCE[True], data_parallel("mydp", amp=True)),
-        ("5 ring all-reduce", world_size, 0.0, ring),
-        ("6 OverlappedDP, 1 MiB buckets", world_size, TOLERANCE[False], data_parallel("overlapped")),
-        ("13 ZeRO-2 and ZeRO-3 (final test loss)", world_size, TOLERANCE[False], sharded(0, 1, against_ddp=True)),
-        ("13 ZeRO-3, bfloat16 gathers (final test loss)", world_size, TOLERANCE[True], sharded(2)),
-        ("14 tensor parallel (final loss)", world_size, TOLERANCE[False], tensor_parallel(False)),
-        ("14 sequence parallel (final loss)", world_size, TOLERANCE[False], tensor_parallel(True)),
-        ("15 pipeline, 1F1B", stages, TOLERANCE[False], pipeline),
-        ("16 data x tensor parallel mesh (final loss)", world_size, TOLERANCE[False], mesh),
-    ]
-    return [_row(*case) for case in cases if exercises is None or int(case[0].split()[0]) in exercises]
+    measures = {  # by row, as course/exercises.py names them: (world size, tolerance, measure)
+        "1 MLP, one process": (1, TOLERANCE[config.amp], alone),
+        "2 matmul, by row and by reduction": (world_size, ex.dist.MATMUL_TOLERANCE, matmul),
+        "3 DDP": (world_size, TOLERANCE[False], data_parallel("ddp")),
+        "3 DDP --amp": (world_size, TOLERANCE[True], data_parallel("ddp", amp=True)),
+        "4 MyDP": (world_size, TOLERANCE[False], data_parallel("mydp")),
+        "4 MyDP --amp": (world_size, TOLERANCE[True], data_parallel("mydp", amp=True)),
+        "5 ring all-reduce": (world_size, 0.0, ring),
+        "6 OverlappedDP, 1 MiB buckets": (world_size, TOLERANCE[False], data_parallel("overlapped")),
+        "13 ZeRO-2 and ZeRO-3 (final test loss)": (world_size, TOLERANCE[False], sharded(0, 1, against_ddp=True)),
+        "13 ZeRO-3, bfloat16 gathers (final test loss)": (world_size, TOLERANCE[True], sharded(2)),
+        "14 tensor parallel (final loss)": (world_size, TOLERANCE[False], tensor_parallel(False)),
+        "14 sequence parallel (final loss)": (world_size, TOLERANCE[False], tensor_parallel(True)),
+        "15 pipeline, 1F1B": (stages, TOLERANCE[False], pipeline),
+        "16 data x tensor parallel mesh (final loss)": (world_size, TOLERANCE[False], mesh),
+    }
+    missing = [row for exercise in EXERCISES for row in exercise.gpu if row not in measures]
+    if missing:
+        raise ValueError(f"rows of course/exercises.py with no measure here: {missing}")
+    chosen = [e for e in EXERCISES if exercises is None or e.number in exercises]
+    return [_row(row, *measures[row]) for exercise in chosen for row in exercise.gpu]
 
 
 def _row(case: str, world_size: int, tolerance: float, measure) -> Row:

@@ -32,49 +32,34 @@ What went wrong is diagnosed in course/runtime/failure.py; ``WorldFailed.failure
 
 from __future__ import annotations
 
-import _thread
 import atexit
-import collections
 import dataclasses
-import faulthandler
 import gc
 import importlib
 import io
 import multiprocessing as mp
 import os
 import pickle
-import random
 import shutil
 import signal
-import stat
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import timedelta
-from multiprocessing import reduction
 from multiprocessing.connection import wait
 from typing import Any
 
-import numpy
 import torch
-import torch.distributed as dist
 
 from course import impl
-from course.device import bound_device
-from course.device import select as select_device
 from course.layout import ROOT
-from course.runtime import compat, env, failure, sandbox
+from course.runtime import env, failure, sandbox
 from course.runtime.instrument import (
-    Agreement,
-    Board,
-    Loops,
-    PointToPoint,
-    Waits,
     read_board,
 )
+from course.runtime.processes import PASS_STREAMS, descendants, kill, processes, reap, send_streams
+from course.runtime.worker import WorkerSettings, board_path, worker
 
 
 class WorldFailed(RuntimeError):
@@ -92,81 +77,6 @@ class WorldFailed(RuntimeError):
         return self.summary
 
 
-@dataclass(frozen=True)
-class _WorkerSettings:
-    world_size: int
-    threads: int
-    backend: str
-    device: str  # "cpu", or "cuda": rank r takes cuda:r
-    store_path: str
-    port: int | None
-    stack_dir: str
-    collective_timeout: float
-    env: dict
-    keep: bool
-    sandbox: str  # course/runtime/sandbox.py's level for this world: "uid", "namespaces" or "none"
-    guard: Any = None  # what its workers need of the world's sandbox.Guard (its handle)
-    view: tuple | None = None  # where grades are made: all its workers see (sandbox.view: the course, the code graded)
-    reference: bool = False  # a world of this repository's code and torch only: it loads no code under test
-    compare: bool = (
-        False  # the ranks compare each collective before it starts (course/runtime/instrument.py's Agreement)
-    )
-
-
-# --- processes: die with the parent, and take descendants along -------------------------------
-
-die_with_parent = sandbox.die_with_parent
-
-
-def _processes() -> dict:
-    """pid -> parent pid, from /proc (Linux; empty elsewhere)."""
-    parents = {}
-    if not os.path.isdir("/proc"):
-        return parents
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    return parents
-
-
-def descendants(pids, parents: dict | None = None) -> list:
-    parents = _processes() if parents is None else parents
-    found, todo = [], list(pids)
-    while todo:
-        kids = [p for p, parent in parents.items() if parent == todo[-1]]
-        todo.pop()
-        found += kids
-        todo += kids
-    return found
-
-
-def _kill(pids) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def _reap(pids, seconds: float = 2.0) -> None:
-    """Wait for killed processes that were (or became, as orphans) our children: no zombies."""
-    todo, end = set(pids), time.monotonic() + seconds
-    while todo and time.monotonic() < end:
-        for pid in list(todo):
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    todo.discard(pid)
-            except ChildProcessError:  # not ours (yet: its parent is still dying), or gone
-                if not os.path.exists(f"/proc/{pid}"):
-                    todo.discard(pid)
-        if todo:
-            time.sleep(0.01)
-
-
 _live_lock = threading.Lock()
 _live: set = set()  # pids of the workers of every world now running in this process
 
@@ -177,338 +87,6 @@ def _own_helpers() -> set:
 
     helpers = {forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid}
     return {p for p in helpers if p} | {c.pid for c in mp.active_children()}
-
-
-# --- in the worker --------------------------------------------------------------------------
-
-# Where a call's stdout and stderr go travels with the call, as descriptors (not on Windows, whose
-# spawned workers write to the console they inherit): a kept worker writes where its caller's
-# output goes now (a notebook cell's, a test's capture), not where it went when the world started.
-_PASS_STREAMS = sys.platform != "win32"
-
-
-def private_descriptors(keep: set) -> None:
-    """Cut every descriptor inherited through fork but ``keep`` and 0, 1, 2 off what it reached
-    (pytest-xdist's channel, the other ranks' pipes, the other kept worlds', a Jupyter kernel's
-    output pipes, whose readers wait for every writer to close them).
-
-    Each is pointed at /dev/null rather than closed: a Python file object inherited with it may
-    still close it when collected, and must not close a descriptor that gloo opened since.
-    """
-    listing = next((d for d in ("/proc/self/fd", "/dev/fd") if os.path.isdir(d)), None)  # Linux, macOS
-    inherited = [int(fd) for fd in os.listdir(listing) if int(fd) > 2 and int(fd) not in keep] if listing else []
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in inherited:
-        if fd != null:
-            try:
-                os.dup2(null, fd, inheritable=False)
-            except OSError:  # listdir's own descriptor, closed by now
-                pass
-    os.close(null)
-    sys.unraisablehook = sys.__unraisablehook__  # not the test runner's, inherited through fork
-    sys.stdin = open(os.devnull)
-    # Whole lines, each in one write: two ranks never interleave mid-line.
-    sys.stdout = open(1, "w", buffering=1, closefd=False, encoding="utf-8", errors="backslashreplace")
-    sys.stderr = open(2, "w", buffering=1, closefd=False, encoding="utf-8", errors="backslashreplace")
-
-
-def _send(conn, message) -> None:
-    buffer = io.BytesIO()
-    torch.save(message, buffer)
-    conn.send_bytes(buffer.getvalue())
-
-
-def send_streams(conn, pid: int) -> None:
-    """Hand the process at the other end of conn (a duplex Pipe) this process's stdout and stderr."""
-    if _PASS_STREAMS:
-        for fd in (1, 2):
-            reduction.send_handle(conn, fd, pid)
-
-
-def take_streams(conn) -> None:
-    """Write, from now on, where send_streams's caller writes."""
-    if _PASS_STREAMS:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for target in (1, 2):
-            fd = reduction.recv_handle(conn)
-            os.dup2(fd, target)
-            os.close(fd)
-
-
-def drop_streams() -> None:
-    """Write to the null device until take_streams: a process kept between calls must not hold its
-    caller's output open (a Jupyter kernel waits at shutdown for every writer of its output to close it)."""
-    if _PASS_STREAMS:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        null = os.open(os.devnull, os.O_WRONLY)
-        for target in (1, 2):
-            os.dup2(null, target)
-        os.close(null)
-
-
-# What a call must leave as it found it for its world to be kept: a function of these replaced
-# (a patched all_reduce, a wrapped Module.__call__) would reach the next call.
-_WATCHED = ("torch", "torch.distributed", "torch.nn.functional", "torch.optim", "torch.nn.parallel")
-
-
-def _watched() -> list:
-    import torch.nn.parallel  # noqa: F401 - imported by torch.distributed's users anyway
-
-    objects = [sys.modules[name] for name in _WATCHED] + [torch.Tensor, torch.nn.Module, torch.optim.Optimizer]
-    objects.append(torch.nn.parallel.DistributedDataParallel)
-    return [(o, dict(vars(o))) for o in objects]
-
-
-_GONE = object()
-_TIMERS = [getattr(signal, name) for name in ("ITIMER_REAL", "ITIMER_VIRTUAL", "ITIMER_PROF") if hasattr(signal, name)]
-
-
-def _listing(folder: str) -> set:
-    try:
-        return set(os.listdir(folder))
-    except OSError:  # not Linux
-        return set()
-
-
-def _descriptors() -> dict:
-    """This process's open descriptors but stdout and stderr (each call's own): what each reaches
-    (its type, device and inode)."""
-    found = {}
-    for fd in (_listing("/proc/self/fd") or _listing("/dev/fd")) - {"1", "2"}:
-        try:
-            st = os.fstat(int(fd))
-        except OSError:  # the listing's own, closed by now
-            continue
-        found[int(fd)] = (stat.S_IFMT(st.st_mode), st.st_dev, st.st_ino)
-    return found
-
-
-def _outputs() -> set:
-    """What this call's stdout and stderr reach."""
-    return {(st.st_dev, st.st_ino) for st in map(os.fstat, (1, 2))}
-
-
-def _own_descriptors(first: dict, outputs: set) -> bool:
-    """Whether every descriptor but stdout and stderr is the world's own: one its first call found,
-    or one of those a process group opens (a socket, a pipe with both ends here, an epoll's, which
-    reach nothing outside the world); and none reaches this call's output, which a descriptor kept
-    would write into after the call (a notebook kernel's, say)."""
-    now = _descriptors()
-    held = collections.Counter(now.values())
-    for fd, what in now.items():
-        if what[1:] in outputs:
-            return False
-        own = what[0] in (stat.S_IFSOCK, 0) or (what[0] == stat.S_IFIFO and held[what] == 2)
-        if first.get(fd) != what and not own:
-            return False
-    return True
-
-
-def _signal_state() -> list:
-    """What the kernel holds of this process's signals and timers, beyond Python's handlers: the
-    signals caught, ignored and blocked (handlers set from C, a mask) and its POSIX timers (Linux)."""
-    found = []
-    for path, kept in (("/proc/self/status", ("SigBlk", "SigIgn", "SigCgt")), ("/proc/self/timers", "")):
-        try:
-            with open(path) as f:
-                found += [line for line in f if line.startswith(kept)]
-        except OSError:  # not Linux, or a kernel without the timers' listing
-            pass
-    return found
-
-
-class _Baseline:
-    """What a kept worker's first call found: restored after each call, then checked."""
-
-    def __init__(self):
-        self.environ, self.cwd, self.path = dict(os.environ), os.getcwd(), list(sys.path)
-        self.rng = torch.random.get_rng_state(), random.getstate(), numpy.random.get_state()
-        self.threads, self.dtype = torch.get_num_threads(), torch.get_default_dtype()
-        self.python_threads = set(threading.enumerate())
-        # Every thread that Python started, or that runs Python, threading's or not.
-        self.started, self.running = _thread._count(), set(sys._current_frames())
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.attributes = _watched()
-        self.handlers = {s: signal.getsignal(s) for s in signal.valid_signals() if signal.getsignal(s) is not None}
-        self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, []) if hasattr(signal, "pthread_sigmask") else None
-        self.descriptors, self.signals = _descriptors(), _signal_state()
-
-    def restored(self) -> bool:
-        """Restore what a call may change; whether the rest is as the first call found it."""
-        os.environ.clear()
-        os.environ.update(self.environ)
-        os.chdir(self.cwd)
-        sys.path[:] = self.path
-        torch.random.set_rng_state(self.rng[0])
-        random.setstate(self.rng[1])
-        numpy.random.set_state(self.rng[2])
-        torch.set_num_threads(self.threads)
-        torch.set_default_dtype(self.dtype)
-        torch.set_grad_enabled(True)
-        # Timers first: a timer's signal after its handler is restored would find the default (an exit).
-        for timer in _TIMERS:
-            signal.setitimer(timer, 0)
-        for signum, handler in self.handlers.items():
-            if signal.getsignal(signum) is not handler:
-                signal.signal(signum, handler)
-        if self.mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
-        for folder in impl.loaded():  # the code under test is read again, as in a new worker
-            impl.forget(folder)
-        if not (dist.is_initialized() and (dist.get_rank(), dist.get_world_size()) == (self.rank, self.world_size)):
-            return False
-        if not set(threading.enumerate()) <= self.python_threads:
-            return False
-        if _thread._count() > self.started or not set(sys._current_frames()) <= self.running:
-            return False
-        # What cannot be undone from here ends the world: a handler or timer set from C, a descriptor kept.
-        if _signal_state() != self.signals or not _own_descriptors(self.descriptors, _outputs()):
-            return False
-        return all(
-            all(vars(o).get(name, _GONE) is value for name, value in saved.items()) for o, saved in self.attributes
-        )
-
-
-def _worker(rank: int, settings: _WorkerSettings, conn) -> None:
-    # Ctrl-C reaches every process in the terminal's group; only the parent acts on it, so the
-    # student sees one message rather than a KeyboardInterrupt traceback from every rank.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent()
-    sandbox.adopt_orphans()  # a daemon the student starts stays ours, to be stopped
-    stack_file = open(os.path.join(settings.stack_dir, f"rank{rank}.stack"), "w")
-    board = Board(_board(settings.stack_dir, rank))  # mapped: no descriptor to keep
-    private_descriptors({conn.fileno(), stack_file.fileno()})
-    drop_streams()  # until the first call brings its caller's
-    if settings.reference:
-        impl.refuse()
-    # Before any code under test: under "namespaces" this process forks, and only the child returns.
-    sandbox.confine(settings.sandbox, settings.guard, settings.stack_dir, settings.view)
-    if settings.sandbox != "none":
-        tempfile.tempdir = None  # TMPDIR is the world's folder now (settings.env): read it again
-    faulthandler.enable(file=stack_file)  # a crash (segfault, abort) leaves its stack too
-    os.environ.update(settings.env)
-    # The names torchrun sets, so code can ask os.environ["RANK"] as it would on a cluster.
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(settings.world_size))
-    compat.quiet_renamed_collectives()
-    messages = PointToPoint()
-    messages.install()
-    waits = Waits(rank, board, messages)
-    waits.install()
-    loops = Loops(stack_file)
-    torch.set_num_threads(settings.threads)
-    baseline = None
-    while True:
-        try:
-            fn, args = pickle.loads(conn.recv_bytes())
-            take_streams(conn)
-        except (EOFError, OSError):  # the parent ended, or stopped keeping this world
-            os._exit(0)
-        if hasattr(signal, "SIGUSR1"):  # the parent asks for the stack with it
-            loops.install()
-        code, kept, before = 1, False, None
-        try:
-            if baseline is None:  # the world's first call
-                gpus = torch.cuda.device_count() if settings.device == "cuda" else 0
-                select_device(
-                    env.choose_device(
-                        settings.device, settings.backend, rank, gpus, settings.world_size, same_gpus=True
-                    )
-                )
-                dist.init_process_group(
-                    settings.backend,
-                    store=_store(settings, rank),
-                    rank=rank,
-                    world_size=settings.world_size,
-                    timeout=timedelta(seconds=settings.collective_timeout),
-                    device_id=bound_device(settings.backend),
-                )
-                if settings.compare:
-                    Agreement().install(timedelta(seconds=settings.collective_timeout))
-                baseline = _Baseline()
-            messages.pending.clear()
-            messages.waiting = None
-            waits.clear()
-            before = _traffic()
-            result = fn(*args)
-            never_waited = messages.never_waited()
-            if never_waited:
-                _send(conn, ("error", failure.unwaited_report(rank, time.time(), never_waited), False))
-            else:
-                # A rank that skipped a collective arrives here while its peers wait inside that
-                # collective: the barrier turns the silent hang into a reported mismatch.
-                dist.barrier()
-                kept = settings.keep and baseline.restored()
-                imported = [m for m in env.ON_DEMAND_MODULES if m in sys.modules]
-                _send(conn, ("ok", {"result": result, "imported": imported}, kept))
-                code = 0
-                if not kept:
-                    # gloo takes about 20 ms to tear a group down: after the result, so that no one
-                    # waits for it (the parent stops the world as soon as every rank has answered).
-                    dist.destroy_process_group()
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-            report = failure.rank_report(rank, exc, time.time(), messages.waiting, waits.broken, messages.dropped())
-            # An exception raised before the rank made a group or sent anything (a stub's
-            # NotImplementedError) leaves no peer waiting for it: where every rank's is such, the
-            # parent keeps the world (_World.collect).
-            if settings.keep and isinstance(exc, Exception) and before is not None and _traffic() == before:
-                kept = baseline.restored()
-            _send(conn, ("error", report, kept))
-        finally:
-            _end_descendants()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            if not kept:
-                os._exit(code)
-            drop_streams()
-
-
-def _traffic() -> tuple | None:
-    """How many groups this rank has made, and the sequence number of each (torch counts every
-    collective and message of a group in it, barriers and monitored ones too); None where torch
-    cannot say."""
-    c10d = dist.distributed_c10d
-    try:
-        return c10d._world.group_count, tuple(g._get_sequence_number_for_group() for g in list(c10d._world.pg_map))
-    except Exception:  # noqa: BLE001 - a backend without sequence numbers: no call is taken for clean
-        return None
-
-
-def _end_descendants() -> None:
-    """Kill every process this worker started, and reap them: a kept world starts each call clean."""
-    if sandbox.in_own_namespace():  # every other process of the namespace is a descendant
-        try:
-            os.kill(-1, signal.SIGKILL)  # all at once: none can fork past it
-        except ProcessLookupError:
-            pass
-    else:
-        _kill(descendants([os.getpid()]))
-    while True:
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                break
-        except ChildProcessError:
-            break
-
-
-def _board(folder: str, rank: int) -> str:
-    """Where a rank says what it waits in (course/runtime/instrument.py's Board), in its world's folder."""
-    return os.path.join(folder, f"rank{rank}.waits")
-
-
-def _store(settings: _WorkerSettings, rank: int):
-    """Where the ranks meet: a file in the world's private folder, or a TCP port if one was asked for."""
-    if settings.port is None:
-        return dist.FileStore(settings.store_path, settings.world_size)
-    return dist.TCPStore(
-        "127.0.0.1",
-        settings.port,
-        settings.world_size,
-        is_master=rank == 0,
-        timeout=timedelta(seconds=settings.collective_timeout),
-        use_libuv=env.libuv_available(),
-    )
 
 
 # --- in the parent --------------------------------------------------------------------------
@@ -552,18 +130,6 @@ def ready_to_fork() -> None:
     _import_for_workers()
     _freeze_once()
     sandbox.adopt_orphans()
-
-
-def stop_tree(pid: int, join: Callable | None = None) -> None:
-    """Stop a child process and every process it started; reap them all. ``join``: how to wait
-    for the child when a multiprocessing.Process started it (its join reaps it)."""
-    started = descendants([pid])
-    _kill([pid, *started])
-    if join is None:
-        os.waitpid(pid, 0)
-    else:
-        join()
-    _reap(started)
 
 
 _frozen = False
@@ -639,7 +205,7 @@ def run(
     # Where grades are made, the workers see the course's public files and the code graded, no more.
     viewed = _every_world_sandboxed and confinement != "none" and not level.unseen
     view = submission_view() if viewed else None
-    keep = keep and port is None and _PASS_STREAMS
+    keep = keep and port is None and PASS_STREAMS
     key = (world_size, threads, backend, device, collective_timeout, method, tuple(sorted(child_env.items())))
     key += (confinement, view, reference, debug)
     world = _kept.take(key) if keep else None
@@ -651,7 +217,7 @@ def run(
                 world.stop()
                 world = None
         if world is None:
-            settings = _WorkerSettings(
+            settings = WorkerSettings(
                 world_size, threads, backend, device, "", port, "", collective_timeout, child_env, keep, confinement
             )
             # The comparison's exchanges are CPU tensors: gloo only (NCCL compares nothing, docs/design.md).
@@ -725,13 +291,13 @@ class _World:
         self.reusable = False
 
     @classmethod
-    def start(cls, method: str, settings: _WorkerSettings) -> _World:
+    def start(cls, method: str, settings: WorkerSettings) -> _World:
         """Start the ranks of settings in a private folder (its store and stack files)."""
         ctx = _context(method)
         _import_for_this_process()
         sandbox.adopt_orphans()  # a worker's orphans come here, to be stopped with the world
         workdir = tempfile.mkdtemp(prefix="course-world-")
-        children = {p for p, parent in _processes().items() if parent == os.getpid()}
+        children = {p for p, parent in processes().items() if parent == os.getpid()}
         world = cls(settings.world_size, workdir, children, None)
         try:
             settings = dataclasses.replace(settings, store_path=os.path.join(workdir, "store"), stack_dir=workdir)
@@ -754,7 +320,7 @@ class _World:
         try:
             for rank in range(world_size):
                 here, there = ctx.Pipe(duplex=True)  # a socket: descriptors travel on it (send_streams)
-                proc = ctx.Process(target=_worker, args=(rank, settings, there), name=f"rank{rank}", daemon=True)
+                proc = ctx.Process(target=worker, args=(rank, settings, there), name=f"rank{rank}", daemon=True)
                 with _live_lock:
                     proc.start()
                     _live.add(proc.pid)
@@ -806,7 +372,7 @@ class _World:
 
     def _boards(self) -> list | None:
         """Every rank's board, where every rank waits in something it says; else None."""
-        boards = [read_board(_board(self.stack_dir, r)) for r in range(self.world_size)]
+        boards = [read_board(board_path(self.stack_dir, r)) for r in range(self.world_size)]
         return boards if all(b is not None and b[1] is not None for b in boards) else None
 
     def _deadlock(self) -> failure.Failure | None:
@@ -886,7 +452,7 @@ class _World:
             self._ask(spinning, lambda r: failure.loop_frames(self._stack(r, offsets[r])), seconds=0.5)
             facts.update({r: failure.running(r, self._stack(r, offsets[r])) for r in spinning})
         for r in running:  # the collective it waits in, by its number: to tell a slow one from a mismatch
-            board = read_board(_board(self.stack_dir, r))
+            board = read_board(board_path(self.stack_dir, r))
             facts[r].instance = failure.instance(board[1] if board else None)
         return [facts[r] for r in running]
 
@@ -913,9 +479,9 @@ class _World:
     def stop(self) -> None:
         """Stop every process this world started: workers, what they started, and their orphans."""
         workers = [p.pid for p in self.procs if p.pid]
-        parents = _processes()
+        parents = processes()
         started = descendants(workers, parents)
-        _kill(started)
+        kill(started)
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
@@ -926,9 +492,9 @@ class _World:
         with _live_lock:
             _live.difference_update(workers)
             keep = self.children_before | _live | _own_helpers()
-        orphans = [p for p, parent in _processes().items() if parent == os.getpid() and p not in keep]
-        _kill(orphans)
-        _reap(set(started) | set(orphans))
+        orphans = [p for p, parent in processes().items() if parent == os.getpid() and p not in keep]
+        kill(orphans)
+        reap(set(started) | set(orphans))
         for conn in self.conns:
             conn.close()
         shutil.rmtree(self.stack_dir, ignore_errors=True)

@@ -668,9 +668,9 @@ def test_taking_the_notebook_kernels_socket_gains_nothing(attacked):
 
 # The worker rewrites what it sends back: where the probe failed (a stub), an empty list as its result.
 REWRITE_REPLIES = """
-import course.runtime.workers as _workers
+import course.runtime.worker as _worker
 
-_real_send = _workers._send
+_real_send = _worker.send
 
 
 def _send(conn, message):
@@ -679,7 +679,7 @@ def _send(conn, message):
     _real_send(conn, message)
 
 
-_workers._send = _send
+_worker.send = _send
 """
 
 # A hang made up by the worker: rank 0 raises what a rank stopped in a collective of data.py would, rank 1 returns
@@ -1109,7 +1109,7 @@ def test_a_level_without_a_view_makes_an_advisory_grade(tmp_path):
     probe says so here), the grade is made and said to be advisory, with the reason: in its last
     line and in results.json's extra_data."""
     probes = (
-        "from course import sandbox\n\n"
+        "from course.runtime import sandbox\n\n"
         "_probes = dict(sandbox._PROBES)\n"
         "sandbox._PROBES.update({n: (lambda p: lambda r, s: (p(r, None)[0], 'no view here'))(p) for n, p in _probes.items()})\n"
     )

@@ -19,7 +19,6 @@ from course.instructors.release import leaks, release, secret_lines
 from course.instructors.student import ROOT, SOLUTIONS, STUDENT_FILES
 from course.launch import WorldFailed, run
 from course.layout import graded_elsewhere, graded_exercises
-from course.runtime import workers
 from tests import warm
 from tests.grading.test_grades_unchanged import compare
 from tests.mutants import does_nothing, make_mutant
@@ -421,7 +420,7 @@ def test_an_interrupted_grade_says_so_and_gives_no_score(tmp_path):
     # Ctrl-C once its first check's workers sleep in dist.py, however long a loaded machine takes to start them
     # (a time guessed instead sent it, under load, before any check ran).
     started = time.monotonic()
-    while not _sleeping(workers.descendants([grader.pid]), "sleeps-in-dist") and time.monotonic() < started + 60:
+    while not _sleeping(descendants([grader.pid]), "sleeps-in-dist") and time.monotonic() < started + 60:
         time.sleep(0.2)
     time.sleep(0.5)
     os.killpg(grader.pid, signal.SIGINT)
@@ -520,7 +519,7 @@ def test_a_required_sandbox_that_this_machine_cannot_give_is_a_grader_error(tmp_
     """COURSE_SANDBOX=required where no sandbox can be had (each level's probe fails, as on a
     machine without user namespaces, not root): exit status 1, the sentence, no check run, no score."""
     probes = (
-        "from course import sandbox\n\n"
+        "from course.runtime import sandbox\n\n"
         "sandbox._PROBES.update(uid=lambda *_: ('no user here', ''), namespaces=lambda *_: ('no namespaces here', ''))\n"
     )
     environ = {"COURSE_SANDBOX": "required"} | grading_plugin(tmp_path, "no_sandbox", probes)

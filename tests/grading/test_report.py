@@ -74,7 +74,18 @@ def test_a_world_failure_is_its_kind_and_the_ranks_facts():
     stub.stub = {"exercise": 4, "func": "MyDP.__init__", "handout": "exercises/04_mydp.md"}
     assert mistake(WorldFailed(stub)) == {"kind": "stub", "exercise": 4, "func": "MyDP.__init__"}
     broken = Failure(
-        "error", 2, [RankFact(0, "raised", "ImportError", "mlp.py does not import: SyntaxError: invalid")], first=0
+        "error",
+        2,
+        [
+            RankFact(
+                0,
+                "raised",
+                "ImportError",
+                "mlp.py does not import: SyntaxError: invalid",
+                unimportable={"file": "mlp.py", "error": "SyntaxError"},
+            )
+        ],
+        first=0,
     )
     assert mistake(WorldFailed(broken)) == {"kind": "unimportable", "file": "mlp.py", "error": "SyntaxError"}
 

@@ -1,0 +1,143 @@
+"""Process plumbing for worlds of workers: finding and stopping a process and what it started,
+cutting a forked worker off the descriptors it inherited, and handing a call's output streams to it.
+Linux gives the most (/proc); elsewhere a process's own children only."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from multiprocessing import reduction
+
+import torch
+
+
+def processes() -> dict:
+    """pid -> parent pid, from /proc (Linux; empty elsewhere)."""
+    parents = {}
+    if not os.path.isdir("/proc"):
+        return parents
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    return parents
+
+
+def descendants(pids, parents: dict | None = None) -> list:
+    parents = processes() if parents is None else parents
+    found, todo = [], list(pids)
+    while todo:
+        kids = [p for p, parent in parents.items() if parent == todo[-1]]
+        todo.pop()
+        found += kids
+        todo += kids
+    return found
+
+
+def kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def reap(pids, seconds: float = 2.0) -> None:
+    """Wait for killed processes that were (or became, as orphans) our children: no zombies."""
+    todo, end = set(pids), time.monotonic() + seconds
+    while todo and time.monotonic() < end:
+        for pid in list(todo):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    todo.discard(pid)
+            except ChildProcessError:  # not ours (yet: its parent is still dying), or gone
+                if not os.path.exists(f"/proc/{pid}"):
+                    todo.discard(pid)
+        if todo:
+            time.sleep(0.01)
+
+
+# Where a call's stdout and stderr go travels with the call, as descriptors (not on Windows, whose
+# spawned workers write to the console they inherit): a kept worker writes where its caller's
+# output goes now (a notebook cell's, a test's capture), not where it went when the world started.
+PASS_STREAMS = sys.platform != "win32"
+
+
+def private_descriptors(keep: set) -> None:
+    """Cut every descriptor inherited through fork but ``keep`` and 0, 1, 2 off what it reached
+    (pytest-xdist's channel, the other ranks' pipes, the other kept worlds', a Jupyter kernel's
+    output pipes, whose readers wait for every writer to close them).
+
+    Each is pointed at /dev/null rather than closed: a Python file object inherited with it may
+    still close it when collected, and must not close a descriptor that gloo opened since.
+    """
+    listing = next((d for d in ("/proc/self/fd", "/dev/fd") if os.path.isdir(d)), None)  # Linux, macOS
+    inherited = [int(fd) for fd in os.listdir(listing) if int(fd) > 2 and int(fd) not in keep] if listing else []
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in inherited:
+        if fd != null:
+            try:
+                os.dup2(null, fd, inheritable=False)
+            except OSError:  # listdir's own descriptor, closed by now
+                pass
+    os.close(null)
+    sys.unraisablehook = sys.__unraisablehook__  # not the test runner's, inherited through fork
+    sys.stdin = open(os.devnull)
+    # Whole lines, each in one write: two ranks never interleave mid-line.
+    sys.stdout = open(1, "w", buffering=1, closefd=False, encoding="utf-8", errors="backslashreplace")
+    sys.stderr = open(2, "w", buffering=1, closefd=False, encoding="utf-8", errors="backslashreplace")
+
+
+def send(conn, message) -> None:
+    buffer = io.BytesIO()
+    torch.save(message, buffer)
+    conn.send_bytes(buffer.getvalue())
+
+
+def send_streams(conn, pid: int) -> None:
+    """Hand the process at the other end of conn (a duplex Pipe) this process's stdout and stderr."""
+    if PASS_STREAMS:
+        for fd in (1, 2):
+            reduction.send_handle(conn, fd, pid)
+
+
+def take_streams(conn) -> None:
+    """Write, from now on, where send_streams's caller writes."""
+    if PASS_STREAMS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target in (1, 2):
+            fd = reduction.recv_handle(conn)
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def drop_streams() -> None:
+    """Write to the null device until take_streams: a process kept between calls must not hold its
+    caller's output open (a Jupyter kernel waits at shutdown for every writer of its output to close it)."""
+    if PASS_STREAMS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        null = os.open(os.devnull, os.O_WRONLY)
+        for target in (1, 2):
+            os.dup2(null, target)
+        os.close(null)
+
+
+def stop_tree(pid: int, join: Callable | None = None) -> None:
+    """Stop a child process and every process it started; reap them all. ``join``: how to wait
+    for the child when a multiprocessing.Process started it (its join reaps it)."""
+    started = descendants([pid])
+    kill([pid, *started])
+    if join is None:
+        os.waitpid(pid, 0)
+    else:
+        join()
+    reap(started)
