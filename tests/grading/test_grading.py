@@ -19,6 +19,7 @@ from course.instructors.release import leaks, release, secret_lines
 from course.instructors.student import ROOT, SOLUTIONS, STUDENT_FILES
 from course.launch import WorldFailed, run
 from course.layout import graded_elsewhere, graded_exercises
+from course.runtime.processes import descendants
 from tests import warm
 from tests.grading.test_grades_unchanged import compare
 from tests.mutants import does_nothing, make_mutant

@@ -10,18 +10,6 @@ import pytest
 from checks.test_ex05_ring import check_ring
 from tests.mutants import assert_caught
 
-WAIT_IN_ORDER = """        while self.launched < len(self.buckets):
-            waiting = self.buckets[self.launched]
-            if waiting.ready < len(waiting.params):
-                break
-            self._launch(waiting)
-            self.launched += 1
-"""
-LAUNCH_WHEN_FULL = """        if bucket.ready == len(bucket.params):
-            self._launch(bucket)
-            self.launched += 1
-"""
-
 MUTANTS = {
     "ring sends the whole tensor at every step": (
         "dist.py",

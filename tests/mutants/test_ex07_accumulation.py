@@ -9,18 +9,6 @@ import pytest
 from checks.test_ex07_accumulation import check_accumulation_step, check_nested_no_sync, check_no_sync_accumulates
 from tests.mutants import assert_caught
 
-WAIT_IN_ORDER = """        while self.launched < len(self.buckets):
-            waiting = self.buckets[self.launched]
-            if waiting.ready < len(waiting.params):
-                break
-            self._launch(waiting)
-            self.launched += 1
-"""
-LAUNCH_WHEN_FULL = """        if bucket.ready == len(bucket.params):
-            self._launch(bucket)
-            self.launched += 1
-"""
-
 MUTANTS = {
     "tensor hook instead of post-accumulate hook": (
         "mydp.py",
