@@ -22,7 +22,7 @@ class Exercise:
     name: str  # the short name in its files' names: "dist"
     file: str  # the student file it is written in (several exercises may share one)
     topic: str  # what the student writes there, as the README's path table says it
-    run: str  # the command that shows it, as its handout names it first
+    run: tuple  # the commands that show it, as the README's path table names them
     points: int  # its checks' points: the sum of their @pytest.mark.points (a test compares)
     written: int  # its notebook's written answers' points, graded by hand (a test compares)
     demo: tuple = ()  # the reference scripts that show it, with their flags (the instructors' demo runs them)
@@ -55,48 +55,49 @@ class Exercise:
 
 # fmt: off
 EXERCISES = (
-    Exercise(1, "mlp", "mlp.py", "the MLP and its evaluation", "python mlp.py", 20, 2,
+    Exercise(1, "mlp", "mlp.py", "the MLP and its evaluation", ("python mlp.py",), 20, 2,
              demo=("mlp.py --niters 300",), gpu=("1 MLP, one process",)),
-    Exercise(2, "dist", "dist.py", "matrix product by row and by reduction", "python dist.py --world-size 3", 25, 2,
+    Exercise(2, "dist", "dist.py", "matrix product by row and by reduction", ("python dist.py --world-size 3",), 25, 2,
              demo=("dist.py --world-size 3",), gpu=("2 matmul, by row and by reduction",)),
-    Exercise(3, "ddp", "mlp.py", "built-in DDP, each rank its own batches", "python mlp.py --world-size 2 --check", 25, 2,
+    Exercise(3, "ddp", "mlp.py", "built-in DDP, each rank its own batches", ("python mlp.py --world-size 2 --check",), 25, 2,
              demo=("mlp.py --world-size 2 --niters 300 --check",), gpu=("3 DDP", "3 DDP --amp")),
     Exercise(4, "mydp", "mydp.py", "`MyDP`, broadcast + gradient hooks",
-             "python mydp.py --world-size 2 --compare --check", 30, 2,
+             ("python mydp.py --world-size 2 --compare --check",), 30, 2,
              demo=("mydp.py --world-size 2 --niters 300 --compare",), gpu=("4 MyDP", "4 MyDP --amp")),
     Exercise(5, "ring", "dist.py", "ring all-reduce from point-to-point messages",
-             "python dist.py --world-size 3 --ring 10", 20, 2, gpu=("5 ring all-reduce",)),
+             ("python dist.py --world-size 3 --ring 10",), 20, 2, gpu=("5 ring all-reduce",)),
     Exercise(6, "overlap", "mydp.py", "`OverlappedDP`, asynchronous all-reduces in buckets",
-             "python mydp.py --world-size 2 --bucket-cap-mb 1", 25, 2, gpu=("6 OverlappedDP, 1 MiB buckets",)),
-    Exercise(7, "accumulation", "mydp.py", "`no_sync()` and gradient accumulation", "python -m course grade --ex 7",
+             ("python mydp.py --world-size 2 --bucket-cap-mb 1",), 25, 2, gpu=("6 OverlappedDP, 1 MiB buckets",)),
+    Exercise(7, "accumulation", "mydp.py", "`no_sync()` and gradient accumulation", ("python -m course grade --ex 7",),
              15, 2),
     Exercise(8, "data", "data.py", "partitions by fractions, uneven shards, Join",
-             "python data.py --world-size 2 --uneven hang", 25, 2,
+             ("python data.py --world-size 2 --uneven hang",), 25, 2,
              demo=("data.py --world-size 3", "data.py --world-size 2 --uneven join")),
     Exercise(9, "sync", "sync.py", "BatchNorm across ranks, parameter averaging, local SGD on non-IID shards",
-             "python sync.py --world-size 2", 25, 2, demo=("sync.py --world-size 2",)),
-    Exercise(10, "hvd", "hvd.py", "the Horovod-style API, the optimizer averages", "python hvd.py --world-size 2",
+             ("python sync.py --world-size 2", "python sync.py --non-iid-plot non_iid.png"), 25, 2,
+             demo=("sync.py --world-size 2",)),
+    Exercise(10, "hvd", "hvd.py", "the Horovod-style API, the optimizer averages", ("python hvd.py --world-size 2",),
              25, 2, demo=("hvd.py --world-size 2 --niters 300",)),
     Exercise(11, "zero", "zero.py", "sharded optimizer state (ZeRO-1), a bfloat16 DDP comm hook",
-             "python zero.py --world-size 2", 25, 2,
+             ("python zero.py --world-size 2",), 25, 2,
              demo=("zero.py --world-size 2 --niters 300", "zero.py --world-size 2 --niters 300 --bf16-hook")),
-    Exercise(12, "cost", "cost.py", "the α-β cost model, predicted against measured", "python cost.py", 20, 6,
+    Exercise(12, "cost", "cost.py", "the α-β cost model, predicted against measured", ("python cost.py",), 20, 6,
              demo=("cost.py",)),
     Exercise(13, "fsdp", "fsdp.py",
              "fully sharded data parallelism (ZeRO-2, ZeRO-3) against torch's `fully_shard`",
-             "python fsdp.py --world-size 2", 30, 2, demo=("fsdp.py --world-size 2 --niters 50",),
+             ("python fsdp.py --world-size 2",), 30, 2, demo=("fsdp.py --world-size 2 --niters 50",),
              gpu=("13 ZeRO-2 and ZeRO-3 (final test loss)", "13 ZeRO-3, bfloat16 gathers (final test loss)")),
     Exercise(14, "tp", "tp.py",
              "tensor and sequence parallelism, forward and backward, against torch's `parallelize_module`",
-             "python tp.py --world-size 2 --sequence-parallel", 30, 4,
+             ("python tp.py --world-size 2 --sequence-parallel",), 30, 4,
              demo=("tp.py --world-size 2 --niters 300", "tp.py --world-size 2 --niters 300 --sequence-parallel"),
              gpu=("14 tensor parallel (final loss)", "14 sequence parallel (final loss)")),
     Exercise(15, "pp", "pp.py", "pipeline parallelism, GPipe then 1F1B, from point-to-point messages",
-             "python pp.py --world-size 2 --schedule 1f1b", 30, 2,
+             ("python pp.py --world-size 2 --schedule 1f1b",), 30, 2,
              demo=("pp.py --world-size 2 --schedule 1f1b --niters 300",), gpu=("15 pipeline, 1F1B",)),
     Exercise(16, "nd", "nd.py",
              "data × tensor parallel on a mesh of process sub-groups (`dist.new_group`), by hand",
-             "python nd.py --dp 2 --tp 2", 20, 2, demo=("nd.py --dp 2 --tp 2 --niters 100",),
+             ("python nd.py --dp 2 --tp 2",), 20, 2, demo=("nd.py --dp 2 --tp 2 --niters 100",),
              gpu=("16 data x tensor parallel mesh (final loss)",)),
 )
 # fmt: on

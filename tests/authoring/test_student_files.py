@@ -1,6 +1,5 @@
 """The student files: generated from solutions/, importable, and stopping at the first TODO."""
 
-import glob
 import os
 import re
 
@@ -20,6 +19,7 @@ from checks.test_ex12_cost import check_fit
 from checks.test_ex13_fsdp import check_flat_shard
 from checks.test_ex14_tp import check_function
 from course import impl
+from course.exercises import EXERCISES
 from course.grading import points as checks
 from course.instructors.student import BEGIN, ROOT, SOLUTIONS, STUDENT_FILES, stub_source
 from course.launch import WorldFailed
@@ -109,23 +109,26 @@ def test_cli_stops_at_first_stub_with_one_line(command, message):
 
 
 def test_readme_path_lists_every_exercise_with_its_points():
-    """Each exercise's row: its handout, the points of its written answers (the notebook's answer
-    cells, graded by hand) and of its checks (course/grading/points.py); the last row, their totals."""
+    """The README's path table is course/exercises.py's, row for row: each exercise's file, topic, commands,
+    handout, and the points of its written answers (the notebook's answer cells, graded by hand) and of
+    its checks; the registry's points are those the notebooks and the checks' marks give
+    (course/grading/points.py); the last row, their totals."""
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    rows = re.findall(r"^\| (\d+) \|.*\]\((exercises/\S+)\).*\| (\d+) \| (\d+) \|$", readme, re.M)
-    written = {}
-    for path in glob.glob(os.path.join(SOLUTIONS, "notebooks", "*.md")):
-        with open(path) as f:
-            points = re.findall(r"^```answer id=\S+ points=(\d+)", f.read(), re.M)
-        written[int(os.path.basename(path)[:2])] = sum(map(int, points))
-    assert {int(n): int(p) for n, _, _, p in rows} == checks.points(), (
-        "the README's path table should list every exercise with its checks' points (course/grading/points.py)"
+    for e in EXERCISES:
+        with open(os.path.join(ROOT, e.notebook_source)) as f:
+            written = sum(map(int, re.findall(r"^```answer id=\S+ points=(\d+)", f.read(), re.M)))
+        assert written == e.written, f"exercise {e.number}: its notebook's answers are worth {written}, not {e.written}"
+        commands = ", ".join(f"`{command}`" for command in e.run)
+        row = f"| {e.number} | `{e.file}`: {e.topic} | {commands} | [{e.slug}.md]({e.handout}), `{e.slug}.ipynb` |"
+        assert f"{row} {e.written} | {e.points} |" in readme.splitlines(), (
+            f"the README's row of exercise {e.number}: {row}"
+        )
+    assert {e.number: e.points for e in EXERCISES} == checks.points(), (
+        "course/exercises.py's points should be those of each exercise's checks (course/grading/points.py)"
     )
-    assert {int(n): int(w) for n, _, w, _ in rows} == written, "and its written answers' points (the notebooks)"
-    for _, handout, _, _ in rows:
-        assert os.path.exists(os.path.join(ROOT, handout)), f"the README links {handout}, which does not exist"
-    a, b = sum(checks.points().values()), sum(written.values())
+    assert len(re.findall(r"^\| \d+ \|", readme, re.M)) == len(EXERCISES), "a row for each exercise, no more"
+    a, b = sum(e.points for e in EXERCISES), sum(e.written for e in EXERCISES)
     assert f"| | total: {a} + {b} = {a + b} points | | | {b} | {a} |" in readme, "the totals row"
 
 
