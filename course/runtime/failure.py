@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from course.exercises import STUDENT_FILES, stub_facts
+from course.exercises import STUDENT_FILES, stub_facts, stub_message
 from course.kinds import KINDS
 
 # Frames that are the course's, Python's or an installed library's own, never the student's line:
@@ -27,7 +27,7 @@ from course.kinds import KINDS
 _PLUMBING_DIRS = tuple(
     {os.path.abspath(sysconfig.get_paths()[key]) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")}
     | {os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, multiprocessing)}
-) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)  # course/, every layer
 _COMM_LOG = os.path.join("checks", "comm_log.py")
 C10D_FILE = "distributed_c10d.py"
 POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
@@ -164,9 +164,7 @@ class Failure:
         first = self.fact(self.first) if self.first is not None else None
         w = self.world_size
         if self.kind == "stub":
-            return (
-                f"Exercise {self.stub['exercise']}: {self.stub['func']} is not written yet, see {self.stub['handout']}"
-            )
+            return stub_message(self.stub["exercise"], self.stub["func"])
         if self.kind == "mismatch":
             return f"Ranks called different collectives (world of {w}):"
         if self.kind == "arguments":

@@ -1026,3 +1026,14 @@ def test_where_grades_are_made_every_world_is_sandboxed(monkeypatch):
     workers.sandbox_every_world()
     (confined,) = run(whoami, 1)
     assert confined != whoami(), f"a world asked for bare ran bare: {confined}"
+
+
+def test_every_layer_of_the_course_is_plumbing_never_the_students_line():
+    """A frame of any module of course/ (the launcher, the runtime, grading) is never named as where a rank
+    was: the innermost frame outside them is, the student's."""
+    from course.layout import ROOT, SOLUTIONS
+    from course.runtime import failure
+
+    for module in ("launch.py", "runtime/workers.py", "grading/in_notebook.py", "instructors/gpu_check.py"):
+        assert failure.is_plumbing(os.path.join(ROOT, "course", module)), module
+    assert not failure.is_plumbing(os.path.join(SOLUTIONS, "mlp.py"))
