@@ -3,7 +3,7 @@ for each check, on fixed submissions recorded before the move (grades_before_the
 
 The record holds the reference, the untouched stubs, every TODO answered by `pass`, and two submissions
 that each carry one mutant of the mutant tests in every student file they could (the planted texts are in
-the record). make test grades one mutant submission here; the stubs and `pass` submissions are compared by
+the record). make test grades one mutant submission here, on the exercises where it loses points; the stubs and `pass` submissions are compared by
 the tests that grade them already (test_grading.py), and tools can compare all of them (compare()).
 """
 
@@ -31,9 +31,16 @@ def _said(text: str) -> str:
     return re.sub(r"Rank \d+ of (\d+) ", r"Rank r of \1 ", text)
 
 
-def compare(found: list, submission: str) -> list:
-    """Each check whose points or sentence differ from the record, as a line; [] when none does."""
+def exercise_of(name: str) -> int:
+    return int(name.split(":")[0].split()[1])  # "Exercise 2: test_by_row[2]"
+
+
+def compare(found: list, submission: str, exercises: list | None = None) -> list:
+    """Each check (of those exercises, or all) whose points or sentence differ from the record, as a line;
+    [] when none does."""
     before = {t["name"]: t for t in recorded(submission)["tests"]}
+    if exercises is not None:
+        before = {name: t for name, t in before.items() if exercise_of(name) in exercises}
     now = {t["name"]: t for t in found}
     differ = [f"{name}: only {'before' if name in before else 'now'}" for name in sorted(before.keys() ^ now.keys())]
     for name in sorted(before.keys() & now.keys()):
@@ -60,9 +67,13 @@ def submission_folder(dest, submission: str) -> str:
 
 
 def test_a_mutant_submission_keeps_every_points_and_sentence(tmp_path):
+    """Graded on the exercises where its mutants cost points (in the others it is the reference, whose full
+    marks every check of make test shows)."""
+    exercises = sorted({exercise_of(t["name"]) for t in recorded("mutants_0")["tests"] if t["status"] != "passed"})
     folder = submission_folder(tmp_path / "submission", "mutants_0")
-    done = warm.grade(impl=folder, cwd=tmp_path, timeout=WHOLE_COURSE)
+    done = warm.grade(*(f"--ex={n}" for n in exercises), impl=folder, cwd=tmp_path, timeout=WHOLE_COURSE)
     assert done.returncode == 0, done.stdout + done.stderr
     with open(tmp_path / "results.json") as f:
         found = json.load(f)["tests"]
-    assert not compare(found, "mutants_0"), "\n".join(compare(found, "mutants_0"))
+    differ = compare(found, "mutants_0", exercises)
+    assert not differ, "\n".join(differ)
