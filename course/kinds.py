@@ -18,20 +18,21 @@ class Kind:
     label: str  # the class report's title for it, before any place
     story: bool = False  # every rank's story (a hang, a mismatch), not one rank's that stopped the others
     trouble: str = ""  # what it makes of a submission as a whole ("hung"), if anything
+    world: bool = False  # a kind of a world's failure (course/runtime/failure.py's Failure.kind)
 
 
 _ALL = (
     # What went wrong in a world of workers (course/runtime/failure.py's Failure.kind).
-    Kind("stub", "not written yet"),
-    Kind("error", "raised"),
-    Kind("crash", "crashed", trouble="crashed"),
-    Kind("no_result", "ended without sending its result"),
-    Kind("unwaited", "returned with a request never waited for"),
-    Kind("mismatch", "ranks called different collectives", story=True),
-    Kind("arguments", "ranks called a collective with different arguments", story=True),
-    Kind("wait", "ranks waited in a collective that not every rank joined", story=True, trouble="hung"),
-    Kind("p2p_deadlock", "deadlock: every rank waits in a send or receive", story=True, trouble="hung"),
-    Kind("timeout", "timed out, still running", story=True, trouble="hung"),
+    Kind("stub", "not written yet", world=True),
+    Kind("error", "raised", world=True),
+    Kind("crash", "crashed", trouble="crashed", world=True),
+    Kind("no_result", "ended without sending its result", world=True),
+    Kind("unwaited", "returned with a request never waited for", world=True),
+    Kind("mismatch", "ranks called different collectives", story=True, world=True),
+    Kind("arguments", "ranks called a collective with different arguments", story=True, world=True),
+    Kind("wait", "ranks waited in a collective that not every rank joined", story=True, trouble="hung", world=True),
+    Kind("p2p_deadlock", "deadlock: every rank waits in a send or receive", story=True, trouble="hung", world=True),
+    Kind("timeout", "timed out, still running", story=True, trouble="hung", world=True),
     # What a failed check found besides (course/grading/explain.py's mistake).
     Kind("unimportable", "does not import", trouble="did not import"),
     Kind("assert", "assertion failed"),
@@ -47,4 +48,4 @@ _ALL = (
 )
 KINDS = {kind.name: kind for kind in _ALL}
 # The kinds of a world's failure, which the workers' Failure may have.
-WORLD = ("stub", "error", "crash", "no_result", "unwaited", "mismatch", "arguments", "wait", "p2p_deadlock", "timeout")
+WORLD = tuple(kind.name for kind in _ALL if kind.world)

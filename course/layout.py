@@ -9,7 +9,7 @@ from __future__ import annotations
 import fnmatch
 import os
 
-from course.exercises import EXERCISES, STUDENT_FILES, STUDENT_MODULES  # noqa: F401 - re-exported
+from course.exercises import EXERCISES, STUDENT_FILES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOLUTIONS = os.path.join(ROOT, "solutions")

@@ -43,7 +43,7 @@ def _place(frames: list, keep) -> dict:
 
 
 def _judge(path: str) -> bool:
-    """A file of the grader's own checks (tests/) or of the course (course/), but this one: its hooks
+    """A file of the grader's own checks (checks/) or of the course (course/), but the plugin: its hooks
     are in every check's traceback."""
     path = os.path.abspath(path)
     return path != _HOOKS and path.startswith(tuple(os.path.join(ROOT, d) + os.sep for d in OWN_FOLDERS))
@@ -56,7 +56,7 @@ def mistake(error: BaseException) -> dict:
       wrong first (every waiting rank, for a hang) the collective and the place (file, func);
       a stub names its function, a file that does not import the file and the error;
     - the check's own assertion: the file, line and function of the `assert` that failed, in
-      tests/ (one statement judges one thing);
+      checks/ (one statement judges one thing);
     - any other exception: its class and where the grader's code met it.
     """
     failure = getattr(error, "failure", None)  # course.runtime.workers.WorldFailed
@@ -81,7 +81,7 @@ def mistake(error: BaseException) -> dict:
             ],
         }
     frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(error.__traceback__)]
-    place = _place(frames, _judge) or _place(frames, lambda path: True)  # a check kept outside tests/
+    place = _place(frames, _judge) or _place(frames, lambda path: True)  # a check kept outside checks/
     if isinstance(error, AssertionError):
         # The frame of the assert that failed: the innermost judge's, as _place picked it.
         live = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]

@@ -20,7 +20,7 @@ from course import impl
 from course.layout import ROOT
 from course.runtime import env, processes, sandbox, workers
 
-# The settings the test suite uses, applied before torch is imported; and the checks live in tests/.
+# The settings the test suite uses, applied before torch is imported; and the checks live in checks/.
 os.environ.update(env.check_settings())
 if ROOT not in sys.path:
     sys.path.append(ROOT)
@@ -214,7 +214,7 @@ def _ask(fn, kwargs: dict, after_a_hang: bool = False) -> tuple:
 
 
 def check(fn, **kwargs) -> None:
-    """Run fn(folder, **kwargs), a check function of tests/, on your files in the checks' process;
+    """Run fn(folder, **kwargs), a check function of checks/, on your files in the checks' process;
     raise CheckFailed saying what is wrong.
 
     The check runs in a process of its own, started by the first check and kept for the next:
@@ -232,7 +232,7 @@ _out_of_time: set = set()  # the exercises of which a world ran out of time in t
 
 
 def grade(test) -> int:
-    """Run every case of one check of `make grade` (test, a function of tests/test_exN_*.py) on
+    """Run every case of one check of `make grade` (test, a function of checks/test_exNN_*.py) on
     your files, as `make grade` does; print what each found; return the points they earn, the
     cell's value, which nbgrader records (the points of each case: course/grading/points.py).
 

@@ -8,7 +8,7 @@ autograding stops before it starts.
 Only the students' own work is graded, and only by the instructor's checks:
 - The student files, and nothing else, are copied into a clean folder that COURSE_IMPL names
   for the kernels: a student's tests, conftest.py or module named like a support module is never
-  seen. The notebooks' cells import the checks from this repository's tests/.
+  seen. The notebooks' cells import the checks from this repository's checks/.
 - The notebook graded is this release's, with the student's written answers copied into it by
   nbgrader cell id: code a student adds to a notebook does not run. Neither do the demo cells:
   they run the student's code in the kernel, earn no points, and a slow or hanging demo would
@@ -56,11 +56,11 @@ from concurrent.futures import ThreadPoolExecutor
 # imported; notebooks never need it.
 sys.modules.setdefault("rfc3987_syntax", None)
 
-from course.exercises import by_number  # noqa: E402
+from course.exercises import STUDENT_FILES, by_number  # noqa: E402
 from course.grading.results import CASES_MIME, Check, table, write_results  # noqa: E402
 from course.instructors import report  # noqa: E402
 from course.instructors.make_notebooks import dumps, exercise_of, notebook, sources  # noqa: E402
-from course.layout import ROOT, STUDENT_FILES, graded_exercises  # noqa: E402
+from course.layout import ROOT, graded_exercises  # noqa: E402
 from course.runtime import env, sandbox  # noqa: E402
 
 

@@ -5,7 +5,7 @@ the assignment's template repository. On each push to a student's repository the
 
 - checks out the student's repository (the submission) and, beside it, the template at the
   commit named by ``--ref`` (default: its default branch): the course's own checks and package,
-  never the ``tests/`` or ``course/`` of the student's repository, which the student may edit;
+  never the ``checks/`` or ``course/`` of the student's repository, which the student may edit;
 - installs torch's CPU wheel and the course's requirements;
 - grades the submission's student files with the template's checks (``python -m course grade
   --github-classroom``), which gives GitHub Classroom's grading reporter every check with its

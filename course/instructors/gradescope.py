@@ -28,7 +28,8 @@ import sys
 import tempfile
 import zipfile
 
-from course.layout import ROOT, STUDENT_FILES
+from course.exercises import STUDENT_FILES
+from course.layout import ROOT
 
 SETUP = """#!/usr/bin/env bash
 # Gradescope runs this once, as root, when it builds the autograder's image (course/instructors/gradescope.py).

@@ -6,7 +6,7 @@ A source reads as a document. Its text becomes markdown cells and its fenced blo
     ```python demo                   a code cell that runs the student's code to show it working,
                                      tagged "demo": autograding leaves it out
     ```python test                  a graded cell: `grade(test_x)` runs every case of the check
-                                     test_x of `make grade` (tests/test_exN_*.py); its points are the
+                                     test_x of `make grade` (checks/test_exNN_*.py); its points are the
                                      check's (course/grading/points.py), and nbgrader grades it
     ```answer id=ID points=N         a written answer graded by hand; its model answer sits
                                      between ### BEGIN SOLUTION and ### END SOLUTION

@@ -14,9 +14,9 @@ import os
 import re
 import sys
 
-from course.exercises import stub_message
+from course.exercises import STUDENT_FILES, stub_message
 from course.instructors.make_notebooks import write_student_notebooks
-from course.layout import BEGIN, END, ROOT, SOLUTIONS, STUDENT_FILES
+from course.layout import BEGIN, END, ROOT, SOLUTIONS
 
 LINE_LENGTH = 120  # [tool.ruff] line-length
 _TODO = re.compile(r"TODO\(exercise (\d+)\)")

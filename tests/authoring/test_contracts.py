@@ -17,7 +17,8 @@ import re
 import pytest
 
 from checks.contracts import CONTRACTS
-from course.layout import BEGIN, SOLUTIONS, STUDENT_FILES
+from course.exercises import STUDENT_FILES
+from course.layout import BEGIN, SOLUTIONS
 
 MARKED = ("every", "in place", "dtype", "group", "float", "at most", "bool")
 

@@ -19,9 +19,9 @@ from checks.test_ex12_cost import check_fit
 from checks.test_ex13_fsdp import check_flat_shard
 from checks.test_ex14_tp import check_function
 from course import impl
-from course.exercises import EXERCISES
+from course.exercises import EXERCISES, STUDENT_FILES
 from course.grading import points as checks
-from course.instructors.student import BEGIN, ROOT, SOLUTIONS, STUDENT_FILES, stub_source
+from course.instructors.student import BEGIN, ROOT, SOLUTIONS, stub_source
 from course.launch import WorldFailed
 from tests import warm
 from tests.mutants import make_mutant

@@ -41,9 +41,9 @@ import time
 import pytest
 
 from checks.helpers import world
+from course.exercises import STUDENT_FILES
 from course.grading import points as checks
 from course.instructors.make_notebooks import exercise_of, sources
-from course.instructors.student import STUDENT_FILES
 from course.layout import ROOT
 from tests import warm
 from tests.grading.test_cheating import TIMER_INTO_THE_OUTPUT

@@ -36,8 +36,9 @@ import time
 
 import pytest
 
+from course.exercises import STUDENT_FILES
 from course.grading import points as course_checks
-from course.instructors.student import ROOT, SOLUTIONS, STUDENT_FILES
+from course.instructors.student import ROOT, SOLUTIONS
 from course.runtime import sandbox
 from tests import warm
 

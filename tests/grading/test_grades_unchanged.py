@@ -11,7 +11,8 @@ import json
 import os
 import re
 
-from course.layout import SOLUTIONS, STUDENT_FILES
+from course.exercises import STUDENT_FILES
+from course.layout import SOLUTIONS
 from tests import warm
 from tests.mutants import plant
 

@@ -16,10 +16,11 @@ import zipfile
 
 import pytest
 
+from course.exercises import STUDENT_FILES
 from course.grading import points as checks
 from course.instructors import gradescope
 from course.instructors.gradescope import RUN, build
-from course.layout import SOLUTIONS, STUDENT_FILES
+from course.layout import SOLUTIONS
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Gradescope runs Linux")
 

@@ -12,11 +12,12 @@ import pytest
 import torch.distributed as dist
 
 from course import impl
+from course.exercises import STUDENT_FILES
 from course.grading import points as checks
 from course.grading.explain import explain
 from course.instructors import make_notebooks as notebooks
 from course.instructors.release import leaks, release, secret_lines
-from course.instructors.student import ROOT, SOLUTIONS, STUDENT_FILES
+from course.instructors.student import ROOT, SOLUTIONS
 from course.launch import WorldFailed, run
 from course.layout import graded_elsewhere, graded_exercises
 from course.runtime.processes import descendants

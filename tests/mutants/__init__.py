@@ -8,7 +8,8 @@ import os
 import re
 import shutil
 
-from course.layout import SOLUTIONS, STUDENT_FILES
+from course.exercises import STUDENT_FILES
+from course.layout import SOLUTIONS
 
 
 def make_mutant(dest, file, old, new):
