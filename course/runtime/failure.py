@@ -87,6 +87,10 @@ class RankFact:
     differs: tuple = ()  # what of the collective differs between the ranks: of _ARGUMENTS's names
     instance: tuple = ()  # the collective it waited in when it failed: (group, its number on it, what was called)
     dropped: tuple = ()  # a message it freed unfinished, never waited for: (function, peer, file, line, func)
+    # A group it waits to make, in the store: (its number among the groups its code made in the call, 0 for the
+    # course's own; its ranks; whether it waits in the store's barrier after it rather than for its members).
+    making: tuple = ()
+    keys: tuple = ()  # the keys of the store it waits for
     unimportable: dict | None = None  # a student file that does not import: {"file": "mlp.py", "error": "SyntaxError"}
 
     def argument(self) -> str:
@@ -117,7 +121,18 @@ class RankFact:
         else:
             call = self.collective
         shape = f" of shape {self.shape}" if self.shape and self.collective not in POINT_TO_POINT else ""
-        return f"in {call}{shape} at {self.where()}" if call else f"at {self.where()}"
+        said = f"in {call}{shape} at {self.where()}" if call else f"at {self.where()}"
+        if self.making:
+            number, ranks, barrier = self.making
+            group = f"its {_ordinal(number)} group, of ranks {ranks}" if number else f"a group of ranks {ranks}"
+            said += f", in the store's barrier after {group}" if barrier else f", making {group}"
+        if self.keys:
+            said += f", for key{'s' * (len(self.keys) > 1)} {', '.join(map(repr, self.keys))}"
+        return said
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 @dataclass
@@ -193,6 +208,8 @@ class Failure:
             waited = [f.rank for f in self.ranks if f.state == "waited"]
             if self._in_new_group():
                 return f"Ranks {waited} waited, some of them in dist.new_group. {_NEW_GROUP_RULE}:"
+            if any(f.keys for f in self.ranks):
+                return f"Ranks {waited} waited, some of them for a key of the store that no rank will set (every rank waits):"
             return (
                 f"Ranks {waited} waited in a collective that not every rank joined:"
                 " one rank skipped a collective or called a different one:"
@@ -240,7 +257,7 @@ class Failure:
         return f"Rank {first.rank} of {w} failed first: {first.error}: {first.message} (at {first.where()})"
 
     def _in_new_group(self) -> bool:
-        return any(f.collective == "new_group" for f in self.ranks)
+        return any(f.collective == "new_group" or f.making for f in self.ranks)
 
     def sentence(self) -> str:
         """One line for the grade table."""
@@ -290,12 +307,17 @@ def is_plumbing(path: str) -> bool:
     return path.startswith(_PLUMBING_DIRS) or path.endswith(os.sep + _COMM_LOG)
 
 
+@functools.cache
+def is_student_file(path: str) -> bool:
+    return os.path.basename(path) in STUDENT_FILES
+
+
 def _own(frames: list) -> tuple | None:
     """The innermost of (path, line, func) frames, outermost first, that is the student's: in a student
     file where there is one (a check's function that the student's code calls, the check that called
     it, are not where to look), else any that is not plumbing (a script's own function)."""
     own = [f for f in frames if not is_plumbing(f[0])]
-    return next((f for f in reversed(own) if os.path.basename(f[0]) in STUDENT_FILES), own[-1] if own else None)
+    return next((f for f in reversed(own) if is_student_file(f[0])), own[-1] if own else None)
 
 
 def _call_in(frames: list) -> str:
@@ -412,6 +434,10 @@ def _fact(report: dict) -> RankFact:
     found = report.get("unimportable")
     if isinstance(found, dict) and all(isinstance(found.get(k), str) for k in ("file", "error")):
         fact.unimportable = {"file": found["file"], "error": found["error"]}
+    if report.get("kind") == "group":  # a record of course/runtime/instrument.py's Waits
+        fact.making = (report["number"], list(report["ranks"]), report["phase"] == "barrier")
+    elif report.get("kind") == "key":
+        fact.keys = tuple(report["keys"])
     if report.get("dropped"):
         call, peer, (path, line, func) = report["dropped"]
         fact.dropped = (call, peer, os.path.basename(path), line, func)
@@ -525,7 +551,12 @@ def _in_one_collective(facts: list, world_size: int) -> bool:
 def _may_end(wait: dict, waits: dict) -> bool:
     """Whether what one rank waits in can still end, by what its peers wait in and have started (records of
     course/runtime/instrument.py's Waits, by rank): a message, once its peer started the one that matches it; a
-    collective, once every member started it, and none waits in another of that number."""
+    collective, once every member started it, and none waits in another of that number; a group being made, as
+    _may_make says; a key of the store never (only a rank that runs sets one)."""
+    if wait["kind"] == "key":
+        return False
+    if wait["kind"] == "group":
+        return _may_make(wait, waits)
     if wait["kind"] == "message":
         wanted = "recv" if wait["direction"] == "send" else "send"
         peers = [wait["to"]] if wait["to"] is not None else [r for r in waits if r != wait["rank"]]
@@ -544,10 +575,34 @@ def _may_end(wait: dict, waits: dict) -> bool:
     return True
 
 
+def _may_make(wait: dict, waits: dict) -> bool:
+    """Whether a group being made can still be. gloo connects the ranks that make a group of its name (torch's:
+    a count of the groups made, the same on every rank only where every rank made every group in the same
+    order) by their place in it: once every place is taken, by one rank of a group of its size, it can end.
+    Two in one place (ranks that each made their own group under one name) pair wrongly or wait for ever: taken
+    as never. The store's barrier after it (TORCH_DIST_INIT_BARRIER) ends once every rank it counts has made
+    the group and is not connecting in it."""
+    name = wait["group"]
+    made = {rank: other["made"].get(name) for rank, other in waits.items()}
+    if wait["phase"] == "barrier":
+        return all(
+            made.get(rank) is not None
+            and (waits[rank]["kind"], waits[rank].get("group"), waits[rank].get("phase")) != ("group", name, "connect")
+            for rank in wait["within"]
+        )
+    size = len(wait["ranks"])
+    for place in range(size):
+        taken = [m for m in made.values() if m is not None and m[0] == place]
+        if len(taken) != 1 or taken[0][1] != size:
+            return False
+    return True
+
+
 def deadlock(waits: list, world_size: int) -> Failure | None:
     """The failure of a world whose every rank waits (``waits``: each rank's record, as course/runtime/instrument.py's
     Waits says it) in what no peer can ever answer: each waits for a peer that waits too, or that has
-    finished (it waits in the launcher's barrier), so nothing can move. None where a wait may still end."""
+    finished (it waits in the launcher's barrier), or for a group or a key of the store that no rank can
+    make or set now, so nothing can move. None where a wait may still end."""
     by_rank = {w["rank"]: w for w in waits}
     if sorted(by_rank) != list(range(world_size)) or any(_may_end(w, by_rank) for w in waits):
         return None

@@ -12,10 +12,10 @@
   own check (TORCH_DISTRIBUTED_DEBUG=DETAIL), which compared no root or reduce op, cost a monitored
   barrier and two all-gathers per collective (a sixth of a whole grade), counted messages as
   collectives (a pipeline's middle stages send twice as many as its ends) and crashed built-in DDP.
-- ``Waits``: what the rank's main thread is blocked in now (a send, a receive, a collective) and what it
-  has started that a peer may wait for, on its ``Board``, which the parent reads at any moment: a
-  world whose every rank waits for what no peer will ever do is reported at once
-  (course/runtime/failure.py's ``deadlock``), not at the collective timeout.
+- ``Waits``: what the rank's main thread is blocked in now (a send, a receive, a collective, a group being
+  made, a key of the store) and what it has started that a peer may wait for, on its ``Board``, which the
+  parent reads at any moment: a world whose every rank waits for what no peer will ever do is reported at
+  once (course/runtime/failure.py's ``deadlock``), not at the collective timeout or the world's limit.
 - ``Loops``: where a rank that runs loops, for the parent that stopped its world. One stack cannot
   tell a loop from what it calls again and again: largest_world looping for ever over t_sync_of
   showed as stuck in t_sync_of, or in a check's function that t_sync_of was.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import faulthandler
+import inspect
 import mmap
 import os
 import signal
@@ -41,7 +42,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed import ProcessGroup
 
-from course.runtime.failure import C10D_FILE, ArgumentsDiffer, is_plumbing, loop_dump
+from course.runtime.failure import C10D_FILE, ArgumentsDiffer, is_plumbing, is_student_file, loop_dump
 
 _DIRECTION = {"send": ("send", "isend"), "recv": ("recv", "irecv"), "recv_anysource": ("recv", "irecv")}
 
@@ -226,7 +227,7 @@ class Agreement:
         def _new_group_with_tag(*args, **kwargs):
             group = made(*args, **kwargs)
             if not str(kwargs.get("group_desc") or "").startswith(UNCHECKED):
-                twin = made(*args, **dict(kwargs, group_desc=f"{UNCHECKED} twin"))
+                twin = made(*args, **dict(kwargs, group_desc=TWIN))
                 if isinstance(group, ProcessGroup):  # not a member: GroupMember.NON_GROUP_MEMBER
                     carriers[group] = twin
             return group
@@ -265,7 +266,7 @@ _HEAD = struct.Struct("<QI")  # the board's generation (odd while it is written)
 class Board:
     """A rank's waits board: a file in the world's folder, mapped into the rank, that its parent reads at any
     moment without asking the rank (a rank blocked in C answers no signal in Python). It says a Python
-    literal: (the wait's record, collectives started by group, messages offered), or nothing."""
+    literal: (the wait's record, collectives started by group, messages offered, groups made), or nothing."""
 
     def __init__(self, path: str):
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -285,8 +286,8 @@ class Board:
 
 
 def read_board(path: str) -> tuple | None:
-    """(generation, the wait's record with "started" and "offers", or None) of a rank's board; None while it
-    is written, or where there is none. Read as a literal: the rank runs code that is not trusted."""
+    """(generation, the wait's record with "started", "offers" and "made", or None) of a rank's board; None while
+    it is written, or where there is none. Read as a literal: the rank runs code that is not trusted."""
     try:
         with open(path, "rb") as f:
             data = f.read(_BOARD_BYTES)
@@ -302,14 +303,16 @@ def read_board(path: str) -> tuple | None:
     if not length:
         return generation, None
     try:
-        record, started, offers = ast.literal_eval(data[_HEAD.size : _HEAD.size + length].decode())
-        return generation, dict(record, started=started, offers=offers)
+        record, started, offers, made = ast.literal_eval(data[_HEAD.size : _HEAD.size + length].decode())
+        return generation, dict(record, started=started, offers=offers, made=made)
     except Exception:  # noqa: BLE001 - whatever a rank wrote there: it says nothing
         return None
 
 
 def _called_from(depth: int, outermost) -> tuple:
-    """(the torch.distributed function the code called, [its frame] or [] where the launcher called it).
+    """(the torch.distributed function the code called, its frames, outermost first: the innermost that is not
+    plumbing, and the innermost in a student file above it where that one is not (a check's wrapper that the
+    student's code called: failure's _own picks the student's); [] where the launcher called it).
     ``outermost``: the worker's own frame; those above it are its parent's, copied by fork."""
     frame, call = sys._getframe(depth), ""
     while frame is not None and frame is not outermost and is_plumbing(frame.f_code.co_filename):
@@ -318,14 +321,23 @@ def _called_from(depth: int, outermost) -> tuple:
         frame = frame.f_back
     if frame is None or frame is outermost:  # the launcher's barrier after the function returned
         return "", []
-    return call, [[frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name]]
+    frames = [[frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name]]
+    student = frame
+    while student is not None and student is not outermost and not is_student_file(student.f_code.co_filename):
+        student = student.f_back
+    if student is not None and student is not outermost and student is not frame:
+        frames.insert(0, [student.f_code.co_filename, student.f_lineno, student.f_code.co_name])
+    return call, frames
 
 
 class Waits:
     """Says on the rank's board what its main thread is blocked in: a message's wait() (told by
     PointToPoint), or a collective of a group torch.distributed knows, from its call (under the collective
-    check, the ranks compare it there first) to the end of its Work's wait(). With it, what the rank has
-    started that a peer may wait for: messages (PointToPoint.offers) and, by group, how many collectives.
+    check, the ranks compare it there first) to the end of its Work's wait(); or, in the store, a group
+    being made (gloo connects its members there, in C++) and the store's barrier after it
+    (TORCH_DIST_INIT_BARRIER), or a key of the store waited for from Python (Store.wait, get, multi_get).
+    With it, what the rank has started that a peer may wait for: messages (PointToPoint.offers), by
+    group how many collectives, and the groups it has made, each by torch's name for it.
     A record is a report as failure.rank_report makes one, so the parent words a deadlock as any other."""
 
     def __init__(self, rank: int, board: Board, messages: PointToPoint):
@@ -335,6 +347,13 @@ class Waits:
         self.started: dict = {}  # a group's name -> how many collectives the rank started on it
         self.works = weakref.WeakKeyDictionary()  # a started collective's Work -> (record, its literal)
         self.broken: dict | None = None  # the record of the first wait of this call that raised
+        # A group's name -> [this rank's place in it, -1 where it is no member; its size]: of every group made
+        # since the world's own, and as its literal (said with every wait, changed only when a group is made).
+        self.made: dict = {}
+        self.made_literal = "{}"
+        self.world = 0  # the size of the world, from its group's making
+        self.groups = 0  # how many groups the code has made in this call, the course's own not counted
+        self.making: tuple = ()  # (name, ranks, number) of the last group made: for the store's barrier after it
 
     def install(self) -> None:
         """Called by the worker's own function, the outermost of the rank's frames."""
@@ -352,12 +371,78 @@ class Waits:
                 return original(work, *args, **kwargs)
 
         dist.Work.wait = wait
+        # Looked up in torch.distributed's module at each call: by new_group (and what calls it) and
+        # init_process_group alike.
+        c10d._new_process_group_helper = self._making(c10d._new_process_group_helper)
+        c10d._store_based_barrier = self._barrier(c10d._store_based_barrier)
+        for method in _STORE_WAITS:
+            if method in vars(dist.Store):
+                setattr(dist.Store, method, self._store_wait(method, vars(dist.Store)[method]))
 
     def clear(self) -> None:
         """At each call: nothing waited yet."""
         self.stack.clear()
         self.broken = None
+        self.groups = 0
         self._say()
+
+    def _making(self, original):
+        signature = inspect.signature(original)
+
+        def making(*args, **kwargs):
+            given = signature.bind(*args, **kwargs).arguments
+            name, ranks, place = given["group_name"], list(given["global_ranks_in_group"]), given["group_rank"]
+            if not ranks:  # the world's group: a new world, whose groups torch names from 0 again
+                self.world, self.made = given["group_size"], {}
+                ranks = list(range(self.world))
+            desc = str(given.get("group_desc") or "")
+            if given["global_ranks_in_group"] and not desc.startswith(UNCHECKED):
+                self.groups += 1
+            # A twin is made in the code's new_group call: it is the code's group to the student.
+            number = self.groups if desc == TWIN or not desc.startswith(UNCHECKED) else 0
+            self.made[name] = [place if place is not None else -1, len(ranks)]
+            self.made_literal = repr(self.made)
+            self.making = (name, ranks, number)
+            if place is None:  # no member: torch returns at once
+                return original(*args, **kwargs)
+            call, frames = _called_from(2, self.outermost)
+            said = self.record("group", call, frames, group=name, ranks=ranks, number=number, phase="connect")
+            with self.waiting(*said):
+                return original(*args, **kwargs)
+
+        return making
+
+    def _barrier(self, original):
+        signature = inspect.signature(original)
+
+        def barrier(*args, **kwargs):
+            given = signature.bind(*args, **kwargs).arguments
+            name, ranks, number = self.making
+            if name != given["group_name"]:  # not after a group made here: nothing known to judge it by
+                return original(*args, **kwargs)
+            # Counted in the world's store by the whole world, or by the members (use_local_synchronization).
+            within = list(range(self.world)) if given["rendezvous_count"] == self.world else ranks
+            call, frames = _called_from(2, self.outermost)
+            said = self.record(
+                "group", call, frames, group=name, ranks=ranks, number=number, phase="barrier", within=within
+            )
+            with self.waiting(*said):
+                return original(*args, **kwargs)
+
+        return barrier
+
+    def _store_wait(self, method: str, original):
+        def waited(store, *args, **kwargs):
+            # Inside a wait said already (the store's barrier after a group is made), or no key given.
+            if self.stack or not args:
+                return original(store, *args, **kwargs)
+            keys = [args[0]] if method == "get" else list(args[0])
+            call, frames = _called_from(2, self.outermost)
+            said = self.record("key", call or f"store.{method}", frames, keys=[str(k) for k in keys])
+            with self.waiting(*said):
+                return original(store, *args, **kwargs)
+
+        return waited
 
     def record(self, kind: str, collective: str, frames: list, **facts) -> tuple:
         """(record, its literal) of a wait that begins now."""
@@ -416,7 +501,8 @@ class Waits:
         if record is None or threading.active_count() > 1:
             self.board.write(b"")
         else:
-            self.board.write(f"({literal}, {self.started!r}, {self.messages.offers()!r})".encode())
+            said = f"({literal}, {self.started!r}, {self.messages.offers()!r}, {self.made_literal})"
+            self.board.write(said.encode())
 
 
 class Loops:
@@ -450,8 +536,11 @@ class Loops:
         self.held = running
 
 
-# What a group's group_desc starts with where its collectives are not compared (Agreement).
+# What a group's group_desc starts with where its collectives are not compared (Agreement); a twin's.
 UNCHECKED = "unchecked"
+TWIN = f"{UNCHECKED} twin"
+# The store's methods that wait for a key another rank sets.
+_STORE_WAITS = ("wait", "get", "multi_get")
 _unchecked: dict = {}
 
 

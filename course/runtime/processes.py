@@ -49,8 +49,10 @@ def kill(pids) -> None:
             pass
 
 
-def reap(pids, seconds: float = 2.0) -> None:
-    """Wait for killed processes that were (or became, as orphans) our children: no zombies."""
+def reap(pids, seconds: float = 30.0) -> None:
+    """Wait for killed processes that were (or became, as orphans) our children: no zombies. A killed
+    process ends for certain, but a loaded machine can take seconds to unmap a large one (a worker that
+    imported torch): ``seconds`` only bounds a process the kernel cannot end (stuck in a device's I/O)."""
     todo, end = set(pids), time.monotonic() + seconds
     while todo and time.monotonic() < end:
         for pid in list(todo):
@@ -62,6 +64,42 @@ def reap(pids, seconds: float = 2.0) -> None:
                     todo.discard(pid)
         if todo:
             time.sleep(0.01)
+
+
+def waited_for_a_cpu(pid: int) -> float | None:
+    """Seconds pid's main thread has been ready to run while others ran (Linux's schedstat); None
+    where the platform does not say, or the process has ended."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class OwnTime:
+    """The time a world has had to run: the wall time since it began, less the longest that any of
+    its processes waited for a CPU. A world's limits are of its own time, so a loaded machine (the
+    other jobs of a laptop, a class graded at once) slows a check down and never fails it; an endless
+    loop still reaches its limit, in its own time. Where the kernel does not say (not Linux), the wall
+    time. Never less than a tenth of the wall time: a world starved of every CPU still ends."""
+
+    RESCAN = 1.0  # seconds between looks for the processes of the world (a sandbox's, a student's)
+
+    def __init__(self, roots: list):
+        self.roots, self.began = list(roots), time.monotonic()
+        self.tree, self.scanned = list(roots), self.began
+        self.waited: dict = {}  # pid -> seconds waited when first seen, and when last seen
+
+    def elapsed(self) -> float:
+        now = time.monotonic()
+        if now - self.scanned >= self.RESCAN:
+            self.tree, self.scanned = [*self.roots, *descendants(self.roots)], now
+        for pid in self.tree:
+            waited = waited_for_a_cpu(pid)
+            if waited is not None:
+                self.waited[pid] = (self.waited.get(pid, (waited,))[0], waited)
+        lost = max((last - first for first, last in self.waited.values()), default=0.0)
+        return max(now - self.began - lost, (now - self.began) / 10)
 
 
 # Where a call's stdout and stderr go travels with the call, as descriptors (not on Windows, whose

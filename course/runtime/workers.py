@@ -58,7 +58,7 @@ from course.runtime import env, failure, sandbox
 from course.runtime.instrument import (
     read_board,
 )
-from course.runtime.processes import PASS_STREAMS, descendants, kill, processes, reap, send_streams
+from course.runtime.processes import PASS_STREAMS, OwnTime, descendants, kill, processes, reap, send_streams
 from course.runtime.worker import WorkerSettings, board_path, worker
 
 
@@ -342,13 +342,14 @@ class _World:
     def collect(self) -> list:
         rank_of = {id(c): r for r, c in enumerate(self.conns)}
         self.pending = set(range(self.world_size))
-        deadline = time.monotonic() + self.timeout
+        self.clock = OwnTime([proc.pid for proc in self.procs])  # the limits are of the world's own time
         grace_end = None  # after a first failure, peers get a moment to report theirs
         kept = []
         self.still = (None, 0.0)  # the boards as last read while every rank waited, and since when
         while self.pending:
-            end = deadline if grace_end is None else min(deadline, grace_end)
-            left = end - time.monotonic()
+            left = self.timeout - self.clock.elapsed()
+            if grace_end is not None:
+                left = min(left, grace_end - time.monotonic())
             if left <= 0:
                 break
             ready = wait([self.conns[r] for r in self.pending], timeout=min(left, _POLL))
@@ -380,9 +381,9 @@ class _World:
         ever answer any: nothing can move, whatever the time limit (course/runtime/failure.py's deadlock)."""
         boards = self._boards() if len(self.pending) == self.world_size else None
         if boards is None or boards != self.still[0]:
-            self.still = (boards, time.monotonic())
+            self.still = (boards, self.clock.elapsed())
             return None
-        if time.monotonic() - self.still[1] < _STILL:
+        if self.clock.elapsed() - self.still[1] < _STILL:
             return None
         try:
             return failure.deadlock([record for _, record in boards], self.world_size)
@@ -486,7 +487,7 @@ class _World:
             if proc.is_alive():
                 proc.kill()
         for proc in self.procs:
-            proc.join(timeout=5)
+            proc.join(timeout=30)  # killed: it ends for certain, in seconds on a loaded machine (processes.reap)
         if self.guard is not None:
             self.guard.stop()  # under "uid", whatever of its uid still runs: a daemon that outruns snapshots too
         with _live_lock:

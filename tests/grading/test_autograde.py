@@ -172,9 +172,9 @@ def processes_in(folder):
 def autograde(submissions, out, *exercises):
     """`python -m course.instructors.autograde` on a folder of submissions; its completed process. It runs under
     tests/import_audit.py: its own process imports nothing once its first kernel is asked for."""
-    # Short timeouts: the deadlock is caught by the collective timeout, in seconds.
+    # The checks' own limits (course/runtime/env.py's CHECK_SETTINGS): the deadlock is found by the waits boards.
     audit = out.parent / f"{out.name}-imports.txt"
-    environ = dict(os.environ, COURSE_COLLECTIVE_TIMEOUT="4", COURSE_TIMEOUT="30", PYTHONPATH=ROOT)
+    environ = dict(os.environ, PYTHONPATH=ROOT)
     environ["COURSE_IMPORT_AUDIT"] = str(audit)
     command = [
         sys.executable,
@@ -285,7 +285,7 @@ def test_autograde_end_to_end(tmp_path):
         "one progress line per student as it is graded"
     )
 
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # an event's bound: a loaded machine may take seconds to end a killed process
     while processes_in(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not processes_in(tmp_path), "autograde left processes behind"
@@ -480,7 +480,8 @@ def test_interrupting_a_check_stops_it_and_its_workers(tmp_path, checks_process,
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         check(sleeps_in_a_world, path=str(path))
-    assert time.monotonic() - started < 10, f"SIGINT's handler and the blocked signals when it was sent: {sent}"
+    # The world sleeps 60 s: ended in half of that, it was the interrupt that ended it, however loaded the machine.
+    assert time.monotonic() - started < 30, f"SIGINT's handler and the blocked signals when it was sent: {sent}"
     stopped = json.loads(path.read_text().splitlines()[-1])
     assert not any(alive(p) for p in stopped)
     check(records_pids, path=str(path))

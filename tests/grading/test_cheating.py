@@ -605,7 +605,7 @@ def test_a_grader_killed_from_outside_leaves_a_failing_results_json(attacked):
     found = results(pathlib.Path(base) / "grader" / "results.json")
     assert found["score"] == 0 and "did not finish" in found["output"], found
     assert seen, "no worker reached the submission's loop before the grader was killed"
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # they end at the grader's death; a loaded machine may take seconds to unmap them
     while _daemons(spinner) and time.monotonic() < deadline:
         time.sleep(0.1)
     survivors = _daemons(spinner)
