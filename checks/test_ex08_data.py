@@ -469,6 +469,8 @@ def _join_failure(folder, failure, world_size):
         f"train_joined failed on shards of 112 and 48 samples in batches of {BATCH} {facts}",
     )
     try:
+        # Even shards end, unless the code waits where no partner comes: named at the checks' collective timeout,
+        # which no slow peer reaches (course/runtime/env.py's CHECK_SETTINGS).
         ranks = world(joined_training, world_size, folder, True, expect=JOINED, keep=False, timeout=30)
     except WorldFailed:
         return unknown
@@ -495,7 +497,8 @@ def check_join(folder, world_size=2):
     with DDP's averages, the ranks out of batches counting as zero gradients."""
     try:
         # A rank left waiting in DDP's all-reduce (C++, which no board sees) is named at the checks' collective
-        # timeout: at 3 s, a peer slowed by a loaded machine failed a correct train_joined.
+        # timeout. A timeout of its own, 3 s, was reached by a correct train_joined whose peer a loaded machine
+        # had slowed: a check must not fail correct code for the load beside it.
         results = world(joined_training, world_size, folder, expect=JOINED, keep=False, timeout=30)
     except WorldFailed as failed:
         if failed.failure.kind not in UNMATCHED:

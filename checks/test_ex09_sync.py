@@ -314,8 +314,8 @@ def eval_alone_in_world(folder, rows):
 def check_eval_alone(folder, world_size=2):
     """In eval mode the layer communicates nothing: rank 0 evaluating alone does not wait for the others."""
     try:
-        # The ranks' comparison names rank 0's collective at once; where collectives are not compared, the
-        # checks' collective timeout does (a short one failed a correct layer whose rank 0 a loaded machine slowed).
+        # Rank 0's collective is named by the ranks' comparison, one they do not see (a functional one) at the checks'
+        # collective timeout: a short timeout of its own failed a correct layer that a loaded machine slowed.
         (got, *_) = world(
             eval_alone_in_world,
             world_size,

@@ -9,6 +9,7 @@ Python 3.6 must reach setup's version check: this file keeps to 3.6's syntax (te
 
 import argparse
 import os
+import signal
 import sys
 
 from course import setup
@@ -21,7 +22,6 @@ def grade(args) -> int:
     which costs more than the few checks of one exercise take; the grader forks a copy of itself
     instead where it can (course.grading.share.processes_here; docs/design.md, "Grading, `make grade`").
     """
-    import gc
     import importlib.util
 
     missing = [name for name in ("torch", "pytest") if importlib.util.find_spec(name) is None]
@@ -33,10 +33,36 @@ def grade(args) -> int:
             file=sys.stderr,
         )
         return 2
+    from course.grading import results
+
+    try:
+        code = _graded(args)
+    except KeyboardInterrupt:  # Ctrl-C where pytest's session does not take it: the imports, the grade's end
+        results.write_json(args.results, results.interrupted())
+        if args.github_classroom:
+            results.give_github_output(results.interrupted())
+        print(f"\n{results.INTERRUPTED}")
+        return 2  # pytest's exit status for an interrupted session, as the plugin's Ctrl-C gives
+    # The grade is given, and nothing of it runs: a Ctrl-C now would only cut the interpreter's exit
+    # short, with a traceback under the table.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
+
+
+def _graded(args) -> int:
+    """grade()'s work, wherever Ctrl-C stops it."""
+    import gc
+
+    from course.runtime.processes import ctrl_c_held
+
     # Importing torch, torch._dynamo and the checks takes a fifth longer with the cyclic garbage
     # collector running, and they make no garbage to collect: course/runtime/workers.py turns it back on
     # before the first world starts.
     gc.disable()
+    # Ctrl-C waits for torch's import: torch's C code imports numpy, and goes on without it whatever the
+    # import raised, a KeyboardInterrupt too (a grade went on to its table so).
+    with ctrl_c_held():
+        import torch  # noqa: F401
     from course.exercises import by_number
     from course.grading import plugin, results, share
     from course.layout import ROOT, graded_elsewhere, graded_exercises
@@ -66,7 +92,20 @@ def grade(args) -> int:
         options += ["--grade-fail-under", str(args.fail_under)]
     if args.github_classroom:
         options += ["--grade-github-output"]
-    return int(pytest.main([*options, *args.pytest, *checks], plugins=[plugin]))
+    ended = _SessionEnd()
+    code = pytest.main([*options, *args.pytest, *checks], plugins=[plugin, ended])
+    if code == pytest.ExitCode.INTERRUPTED and not ended.seen:
+        raise KeyboardInterrupt  # before pytest's session began: the plugin's grader never saw it
+    return int(code)
+
+
+class _SessionEnd:
+    """Whether pytest's session reached its end, where the plugin's grader says what came of the grade."""
+
+    seen = False
+
+    def pytest_sessionfinish(self):
+        self.seen = True
 
 
 def main(argv=None) -> int:

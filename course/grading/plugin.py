@@ -31,10 +31,12 @@ from course.grading.explain import explain, first_line, mistake
 from course.grading.fingerprint import Fingerprint
 from course.grading.points import points_of
 from course.grading.results import (
+    INTERRUPTED,
     UNFINISHED,
     Check,
     give_github_output,
     gradescope,
+    interrupted,
     not_graded,
     table,
     write_json,
@@ -179,10 +181,13 @@ class _Grader:
         if processes < 2 or session.testsfailed or self.config.option.collectonly:
             return None  # pytest's own loop
         from course.runtime import workers
+        from course.runtime.processes import ctrl_c_held
 
         workers.ready_to_fork()
-        children = [Share(session, session.items[k::processes], self.fingerprint) for k in range(1, processes)]
+        children = []
         try:
+            with ctrl_c_held():  # a copy forked is one stopped below
+                children += [Share(session, session.items[k::processes], self.fingerprint) for k in range(1, processes)]
             run_items(session, session.items[0::processes], log=True)
             for child in children:
                 for report in child.reports():
@@ -192,6 +197,12 @@ class _Grader:
             for child in children:
                 child.stop()
         return True
+
+    def pytest_keyboard_interrupt(self, excinfo):
+        # Ctrl-C; not pytest's own stop (a module of checks that does not import, --maxfail), which
+        # raises its Session.Interrupted, a KeyboardInterrupt too, nor pytest.exit().
+        stop = excinfo.value
+        self.interrupted = isinstance(stop, KeyboardInterrupt) and not isinstance(stop, pytest.Session.Interrupted)
 
     def pytest_collectreport(self, report):
         if report.failed:  # a check module that does not import: nothing of it can be graded
@@ -221,6 +232,9 @@ class _Grader:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session, exitstatus):
+        from course.runtime import workers
+
+        workers.stop_kept()  # the checks are over: a Ctrl-C after the grade finds no world of theirs to stop
         self.final = sorted(self.checks.values(), key=lambda c: (c.exercise, c.name))
         changed = (self.fingerprint.changes() if self.fingerprint is not None else []) + self.changed_elsewhere
         changed = list(dict.fromkeys(changed))  # each process finds what changed on disk
@@ -230,11 +244,10 @@ class _Grader:
                 check.passed = False
                 check.message = f"the grader's own files changed while it ran ({changed[0]}{more}): no check counts"
         path = self.config.getoption("grade_results")
-        self.interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
         results = None
         try:
             if self.interrupted:  # Ctrl-C: the checks that ran are no grade
-                write_json(path, not_graded(["grading was interrupted (Ctrl-C) before its checks had all run"]))
+                write_json(path, interrupted())
             elif self.broken:
                 write_json(path, not_graded(self.broken))
             else:
@@ -261,7 +274,7 @@ class _Grader:
     def pytest_terminal_summary(self, terminalreporter):
         terminalreporter.write_line("")
         if self.interrupted:
-            terminalreporter.write_line("Interrupted: no grade (results.json says so).")
+            terminalreporter.write_line(INTERRUPTED)
             return
         for line in table(self.final).splitlines():
             terminalreporter.write_line(line)

@@ -173,6 +173,15 @@ def no_such_exercise(chosen: list | None) -> str:
     return f"no exercise {', '.join(map(str, unknown))}; exercises are {min(exercises)}–{max(exercises)}"
 
 
+# What a grade that Ctrl-C stopped says at its end; its results.json is interrupted().
+INTERRUPTED = "Interrupted: no grade (results.json says so)."
+
+
+def interrupted() -> dict:
+    """results.json of a grade that Ctrl-C stopped: the checks that ran are no grade."""
+    return not_graded(["grading was interrupted (Ctrl-C) before it gave a grade"])
+
+
 def not_graded(problems: list) -> dict:
     """results.json of a run that could not grade: it says so, and gives no score as if earned."""
     said = "\n".join(f"GRADER ERROR (not your code): {p}" for p in problems)

@@ -1,18 +1,20 @@
 """Process plumbing for worlds of workers: finding and stopping a process and what it started,
-cutting a forked worker off the descriptors it inherited, and handing a call's output streams to it.
-Linux gives the most (/proc); elsewhere a process's own children only."""
+cutting a forked worker off the descriptors it inherited, handing a call's output streams to it, and
+where Ctrl-C may land while processes are forked and stopped. Linux gives the most (/proc); elsewhere
+a process's own children only. It imports no torch: course/runtime/sandbox.py forks with it in
+processes that never import torch (autograding's own)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing import reduction
-
-import torch
 
 
 def processes() -> dict:
@@ -134,6 +136,8 @@ def private_descriptors(keep: set) -> None:
 
 
 def send(conn, message) -> None:
+    import torch
+
     buffer = io.BytesIO()
     torch.save(message, buffer)
     conn.send_bytes(buffer.getvalue())
@@ -169,6 +173,35 @@ def drop_streams() -> None:
         os.close(null)
 
 
+@contextlib.contextmanager
+def ctrl_c_held():
+    """Ctrl-C (SIGINT) waits until the block ends, and is raised there; also a decorator.
+
+    Around a fork (os.fork, multiprocessing's start): Python runs handlers at a fork (logging's
+    lock), and a KeyboardInterrupt raised in one is printed and dropped (a grade lost its Ctrl-C so,
+    under load, and went on to its table); and the child, until it ignores Ctrl-C as its first line,
+    would die of it (a worker, failing its check). Here Ctrl-C is only noted, in the child as in this
+    process, whichever of its threads the kernel gives it to. Around a stop: nothing is left half stopped.
+    Where SIGINT has no handler of Python's (ignored, or left at the system's default), or outside the
+    main thread (which alone runs Python's handlers), the block runs as it is.
+    """
+    handler = signal.getsignal(signal.SIGINT)
+    if not callable(handler) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came = []
+    signal.signal(signal.SIGINT, lambda *_: came.append(True))
+    forker = os.getpid()
+    try:
+        yield
+    finally:
+        if os.getpid() == forker:  # a child forked in the block keeps the note, until it ignores Ctrl-C
+            signal.signal(signal.SIGINT, handler)
+            if came:
+                signal.raise_signal(signal.SIGINT)
+
+
+@ctrl_c_held()
 def stop_tree(pid: int, join: Callable | None = None) -> None:
     """Stop a child process and every process it started; reap them all. ``join``: how to wait
     for the child when a multiprocessing.Process started it (its join reaps it)."""

@@ -55,6 +55,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from course.runtime.processes import ctrl_c_held
+
 LINUX = sys.platform.startswith("linux")
 
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 1, 4, 24, 36, 38
@@ -176,6 +178,7 @@ def level(readable: tuple = (), submission: str | None = None) -> Level:
     return Level("none", "; ".join(problems))
 
 
+@ctrl_c_held()
 def _in_child(body) -> str:
     """Run body() in a forked child; what it returned ('' for success) or raised, as text."""
     reader, writer = os.pipe()
@@ -367,6 +370,7 @@ def _take_free_uid() -> tuple:
     raise OSError(f"every uid of {uids.start}-{uids.stop - 1} (COURSE_SANDBOX_UIDS) is in use")
 
 
+@ctrl_c_held()
 def _kill_every_process_of(uid: int) -> None:
     """kill(-1, SIGKILL) from a process of that uid: every process of it, atomically with forks."""
     pid = os.fork()
@@ -385,6 +389,7 @@ def _kill_every_process_of(uid: int) -> None:
         raise OSError(f"could not stop the processes of uid {uid}")
 
 
+@ctrl_c_held()
 def _start_holder(user: bool) -> int:
     """A child that owns a new network namespace (its loopback up), and with ``user`` a new user
     namespace, until it is killed. Without ``user`` (root, the uid level) the network namespace

@@ -5,8 +5,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch.distributed as dist
@@ -20,6 +22,7 @@ from course.instructors.release import leaks, release, secret_lines
 from course.instructors.student import ROOT, SOLUTIONS
 from course.launch import WorldFailed, run
 from course.layout import graded_elsewhere, graded_exercises
+from course.runtime import sandbox
 from course.runtime.processes import descendants
 from tests import warm
 from tests.grading.test_grades_unchanged import compare
@@ -274,6 +277,17 @@ def test_a_broken_grader_exits_non_zero(tmp_path):
     assert done.returncode != 0 and "GRADER ERROR" in done.stdout, done.stdout
 
 
+def test_a_module_of_checks_that_does_not_import_is_a_grader_error_not_a_ctrl_c(tmp_path):
+    """pytest stops a session whose modules do not all import with its own KeyboardInterrupt (Session.Interrupted):
+    the grade names the module, and does not say that Ctrl-C stopped it."""
+    (tmp_path / "test_ex01_broken.py").write_text("import no_such_module\n")
+    done = grade(tmp_path, "test_ex01_broken.py")
+    said = "GRADER ERROR (not your code): test_ex01_broken.py could not be collected"
+    assert done.returncode == 1 and said in done.stdout and "Interrupted: no grade" not in done.stdout, done.stdout
+    with open(tmp_path / "results.json") as f:
+        assert said in json.load(f)["output"]
+
+
 def test_no_check_gives_points_to_code_that_does_nothing(tmp_path):
     """Every TODO answered by `pass`: no check of any exercise passes (points for nothing)."""
     folder = does_nothing(tmp_path / "nothing")
@@ -388,7 +402,7 @@ def test_grade_says_which_folder_it_grades_when_not_the_current_one(tmp_path):
     assert done.returncode == 2 and done.stderr.startswith(f"Grading the files in {ROOT}"), done.stderr
 
 
-def _sleeping(pids, name):
+def _named(pids, name):
     """Whether a process of pids is named name (its comm)."""
     for pid in pids:
         try:
@@ -400,37 +414,119 @@ def _sleeping(pids, name):
     return False
 
 
-def test_an_interrupted_grade_says_so_and_gives_no_score(tmp_path):
-    """Ctrl-C (SIGINT to the terminal's process group) while a check runs: no table, no score."""
-    import signal
-    import time
+def _running(pid):
+    """Whether pid is a process that has not ended (not gone, not a zombie), and its process group."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state, _, group = f.read().rsplit(")", 1)[1].split()[:3]
+    except (OSError, ValueError):
+        return False, None
+    return state != "Z", int(group)
 
-    submission = tmp_path / "submission"
-    submission.mkdir()
-    for name in STUDENT_FILES:
-        shutil.copy(os.path.join(ROOT, name), submission)
-    with open(submission / "dist.py", "a") as f:  # named, so that the test sees a check's workers sleep in it
-        f.write("\nimport ctypes, time\nctypes.CDLL(None).prctl(15, b'sleeps-in-dist', 0, 0, 0)\ntime.sleep(60)\n")
-    grader = subprocess.Popen(
-        [sys.executable, "-m", "course", "grade", "--ex", "2"],
-        cwd=tmp_path,
-        env=dict(os.environ, COURSE_IMPL=str(submission)),
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    # Ctrl-C once its first check's workers sleep in dist.py, however long a loaded machine takes to start them
-    # (a time guessed instead sent it, under load, before any check ran).
-    started = time.monotonic()
-    while not _sleeping(descendants([grader.pid]), "sleeps-in-dist") and time.monotonic() < started + 60:
-        time.sleep(0.2)
-    time.sleep(0.5)
-    os.killpg(grader.pid, signal.SIGINT)
-    out, _ = grader.communicate(timeout=60)
-    assert grader.returncode != 0 and "Interrupted: no grade" in out and "total" not in out, out
+
+def _left_by(grader, before, folder):
+    """The processes a grader left running, with their command lines: what it started (this process is a
+    child subreaper, so its orphans come here), its process group, and any whose working folder is in
+    folder (its worlds')."""
+    found = set(descendants([os.getpid()])) - before
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            inside = os.readlink(f"/proc/{pid}/cwd").startswith(str(folder))
+        except OSError:
+            inside = False
+        if inside or _running(pid)[1] == grader:
+            found.add(pid)
+    left = {}
+    for pid in sorted(found - {os.getpid()}):
+        try:
+            with open(f"/proc/{pid}/cmdline") as f:
+                command = f.read().replace("\0", " ")
+        except OSError:
+            continue
+        if _running(pid)[0]:
+            left[pid] = command
+    return left
+
+
+# Issue 49: where the test's Ctrl-C lands, each a moment that tests/grading/ctrl_c_moments.py holds the grade at.
+CTRL_C_MOMENTS = ["configuring", "collecting", "world-starts", "check-runs", "copy-checks", "results"]
+
+
+def ctrl_c_at(moment, folder):
+    """Grade exercise 2 of the reference beside a busy process (`python -c 'while True: pass'`), and send
+    SIGINT to the grader's process group, as a terminal's Ctrl-C does, once the grade is at moment.
+    Returns (seconds from the signal to the grader's exit, its exit status, its output, the processes it left)."""
+    sandbox.adopt_orphans()  # what the grader leaves comes to this process, to be found
+    notes, out = folder / "notes", folder / "out"
+    notes.touch()
+    before = set(descendants([os.getpid()]))
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with open(out, "w") as output:
+            grader = subprocess.Popen(
+                # Two grading processes, whatever this machine's cores (make test's processes have one each).
+                [sys.executable, "-m", "course", "grade", "--ex", "2", "--", "--grade-processes", "2"]
+                + ["-p", "tests.grading.ctrl_c_moments"],
+                cwd=folder,
+                env=dict(os.environ, COURSE_IMPL=SOLUTIONS, COURSE_CTRL_C_AT=moment, COURSE_CTRL_C_NOTES=str(notes)),
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                # As a terminal gives it, whatever this runner inherited: a `make test &` ignores SIGINT, and
+                # passes that on (issue 16), and a grader that ignores Ctrl-C is right to go on.
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            )
+
+        def there():  # a sandboxed worker can write no note: it takes a name
+            if moment == "check-runs":
+                return _named(descendants([grader.pid]), "ctrl-c-check")
+            return f"{moment}\n" in notes.read_text()
+
+        # However long a loaded machine takes to get there: decided by the event, never by a time.
+        deadline = time.monotonic() + WHOLE_COURSE
+        while not there() and grader.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert there(), f"the grade did not reach {moment}: {out.read_text()}"
+        os.killpg(grader.pid, signal.SIGINT)
+        sent = time.monotonic()
+        with open(notes, "a") as f:
+            f.write("sent\n")
+        try:
+            grader.wait(timeout=60)
+        finally:
+            took = time.monotonic() - sent
+            if grader.poll() is None:
+                os.killpg(grader.pid, signal.SIGKILL)
+                grader.wait()
+    finally:
+        busy.kill()
+        busy.wait()
+    # A process killed ends for certain, in seconds on a loaded machine; one the grader did not stop never does.
+    deadline = time.monotonic() + 30
+    while _left_by(grader.pid, before, folder) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _left_by(grader.pid, before, folder)
+    for pid in set(descendants([os.getpid()])) - before:  # the grader's orphans, here: killed and reaped
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+    return took, grader.returncode, out.read_text(), left
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the grader forks its copy on Linux")
+@pytest.mark.parametrize("moment", CTRL_C_MOMENTS)
+def test_ctrl_c_stops_a_grade_at_any_moment(tmp_path, moment):
+    """Issue 49: Ctrl-C at each moment of a grade, under load: within 5 s the grader ends, says it was
+    interrupted, gives no table and no score, and leaves no process behind."""
+    took, code, out, left = ctrl_c_at(moment, tmp_path)
+    assert took < 5, f"{took:.1f} s from Ctrl-C to the grader's end: {out}"
+    assert code != 0 and "Interrupted: no grade (results.json says so)." in out and "total" not in out, out
     with open(tmp_path / "results.json") as f:
         found = json.load(f)
     assert "interrupted" in found["output"] and found["tests"][0]["name"] == "The grader", found
+    assert not left, f"left running: {left}"
 
 
 def test_several_exercises_in_one_run(tmp_path):
