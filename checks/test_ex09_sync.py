@@ -314,8 +314,8 @@ def eval_alone_in_world(folder, rows):
 def check_eval_alone(folder, world_size=2):
     """In eval mode the layer communicates nothing: rank 0 evaluating alone does not wait for the others."""
     try:
-        # Rank 0's collective is named by the ranks' comparison, one they do not see (a functional one) at the checks'
-        # collective timeout: a short timeout of its own failed a correct layer that a loaded machine slowed.
+        # Rank 0's collective is named by the ranks' comparison (dist's) or the waits boards (a functional one), the
+        # rest at the checks' collective timeout (a short one failed a correct layer that a loaded machine slowed).
         (got, *_) = world(
             eval_alone_in_world,
             world_size,

@@ -550,7 +550,7 @@ def _in_one_collective(facts: list, world_size: int) -> bool:
 
 def _may_end(wait: dict, waits: dict) -> bool:
     """Whether what one rank waits in can still end, by what its peers wait in and have started (records of
-    course/runtime/instrument.py's Waits, by rank): a message, once its peer started the one that matches it; a
+    course/runtime/instrument.py's Waits, by rank): a message, once its peer started the one that it pairs with; a
     collective, once every member started it, and none waits in another of that number; a group being made, as
     _may_make says; a key of the store never (only a rank that runs sets one)."""
     if wait["kind"] == "key":
@@ -558,13 +558,8 @@ def _may_end(wait: dict, waits: dict) -> bool:
     if wait["kind"] == "group":
         return _may_make(wait, waits)
     if wait["kind"] == "message":
-        wanted = "recv" if wait["direction"] == "send" else "send"
         peers = [wait["to"]] if wait["to"] is not None else [r for r in waits if r != wait["rank"]]
-        return any(
-            [wait["group"], wanted] == offer[:2] and offer[2] in (wait["rank"], None)
-            for peer in peers
-            for offer in waits[peer]["offers"]
-        )
+        return any(_pairs(wait, offer) for peer in peers for offer in waits[peer]["offers"])
     for member in wait["members"]:
         other = waits[member]
         if other["kind"] == "collective" and (other["group"], other["seq"]) == (wait["group"], wait["seq"]):
@@ -573,6 +568,24 @@ def _may_end(wait: dict, waits: dict) -> bool:
         elif other["started"].get(wait["group"], 0) < wait["seq"]:
             return False
     return True
+
+
+def _pairs(wait: dict, offer: list) -> bool:
+    """Whether a peer's message started and not yet waited for to its end (course/runtime/instrument.py's
+    PointToPoint.offers) may be the one that a rank's message waits for. gloo pairs two ranks' messages of a group
+    and tag in the order each rank starts them: the k-th receive from rank r takes r's k-th send to it, or a later
+    one where a receive from any rank came before it (it may have taken one); the k-th send to rank r goes to r's
+    k-th receive from this rank, or an earlier one after r's receives from any rank. A message whose request was
+    freed before it ended is never offered (gloo drops it): the receive it was for waits for ever."""
+    group, direction, to, tag, number = offer
+    wanted = "recv" if wait["direction"] == "send" else "send"
+    if (group, direction, tag) != (wait["group"], wanted, wait["tag"]) or to not in (wait["rank"], None):
+        return False
+    if wait["direction"] == "send":
+        return to is None or number <= wait["number"]
+    if wait["to"] is None:
+        return True
+    return number == wait["number"] if wait["exact"] else number >= wait["number"]
 
 
 def _may_make(wait: dict, waits: dict) -> bool:

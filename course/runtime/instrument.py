@@ -39,8 +39,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed import ProcessGroup
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from course.runtime.failure import C10D_FILE, ArgumentsDiffer, is_plumbing, is_student_file, loop_dump
 
@@ -93,6 +95,14 @@ class PointToPoint:
         self.pending: dict = {}  # id of a request not yet waited for -> its entry
         self.waiting: dict | None = None  # the entry of the message a wait() is blocked on
         self.waits: Waits | None = None  # told of each wait()
+        # (group, "send" or "recv", peer's world rank (None: any), tag) -> how many such messages were started
+        self.started: dict = {}
+
+    def clear(self) -> None:
+        """At each call: nothing started yet."""
+        self.pending.clear()
+        self.waiting = None
+        self.started.clear()
 
     def install(self) -> None:
         for method in _DIRECTION:
@@ -109,10 +119,19 @@ class PointToPoint:
                     f"dist.{call} with rank {peer}: its group has {group.size()} rank{'s' * (group.size() != 1)},"
                     f" 0 to {group.size() - 1}"
                 )
-            entry = dict(collective=call, peer=peer, frame=frame, direction=_DIRECTION[method][0])
+            direction = _DIRECTION[method][0]
+            entry = dict(collective=call, peer=peer, frame=frame, direction=direction)
             known = _group_of(group)
             if known is not None:  # for the waits board: peers by their rank in the world
-                entry.update(group=known[0], to=known[1][peer] if peer is not None and peer < len(known[1]) else None)
+                to = known[1][peer] if peer is not None and peer < len(known[1]) else None
+                place = 1 if method == "recv_anysource" else 2  # of the tag, among the method's arguments
+                tag = args[place] if len(args) > place else kwargs.get("tag", 0)
+                key = (known[0], direction, to, tag)
+                number = self.started[key] = self.started.get(key, 0) + 1
+                # gloo pairs two ranks' messages of a group and tag in the order each rank starts them; a receive from
+                # any rank started before may take a peer's message out of that order.
+                exact = not self.started.get((known[0], "recv", None, tag))
+                entry.update(group=known[0], to=to, tag=tag, number=number, exact=exact)
             request = _Request(original(group, *args, **kwargs), self, entry)
             self.pending[id(request)] = request._entry
             return request
@@ -129,11 +148,15 @@ class PointToPoint:
         return [entry["collective"], entry["peer"], list(entry["frame"])] if entry else []
 
     def offers(self) -> list:
-        """[group, "send" or "recv", peer's world rank (None: any)] of each message started and not yet
-        waited for to its end (one may have ended already: a peer waiting for it may then be wrongly
-        thought able to end, never the reverse)."""
+        """[group, "send" or "recv", peer's world rank (None: any), tag, its number among those] of each message
+        started and not yet waited for to its end, nor freed before (gloo dropped it). One may have ended already
+        unwaited: a peer waiting for it may then be wrongly thought able to end, never the reverse."""
         entries = [*self.pending.values(), *([self.waiting] if self.waiting else [])]
-        return [[e["group"], e["direction"], e["to"]] for e in entries if "group" in e and not e.get("dropped")]
+        return [
+            [e["group"], e["direction"], e["to"], e["tag"], e["number"]]
+            for e in entries
+            if "group" in e and not e.get("dropped")
+        ]
 
 
 def _message_record(waits: Waits, entry: dict) -> tuple:
@@ -141,7 +164,7 @@ def _message_record(waits: Waits, entry: dict) -> tuple:
     if "group" not in entry:
         return None, ""
     frames = [list(entry["frame"])] if entry["frame"][0] else []
-    facts = dict(group=entry["group"], direction=entry["direction"], to=entry["to"])
+    facts = {k: entry[k] for k in ("group", "direction", "to", "tag", "number", "exact")}
     return waits.record("message", entry["collective"], frames, peer=entry["peer"], **facts)
 
 
@@ -179,6 +202,37 @@ _CALLS = {
     "alltoall_base": ("ALLTOALL_BASE", 0),
     "barrier": ("BARRIER", None),
 }
+# torch's functional collectives (torch.distributed._functional_collectives), each with the process group method
+# that its op calls: from C++, never through the methods above. Each starts its collective and returns at once; the
+# rank blocks in wait_tensor, at the result's first use. Named as the boards name the method's own collective: a
+# functional all_reduce and dist.all_reduce meet in gloo. Those that another torch lacks are not watched; an alias
+# that calls another of them (2.13's all_gather_tensor calls all_gather_single) is seen as one collective.
+_FUNCTIONAL = {
+    "broadcast": "broadcast",
+    "all_reduce": "allreduce",
+    "all_reduce_coalesced": "allreduce_coalesced",
+    **dict.fromkeys(
+        ("all_gather_single", "all_gather_single_autograd", "all_gather_tensor", "all_gather_tensor_autograd"),
+        "_allgather_base",
+    ),
+    **dict.fromkeys(
+        (
+            "reduce_scatter_single",
+            "reduce_scatter_single_autograd",
+            "reduce_scatter_tensor",
+            "reduce_scatter_tensor_autograd",
+        ),
+        "_reduce_scatter_base",
+    ),
+    **dict.fromkeys(
+        ("all_gather_single_coalesced", "all_gather_into_tensor_coalesced"), "allgather_into_tensor_coalesced"
+    ),
+    **dict.fromkeys(
+        ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"), "reduce_scatter_tensor_coalesced"
+    ),
+    **dict.fromkeys(("all_to_all_single", "all_to_all_single_autograd"), "alltoall_base"),
+}
+_FUNCTIONAL_FILE = os.path.basename(funcol.__file__)
 _REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
 _DIMENSIONS = 4  # of a shape compared (a tensor of more compares its first four and its size)
 # Every dtype of torch, in an order that every rank shares: a collective's dtype travels as its index.
@@ -316,7 +370,7 @@ def _called_from(depth: int, outermost) -> tuple:
     ``outermost``: the worker's own frame; those above it are its parent's, copied by fork."""
     frame, call = sys._getframe(depth), ""
     while frame is not None and frame is not outermost and is_plumbing(frame.f_code.co_filename):
-        if frame.f_code.co_filename.endswith(C10D_FILE):
+        if frame.f_code.co_filename.endswith((C10D_FILE, _FUNCTIONAL_FILE)):
             call = frame.f_code.co_name  # the outermost: broadcast_object_list, not the broadcast it calls
         frame = frame.f_back
     if frame is None or frame is outermost:  # the launcher's barrier after the function returned
@@ -336,6 +390,8 @@ class Waits:
     check, the ranks compare it there first) to the end of its Work's wait(); or, in the store, a group
     being made (gloo connects its members there, in C++) and the store's barrier after it
     (TORCH_DIST_INIT_BARRIER), or a key of the store waited for from Python (Store.wait, get, multi_get).
+    A functional collective (torch.distributed._functional_collectives) is a collective too, from its call to
+    the end of the first wait_tensor on its result.
     With it, what the rank has started that a peer may wait for: messages (PointToPoint.offers), by
     group how many collectives, and the groups it has made, each by torch's name for it.
     A record is a report as failure.rank_report makes one, so the parent words a deadlock as any other."""
@@ -346,6 +402,10 @@ class Waits:
         self.stack: list = []  # (record, its literal) of the waits the rank is in, innermost last
         self.started: dict = {}  # a group's name -> how many collectives the rank started on it
         self.works = weakref.WeakKeyDictionary()  # a started collective's Work -> (record, its literal)
+        # Of each functional collective whose result is not waited for yet: (weak references to its results' storages,
+        # by which torch finds its Work, a view's too), (record, its literal)).
+        self.in_flight: list = []
+        self.functional = False  # in a functional collective's call: one that it calls (an alias's) is its own
         self.broken: dict | None = None  # the record of the first wait of this call that raised
         # A group's name -> [this rank's place in it, -1 where it is no member; its size]: of every group made
         # since the world's own, and as its literal (said with every wait, changed only when a group is made).
@@ -371,6 +431,11 @@ class Waits:
                 return original(work, *args, **kwargs)
 
         dist.Work.wait = wait
+        # Looked up in the module at each call, by torch's code (DTensor's) as by the student's.
+        for name in _FUNCTIONAL:
+            if name in vars(funcol):
+                setattr(funcol, name, self._functional(name, vars(funcol)[name]))
+        funcol.wait_tensor = self._wait_tensor(funcol.wait_tensor)
         # Looked up in torch.distributed's module at each call: by new_group (and what calls it) and
         # init_process_group alike.
         c10d._new_process_group_helper = self._making(c10d._new_process_group_helper)
@@ -382,6 +447,7 @@ class Waits:
     def clear(self) -> None:
         """At each call: nothing waited yet."""
         self.stack.clear()
+        self.in_flight.clear()
         self.broken = None
         self.groups = 0
         self._say()
@@ -481,6 +547,61 @@ class Waits:
 
         return watched
 
+    def _functional(self, name: str, original):
+        parameters = list(inspect.signature(original).parameters)
+
+        def started(*args, **kwargs):
+            if self.functional:
+                return original(*args, **kwargs)
+            given = {**dict(zip(parameters, args)), **kwargs}
+            known = _functional_group(given.get("group"), given.get("tag", ""))
+            if known is None:
+                return original(*args, **kwargs)
+            group, members = known
+            self.started[group] = self.started.get(group, 0) + 1
+            call, frames = _called_from(2, self.outermost)
+            said = self.record(
+                "collective",
+                call or name,
+                frames,
+                group=group,
+                members=members,
+                seq=self.started[group],
+                call=_FUNCTIONAL[name],
+                root=given.get("src", -1),
+            )
+            self.functional = True
+            try:
+                with self.waiting(*said):
+                    result = original(*args, **kwargs)
+            finally:
+                self.functional = False
+            results = result if isinstance(result, list) else [result]
+            pending = [r for r in results if isinstance(r, funcol.AsyncCollectiveTensor) and not r.completed]
+            if pending:
+                self.in_flight.append(([StorageWeakRef(r.elem.untyped_storage()) for r in pending], said))
+            return result
+
+        return started
+
+    def _wait_tensor(self, original):
+        def wait_tensor(tensor):
+            said = self._collective_of(tensor) if self.in_flight and type(tensor) is torch.Tensor else None
+            if said is None:  # not a result of a collective seen here (a backward's, which torch starts by its op)
+                return original(tensor)
+            with self.waiting(*said):
+                return original(tensor)
+
+        return wait_tensor
+
+    def _collective_of(self, tensor) -> tuple | None:
+        """(record, literal) of the functional collective whose result ``tensor`` is, or a view of, not waited for
+        yet; None where it is none's. Only its first wait waits: torch forgets its Work then."""
+        self.in_flight = [(refs, said) for refs, said in self.in_flight if not all(r.expired() for r in refs)]
+        storage = StorageWeakRef(tensor.untyped_storage())
+        found = next((i for i, (refs, _) in enumerate(self.in_flight) if storage in refs), None)
+        return self.in_flight.pop(found)[1] if found is not None else None
+
     @contextlib.contextmanager
     def waiting(self, record: dict | None, literal: str = ""):
         """While the main thread waits in what record says (None: something the parent cannot judge)."""
@@ -503,6 +624,23 @@ class Waits:
         else:
             said = f"({literal}, {self.started!r}, {self.messages.offers()!r}, {self.made_literal})"
             self.board.write(said.encode())
+
+
+def _functional_group(group, tag: str) -> tuple | None:
+    """_group_of the group that a functional collective is given (a process group, a group's name, a DeviceMesh of
+    one dimension, or (mesh, dimension)); None where the collective cannot name it (torch's call then says why),
+    and for a list of ranks, which torch deprecates (resolving it twice would warn twice)."""
+    if isinstance(group, list):
+        return None
+    try:
+        resolved = (
+            group
+            if isinstance(group, ProcessGroup)
+            else c10d._resolve_process_group(funcol._resolve_group_name(group, tag))
+        )
+    except (AssertionError, KeyError, RuntimeError, ValueError):
+        return None
+    return _group_of(resolved)
 
 
 class Loops:

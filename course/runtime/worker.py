@@ -233,8 +233,7 @@ def worker(rank: int, settings: WorkerSettings, conn) -> None:
                 if settings.compare:
                     Agreement().install(timedelta(seconds=settings.collective_timeout))
                 baseline = Baseline()
-            messages.pending.clear()
-            messages.waiting = None
+            messages.clear()
             waits.clear()
             before = _traffic()
             result = fn(*args)

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from course.flags import SCRIPT_TIME_LIMIT
 from course.instructors.student import ROOT
@@ -528,12 +529,13 @@ def waiting(rank, kind, **facts):
     return record | {"made": {}} | facts
 
 
-def message(rank, direction, to, offers=()):
-    own = [["0", direction, to]]
+def message(rank, direction, to, offers=(), number=1, exact=True):
+    """A rank's board while it waits in its ``number``-th message of group "0" and tag 0 with ``to``; ``offers``: the
+    others it started and has not waited for, [group, direction, peer, tag, number]."""
+    own = [["0", direction, to, 0, number]]
     call = "send" if direction == "send" else "recv"
-    return waiting(
-        rank, "message", collective=call, peer=to, group="0", direction=direction, to=to, offers=own + list(offers)
-    )
+    facts = dict(group="0", direction=direction, to=to, tag=0, number=number, exact=exact)
+    return waiting(rank, "message", collective=call, peer=to, offers=own + list(offers), **facts)
 
 
 def collective(rank, seq, call="allreduce", started=None):
@@ -546,9 +548,10 @@ def collective(rank, seq, call="allreduce", started=None):
     [
         ([message(0, "recv", 1), message(1, "recv", 0)], True),
         # rank 1 waits in its own send, its receive from rank 0 started already: rank 0's send can end
-        ([message(0, "send", 1), message(1, "send", 0, offers=[["0", "recv", 0]])], False),
-        # the same send and receive on another group do not meet
-        ([message(0, "send", 1), message(1, "send", 0, offers=[["1", "recv", 0]])], True),
+        ([message(0, "send", 1), message(1, "send", 0, offers=[["0", "recv", 0, 0, 1]])], False),
+        # the same send and receive on another group, or with another tag, do not meet
+        ([message(0, "send", 1), message(1, "send", 0, offers=[["1", "recv", 0, 0, 1]])], True),
+        ([message(0, "send", 1), message(1, "send", 0, offers=[["0", "recv", 0, 7, 1]])], True),
         # a receive from any rank meets rank 0's send
         ([message(0, "send", 1), message(1, "recv", None)], False),
         # both in the third all_reduce: slow, not stuck
@@ -738,6 +741,153 @@ def key_set_late():
 
 def test_a_key_a_running_rank_sets_later_is_not_a_hang():
     assert run(key_set_late, 2, timeout=60, collective_timeout=30) == ["set", ""]
+
+
+# --- what the boards see since: a message that gloo dropped, torch's functional collectives (issue 38) -----------------
+# Both were found at the collective timeout before (15 s in the checks): exercise 5's ring that never waits for its
+# sends, and exercise 9's layer that all-reduces in eval mode through torch.distributed._functional_collectives.
+
+
+@pytest.mark.parametrize(
+    "boards, stuck",
+    [
+        # rank 0 freed its first send to rank 1 unwaited (gloo dropped it, it is not offered) and started a second;
+        # rank 1 waits for the first. Rank 0 waits for rank 1's second send: rank 1 offers its first only (received,
+        # never waited for)
+        (
+            [
+                message(0, "recv", 1, offers=[["0", "send", 1, 0, 2]], number=2),
+                message(1, "recv", 0, offers=[["0", "send", 0, 0, 1]]),
+            ],
+            True,
+        ),
+        # rank 0's first send is still alive (it waits for it later): rank 1's receive can end
+        (
+            [
+                message(0, "recv", 1, offers=[["0", "send", 1, 0, 1], ["0", "send", 1, 0, 2]], number=2),
+                message(1, "recv", 0, offers=[["0", "send", 0, 0, 1]]),
+            ],
+            False,
+        ),
+        # a receive from any rank came before rank 1's: it may have taken rank 0's first send, the second is rank 1's
+        (
+            [
+                message(0, "recv", 1, offers=[["0", "send", 1, 0, 2]], number=2),
+                message(1, "recv", 0, offers=[["0", "send", 0, 0, 1]], exact=False),
+            ],
+            False,
+        ),
+        # rank 0 waits in its second send to rank 1: rank 1's first receive from it may take it (after a receive from
+        # any rank took the first), its third never does
+        ([message(0, "send", 1, number=2), message(1, "send", 0, offers=[["0", "recv", 0, 0, 1]])], False),
+        ([message(0, "send", 1, number=2), message(1, "send", 0, offers=[["0", "recv", 0, 0, 3]])], True),
+    ],
+)
+def test_messages_pair_in_the_order_each_rank_starts_them(boards, stuck):
+    assert (failure.deadlock(boards, 2) is not None) == stuck
+
+
+def a_send_freed_unwaited():
+    """Exercise 5's exchange that waits for its receive only: rank 0 frees its first isend to rank 1 before rank 1
+    receives it (gloo drops it), starts a second and waits for rank 1's send, which rank 1, waiting for the first
+    for ever, never starts."""
+    t = torch.ones(4)
+    if dist.get_rank() == 0:
+        dist.isend(t, 1)
+    dist.barrier()  # rank 1 receives once the isend is freed
+    if dist.get_rank() == 0:
+        second = dist.isend(t, 1)
+        about_to_block()
+        dist.recv(t, 1)
+        second.wait()
+    else:
+        about_to_block()
+        dist.recv(t, 0)
+        dist.send(t, 0)
+
+
+def a_functional_collective_one_rank_skips():
+    """Exercise 9's layer in eval mode that communicates: after a step that every rank runs, rank 0 alone all-reduces
+    through torch's functional collectives (started in C++, waited for at the result's first use); rank 1 has
+    finished."""
+    funcol.all_reduce(torch.zeros(1), "sum", dist.group.WORLD).tolist()  # the first call imports torch._dynamo: 2 s
+    about_to_block()
+    if dist.get_rank() == 0:
+        funcol.all_reduce(torch.ones(3), "sum", dist.group.WORLD).tolist()
+
+
+UNSEEN = {  # the function, the report's head, what each rank waits in: (call, peer, the fragment of its line)
+    "a send freed unwaited": (
+        a_send_freed_unwaited,
+        "Deadlock (world of 2): every rank waits in a send or receive that no peer answers. Rank 0 never waited for"
+        " its isend to rank 1 (started at test_launch.py:{isend} in a_send_freed_unwaited): gloo drops a message"
+        " whose request is freed before it ends",
+        [("recv", 1, "dist.recv(t, 1)"), ("recv", 0, "dist.recv(t, 0)")],
+    ),
+    "a functional collective one rank skips": (
+        a_functional_collective_one_rank_skips,
+        "Ranks [0, 1] waited in a collective that not every rank joined",
+        [("all_reduce", None, "funcol.all_reduce(torch.ones(3)"), None],
+    ),
+}
+
+
+@pytest.mark.parametrize("how", [in_a_script, in_a_check])
+@pytest.mark.parametrize("hang", sorted(UNSEEN))
+def test_a_dropped_message_and_a_functional_collective_are_reported_within_3_s(hang, how, capfd):
+    """As a deadlock (above), collectives checked: the report comes within 3 s of the last rank's block, with each
+    rank's line and what it waits in."""
+    fn, head, waits = UNSEEN[hang]
+    start = time.monotonic()
+    found = how(fn, 2, True)
+    reported, seconds = time.time(), time.monotonic() - start
+    out, err = capfd.readouterr()
+    blocked = [float(t) for t in re.findall(r"blocks at (\S+)", out)]
+    assert len(blocked) == 2, out
+    assert reported - max(blocked) < 3, f"reported {reported - max(blocked):.1f} s after the hang"
+    assert seconds < 25, "found, not at the collective timeout (30 s)"
+    report = found.report() if found is not None else err
+    lines = [
+        f"  rank {rank} waits in {call}{f' from rank {peer}' if peer is not None else ''}"
+        f" at test_launch.py:{line_with(fn, fragment)} in {fn.__name__}"
+        if wait
+        else f"  rank {rank} waits at the end of the run (its function had returned)"
+        for rank, wait in enumerate(waits)
+        for call, peer, fragment in [wait or ("", None, "")]
+    ]
+    if "{isend}" in head:  # the first isend, which rank 0 freed
+        head = head.format(isend=line_with(fn, "dist.isend(t, 1)"))
+    assert report.startswith(head) and report.splitlines()[1:3] == lines, report
+    assert stray_workers() == []
+
+
+def an_isend_waited_late():
+    """Rank 0 waits for its isend to rank 1 only after rank 1, which comes late, has answered it."""
+    rank, t = dist.get_rank(), torch.full((3,), float(dist.get_rank() + 1))
+    if rank == 0:
+        late, got = dist.isend(t, 1), torch.empty(3)
+        dist.recv(got, 1)
+        late.wait()
+        return got.tolist()
+    time.sleep(1.5)  # longer than a wait must stay unchanged to be judged
+    got = torch.empty(3)
+    dist.recv(got, 0)
+    dist.send(t, 0)
+    return got.tolist()
+
+
+def a_functional_collective_one_rank_is_late_to():
+    """Every rank all-reduces through torch's functional collectives, rank 1 late; the result's views are waited
+    for, as exercise 9's layer waits for its count and sums."""
+    if dist.get_rank() == 1:
+        time.sleep(1.5)
+    total = funcol.all_reduce(torch.full((3,), float(dist.get_rank() + 1)), "sum", dist.group.WORLD)
+    return (total[1:] / total[0]).tolist()
+
+
+def test_an_isend_waited_late_and_a_late_functional_collective_are_not_deadlocks():
+    assert run(an_isend_waited_late, 2, timeout=60, collective_timeout=30) == [[2.0] * 3, [1.0] * 3]
+    assert run(a_functional_collective_one_rank_is_late_to, 2, timeout=60, collective_timeout=30) == [[1.0, 1.0]] * 2
 
 
 def late_to_broadcast():
