@@ -83,7 +83,10 @@ class OwnTime:
     its processes waited for a CPU. A world's limits are of its own time, so a loaded machine (the
     other jobs of a laptop, a class graded at once) slows a check down and never fails it; an endless
     loop still reaches its limit, in its own time. Where the kernel does not say (not Linux), the wall
-    time. Never less than a tenth of the wall time: a world starved of every CPU still ends."""
+    time. Never less than a quarter of the wall time (SLOWEST): a machine loaded past that stretches a
+    limit four times at most, and a world starved of every CPU still ends."""
+
+    SLOWEST = 4
 
     RESCAN = 1.0  # seconds between looks for the processes of the world (a sandbox's, a student's)
 
@@ -101,7 +104,7 @@ class OwnTime:
             if waited is not None:
                 self.waited[pid] = (self.waited.get(pid, (waited,))[0], waited)
         lost = max((last - first for first, last in self.waited.values()), default=0.0)
-        return max(now - self.began - lost, (now - self.began) / 10)
+        return max(now - self.began - lost, (now - self.began) / self.SLOWEST)
 
 
 # Where a call's stdout and stderr go travels with the call, as descriptors (not on Windows, whose
