@@ -484,18 +484,26 @@ DEADLOCKS = {  # the function, its world, whether collectives are checked, the k
 }
 
 
-@pytest.mark.parametrize("how", [in_a_script, in_a_check])
-@pytest.mark.parametrize("deadlock", sorted(DEADLOCKS))
-def test_a_deadlock_is_reported_within_3_s(deadlock, how, capfd):
-    fn, world_size, checked, kind, waits = DEADLOCKS[deadlock]
+def hang_found(how, fn, world_size, checked, capfd):
+    """A planted hang run as ``how`` says, each rank printing "blocks at T" as it blocks: what was found, what the
+    run wrote on stderr, and the seconds from the last rank's block to the report. Ended before 25 s: found, not
+    at the 30 s collective timeout the planted runs set."""
     start = time.monotonic()
     found = how(fn, world_size, checked)
     reported, seconds = time.time(), time.monotonic() - start
     out, err = capfd.readouterr()
     blocked = [float(t) for t in re.findall(r"blocks at (\S+)", out)]
     assert len(blocked) == world_size, out
-    assert reported - max(blocked) < 3, f"reported {reported - max(blocked):.1f} s after the deadlock"
     assert seconds < 25, "found, not at the collective timeout (30 s)"
+    return found, err, reported - max(blocked)
+
+
+@pytest.mark.parametrize("how", [in_a_script, in_a_check])
+@pytest.mark.parametrize("deadlock", sorted(DEADLOCKS))
+def test_a_deadlock_is_reported_within_3_s(deadlock, how, capfd):
+    fn, world_size, checked, kind, waits = DEADLOCKS[deadlock]
+    found, err, after = hang_found(how, fn, world_size, checked, capfd)
+    assert after < 3, f"reported {after:.1f} s after the deadlock"
     if found is not None:
         assert found.kind == kind and [(f.collective, f.peer) for f in found.ranks] == waits, found.report()
         err = found.report()
@@ -682,14 +690,8 @@ def test_a_hang_in_the_store_is_reported_within_3_s(hang, how, capfd):
     """As a deadlock (above): each rank prints the time it blocks, the report comes within 3 s of the last, with
     each rank's line and what it waits in; before, at the world's limit (the store's waits have none shorter)."""
     fn, world_size, checked, head, waits = STORE_HANGS[hang]
-    start = time.monotonic()
-    found = how(fn, world_size, checked)
-    reported, seconds = time.time(), time.monotonic() - start
-    out, err = capfd.readouterr()
-    blocked = [float(t) for t in re.findall(r"blocks at (\S+)", out)]
-    assert len(blocked) == world_size, out
-    assert reported - max(blocked) < 3, f"reported {reported - max(blocked):.1f} s after the hang"
-    assert seconds < 25, "found, not at a time limit (30 s and more)"
+    found, err, after = hang_found(how, fn, world_size, checked, capfd)
+    assert after < 3, f"reported {after:.1f} s after the hang"
     report = found.report() if found is not None else err
     lines = [
         f"  rank {rank} waits in {call} at test_launch.py:{line_with(fn, '.' + call.split('.')[-1] + '(')}"
@@ -839,14 +841,8 @@ def test_a_dropped_message_and_a_functional_collective_are_reported_within_3_s(h
     """As a deadlock (above), collectives checked: the report comes within 3 s of the last rank's block, with each
     rank's line and what it waits in."""
     fn, head, waits = UNSEEN[hang]
-    start = time.monotonic()
-    found = how(fn, 2, True)
-    reported, seconds = time.time(), time.monotonic() - start
-    out, err = capfd.readouterr()
-    blocked = [float(t) for t in re.findall(r"blocks at (\S+)", out)]
-    assert len(blocked) == 2, out
-    assert reported - max(blocked) < 3, f"reported {reported - max(blocked):.1f} s after the hang"
-    assert seconds < 25, "found, not at the collective timeout (30 s)"
+    found, err, after = hang_found(how, fn, 2, True, capfd)
+    assert after < 3, f"reported {after:.1f} s after the hang"
     report = found.report() if found is not None else err
     lines = [
         f"  rank {rank} waits in {call}{f' from rank {peer}' if peer is not None else ''}"
