@@ -356,7 +356,8 @@ class _World:
         kept = []
         self.still = (None, 0.0)  # the boards as last read while every rank waited, and since when
         while self.pending:
-            left = self.timeout - self.clock.elapsed()
+            now = self.clock.elapsed()  # read once a look: it reads every process's schedstat
+            left = self.timeout - now
             if grace_end is not None:
                 left = min(left, grace_end - time.monotonic())
             if left <= 0:
@@ -368,7 +369,7 @@ class _World:
                 kept.append(self._receive(rank, self.conns[rank]))
             if (self.reports or self.ended) and grace_end is None:
                 grace_end = time.monotonic() + 1.0
-            stuck = self._deadlock() if grace_end is None else None
+            stuck = self._deadlock(now) if grace_end is None else None
             if stuck is not None:
                 raise WorldFailed(stuck)
         # Every rank answered and can run another call: it returned, or every one raised before it sent anything.
@@ -385,14 +386,14 @@ class _World:
         boards = [read_board(board_path(self.stack_dir, r)) for r in range(self.world_size)]
         return boards if all(b is not None and b[1] is not None for b in boards) else None
 
-    def _deadlock(self) -> failure.Failure | None:
+    def _deadlock(self, now: float) -> failure.Failure | None:
         """A world where every rank waits, as its board has said for _STILL seconds, and no peer can
         ever answer any: nothing can move, whatever the time limit (course/runtime/failure.py's deadlock)."""
         boards = self._boards() if len(self.pending) == self.world_size else None
         if boards is None or boards != self.still[0]:
-            self.still = (boards, self.clock.elapsed())
+            self.still = (boards, now)
             return None
-        if self.clock.elapsed() - self.still[1] < _STILL:
+        if now - self.still[1] < _STILL:
             return None
         try:
             return failure.deadlock([record for _, record in boards], self.world_size)
