@@ -279,6 +279,11 @@ class Agreement:
         made, carriers = c10d._new_group_with_tag, self.carriers
 
         def _new_group_with_tag(*args, **kwargs):
+            # The twin takes the same ranks: a list, where torch takes any iterable (a generator is read once).
+            if args and args[0] is not None:
+                args = (list(args[0]), *args[1:])
+            elif kwargs.get("ranks") is not None:
+                kwargs["ranks"] = list(kwargs["ranks"])
             group = made(*args, **kwargs)
             if not str(kwargs.get("group_desc") or "").startswith(UNCHECKED):
                 twin = made(*args, **dict(kwargs, group_desc=TWIN))
