@@ -64,13 +64,15 @@ def mesh_groups(dp: int, tp: int) -> Mesh:
     init_device_mesh((dp, tp)) lays them out.
 
     dist.new_group is a collective of the whole world: every rank calls it for every group, its
-    own or not, with the same ranks in the same order, and keeps the groups it belongs to.
+    own or not, with the same ranks in the same order, and keeps the groups it belongs to. (With
+    use_local_synchronization=True a group's members alone call it: torch pairs those calls by
+    their ranks, not their order.)
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if dp * tp != world_size:
         raise ValueError(f"a mesh of dp {dp} x tp {tp} needs {dp * tp} ranks, the world has {world_size}")
     grid = [[i * tp + j for j in range(tp)] for i in range(dp)]
-    # TODO(exercise 16): one group per row (tp), then one per column (dp), on every rank; keep this rank's.
+    # TODO(exercise 16): one group per row (tp), then one per column (dp); keep this rank's.
     raise NotImplementedError("Exercise 16: mesh_groups is not written yet, see exercises/16_nd.md")
 
 
@@ -204,8 +206,9 @@ def train_step(model: MeshMLP, optimizer: torch.optim.Optimizer, x: torch.Tensor
     loss on it (the mean cross-entropy over all its rows), on every rank.
 
     The rows are split over the dp group: the rank at row i of the mesh runs block i of them, the
-    same rows as the other ranks of its tp group. The backward must leave every rank's shard the
-    gradient of one process's loss on the whole batch.
+    same rows as the other ranks of its tp group; where dp does not divide the rows, a ValueError
+    naming both. The backward must leave every rank's shard the gradient of one process's loss on
+    the whole batch.
     """
     mesh = model.mesh
     optimizer.zero_grad()

@@ -40,7 +40,10 @@ _FINGERPRINT = (
 _SECONDARY = ("Connection closed by peer", "Connection reset by peer")
 # Why ranks wait for ever in dist.new_group (a timeout or a wait whose ranks are in it): torch pairs the
 # ranks' calls by their order.
-_NEW_GROUP_RULE = "dist.new_group is called by every rank for every group, its own or not, in the same order"
+_NEW_GROUP_RULE = (
+    "dist.new_group is called by every rank for every group, its own or not, in the same order (or by the group's"
+    " members alone, each with use_local_synchronization=True)"
+)
 # A collective that not every rank joined: gloo's own timeout, or the checking group's barrier.
 _WAITED = ("Timed out", "failed to pass monitoredBarrier")
 _STACK_FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')

@@ -21,6 +21,8 @@ from checks.test_ex16_nd import (
     check_collectives,
     check_groups,
     check_memory,
+    check_odd_batch,
+    check_own_tensors,
     check_steps,
     data,
     piece,
@@ -94,11 +96,80 @@ MUTANTS = {
         lambda folder: check_groups(folder, 2, 2),
         "the ranks created their groups in different orders",
     ),
-    "the groups created in a different order, met by the steps": (
-        GROUPS,
-        GROUPS.replace("for row in grid:", "for row in grid if rank % 2 == 0 else grid[::-1]:"),
+    "each rank keeps the row of its coordinates transposed": (
+        BOTH,
+        BOTH.replace("        if rank in row:\n", "        if row == grid[rank % dp]:\n"),
+        lambda folder: check_groups(folder, 2, 2),
+        "rank 1's tp_group is torch's GroupMember.NON_GROUP_MEMBER, what dist.new_group returns to a rank that is not"
+        " in the group: the rank kept another row's group than its own",
+    ),
+    "torch's differentiable all-reduce in the row layer, and no Copy": (
+        """        if self.kind == "column":
+            return F.linear(Copy.apply(x, self.mesh.tp_group), weight, *bias)
+        out = AllReduce.apply(F.linear(x, weight), self.mesh.tp_group)
+""",
+        """        if self.kind == "column":
+            return F.linear(x, weight, *bias)
+        out = torch.distributed.nn.functional.all_reduce(F.linear(x, weight), group=self.mesh.tp_group)
+""",
         lambda folder: check_steps(folder, 2, 2, steps=1),
-        "rank 1 for [2, 3] at nd.py:",
+        "the mesh model alone, without train_step (the sum of its outputs, backward), left rank 0 2 times its piece"
+        " of one process's gradient of layers.0.shard: the layers' backward sums over the tp group once more",
+    ),
+    "the shard's gradient all-reduced over the dp group, then cut": (
+        """        mine = grad.new_empty(grad.numel() // dist.get_world_size(ctx.group))
+        dist.reduce_scatter_tensor(mine, grad.contiguous(), group=ctx.group)
+        return mine, None
+""",
+        """        total = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, group=ctx.group)
+        return total.chunk(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)].clone(), None
+""",
+        check_collectives,
+        "rank 0's backward sent 4 all-reduces to its dp group [0, 2] and 4 reduce-scatters fewer than the layers'"
+        " shards take: the shard's gradient is this rank's piece of the dp group's sum",
+    ),
+    "AllReduce sums into its input": (
+        """        total = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, group=group)
+        return total
+""",
+        """        dist.all_reduce(x, group=group)
+        return x
+""",
+        check_own_tensors,
+        "on rank 0, AllReduce's forward changed the input it was given in place: it returns a tensor of its own",
+    ),
+    "Copy's backward sums into the gradient it was given": (
+        """        total = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+""",
+        """        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+""",
+        check_own_tensors,
+        "on rank 0, Copy's backward changed the gradient it was given in place: it returns a tensor of its own",
+    ),
+    "GatherShards' backward reduce-scatters into the gradient it was given": (
+        "        mine = grad.new_empty(grad.numel() // dist.get_world_size(ctx.group))\n",
+        "        mine = grad.view(dist.get_world_size(ctx.group), -1)[dist.get_rank(ctx.group)]\n",
+        check_own_tensors,
+        "GatherShards's backward changed the gradient it was given in place",
+    ),
+    "a batch that dp does not divide split by chunk": (
+        ROWS_OVER_DP + SHARE,
+        "    xs, ys = x.chunk(mesh.dp)[mesh.dp_rank], y.chunk(mesh.dp)[mesh.dp_rank]\n"
+        "    share = F.cross_entropy(model(xs), ys) / mesh.dp\n",
+        check_odd_batch,
+        "train_step on a batch of 7 rows, which dp 2 does not divide, returned 1.039931 on rank 0, where one process's"
+        " loss on it is 1.056476",
+    ),
+    "a batch that dp does not divide refused with words that name neither": (
+        ROWS_OVER_DP,
+        "    if len(x) % mesh.dp:\n        raise ValueError('uneven')\n" + ROWS_OVER_DP,
+        check_odd_batch,
+        "raised ValueError('uneven') on rank 0: the error names the batch's rows (7) and dp (2)",
     ),
     "the grid laid out by columns": (
         "    grid = [[i * tp + j for j in range(tp)] for i in range(dp)]\n",
@@ -160,6 +231,38 @@ MUTANTS = {
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, "nd.py", *MUTANTS[mistake])
+
+
+def test_a_mistake_in_the_groups_costs_the_groups_checks_alone(tmp_path):
+    """The probes of the layers, of train_step and of memory run on the judge's mesh: groups created in a
+    different order on odd ranks fail test_groups, and nothing else."""
+    old, new, check, hint = MUTANTS["the groups created in a different order on odd ranks"]
+    folder = make_mutant(tmp_path / "mutant", "nd.py", old, new)
+    with pytest.raises(AssertionError, match=re.escape(hint)):
+        check(folder)
+    for other in (check_collectives, check_memory, check_own_tensors, check_odd_batch):
+        other(folder)
+    check_steps(folder, 2, 2, steps=1)
+
+
+# Correct programs that make their groups otherwise than the reference: each as torch allows.
+GROUPS_OTHERWISE = {
+    "by their members only (use_local_synchronization)": "    tp_group = dist.new_group(grid[rank // tp], use_local_synchronization=True)\n"
+    "    dp_group = dist.new_group([row[rank % tp] for row in grid], use_local_synchronization=True)\n",
+    "from generators of ranks": BOTH.replace("dist.new_group(row)", "dist.new_group(r for r in row)").replace(
+        "dist.new_group(list(column))", "dist.new_group(r for r in column)"
+    ),
+}
+
+
+@pytest.mark.parametrize("how", sorted(GROUPS_OTHERWISE))
+def test_groups_made_otherwise_as_torch_allows_pass_and_train(tmp_path, how):
+    folder = make_mutant(tmp_path / "mutant", "nd.py", "    tp_group = dp_group = None\n" + BOTH, GROUPS_OTHERWISE[how])
+    for dp, tp in ((2, 2), (1, 4), (4, 1), (2, 1)):
+        check_groups(folder, dp, tp)
+    small = ["--dim-in", "16", "--n-classes", "4", "--dim-hidden", "8", "--train-size", "200", "--batch-size", "8"]
+    done = warm.run(["nd.py", "--dp", "2", "--tp", "2", *small, "--niters", "5"], cwd=folder)
+    assert done.returncode == 0, done.stderr
 
 
 def test_groups_made_by_their_members_only_are_named_within_3_s(tmp_path, capfd):
