@@ -15,7 +15,9 @@ figures taken in the same world:
   in the dp group, together one ring all-reduce of the block's bytes on dp ranks;
 - tp: per block, a ring all-reduce on tp ranks of its output forward and of its input gradient
   backward (B / dp rows; the first block's input, the data, needs none).
-The prediction's fastest mesh is set against the measured one. Writes bench/nd.json and, with
+The prediction's fastest mesh is set against the measured one, and the output says what the model
+leaves out. Where exercise 12 is not written (a student's copy that skipped it), the steps and bytes
+are measured and the prediction is left out, with the reason. Writes bench/nd.json and, with
 matplotlib, bench/nd.png.
 """
 
@@ -92,6 +94,38 @@ def predict(cost, figures):
     return {"alpha_s": alpha, "beta_bytes_per_s": beta, "predicted": predicted}
 
 
+def measured_only(got, why):
+    lines = [
+        f"{ROWS} rows a step on 4 ranks; fastest step in ms",
+        f"  {'mesh (dp x tp)':>15}{'measured':>10}{'params B/rank':>15}{'grads B/rank':>14}",
+    ]
+    for dp, tp in MESHES:
+        name, held = f"{dp}x{tp}", got["bytes"][f"{dp}x{tp}"][0]
+        lines.append(
+            f"  {name:>15}{got['steps'][name]['fastest'] * 1e3:10.2f}{held['parameters']:>15}{held['gradients']:>14}"
+        )
+    lines.append(f"  no prediction: it is exercise 12's model, and {why}")
+    return "\n".join(lines)
+
+
+def left_out(got):
+    """What the model leaves out, with this run's own figures: why the measured steps exceed the prediction."""
+    names = [f"{dp}x{tp}" for dp, tp in MESHES]
+    ratios = [got["steps"][n]["fastest"] / got["predicted"][n]["step"] for n in names]
+    cores = len(os.sched_getaffinity(0))
+    lines = [f"  measured / predicted: {min(ratios):.1f} to {max(ratios):.1f}. The model leaves out:"]
+    if cores < 4:
+        lines.append(
+            f"  - the cores: the 4 ranks share {cores}, so every collective of a step waits for its ranks to be"
+            " scheduled, where the ping-pong that fits alpha and beta ran on 2 ranks while the others idled;"
+        )
+    lines.append(
+        "  - the work around each of the step's collectives that alpha + n / beta does not count: Python, the"
+        " autograd functions, the copies into and out of the gathered blocks (docs/benchmarks.md)"
+    )
+    return "\n".join(lines)
+
+
 def summary(got):
     names = [f"{dp}x{tp}" for dp, tp in MESHES]
     lines = [
@@ -109,7 +143,7 @@ def summary(got):
     measured = min(names, key=lambda n: got["steps"][n]["fastest"])
     predicted = min(names, key=lambda n: got["predicted"][n]["step"])
     lines.append(f"  fastest: measured {measured}, predicted {predicted}")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n" + left_out(got)
 
 
 def plot(got, path) -> bool:
@@ -120,7 +154,8 @@ def plot(got, path) -> bool:
     fig, ax = plt.subplots(figsize=(6, 4))
     at = range(len(names))
     ax.bar([i - 0.2 for i in at], [got["steps"][n]["fastest"] * 1e3 for n in names], 0.4, label="measured")
-    ax.bar([i + 0.2 for i in at], [got["predicted"][n]["step"] * 1e3 for n in names], 0.4, label="predicted")
+    if "predicted" in got:
+        ax.bar([i + 0.2 for i in at], [got["predicted"][n]["step"] * 1e3 for n in names], 0.4, label="predicted")
     ax.set_xticks(list(at), [f"dp {n.split('x')[0]} x tp {n.split('x')[1]}" for n in names])
     ax.set_ylabel("fastest step (ms)")
     ax.set_title(f"default MLP, {ROWS} rows, 4 ranks (gloo, this machine)", fontsize=9)
@@ -134,8 +169,12 @@ def main(rounds=8, per_round=2):
     folder = impl.selected()
     record = Record("nd")
     got = run(measure, 4, folder, rounds, per_round, debug=False)[0]
-    got |= predict(impl.load(folder).cost, got)
-    record.write(summary(got), {"implementation": os.path.relpath(folder), "results": got}, partial(plot, got))
+    try:
+        got |= predict(impl.load(folder).cost, got)
+        said = summary(got)
+    except NotImplementedError as stub:  # exercise 12 not written: what is measured still is
+        said = measured_only(got, str(stub))
+    record.write(said, {"implementation": os.path.relpath(folder), "results": got}, partial(plot, got))
 
 
 if __name__ == "__main__":
