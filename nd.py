@@ -268,6 +268,8 @@ if __name__ == "__main__":
     parser.add_argument("--tp", type=whole(1), default=2, help="ranks that split each layer (a mesh's columns)")
     parser.set_defaults(niters=200)
     args = parser.parse_args()
+    if args.n_layers % 2:
+        parser.error(f"--n-layers {args.n_layers}: the layers pair up, a column and a row layer per block")
     if args.world_size not in (1, args.dp * args.tp):  # 1: not given
         parser.error(f"--world-size {args.world_size} is not --dp {args.dp} x --tp {args.tp}: give --dp and --tp only")
     result = launch(train, args.dp * args.tp, config_from(args), args.dp, args.tp, **launch_options(args))[0]

@@ -306,6 +306,10 @@ if __name__ == "__main__":
     parser.add_argument("--timeline", metavar="FILE.svg", help="draw one step of GPipe and of 1F1B on every stage")
     parser.set_defaults(world_size=2)
     args = parser.parse_args()
+    if args.micro_batches < 1:
+        parser.error(f"--micro-batches {args.micro_batches}: a batch splits into 1 micro-batch or more")
+    if args.n_layers < args.world_size:
+        parser.error(f"--n-layers {args.n_layers} cannot give each of --world-size {args.world_size} stages a layer")
     config = config_from(args)
     if args.timeline:
         traces = {

@@ -339,6 +339,8 @@ if __name__ == "__main__":
     parser.add_argument("--sequence-parallel", action="store_true", help="split the rows between blocks too")
     parser.set_defaults(world_size=2)
     args = parser.parse_args()
+    if args.n_layers % 2:
+        parser.error(f"--n-layers {args.n_layers}: the layers pair up, a column and a row layer per block")
     result = launch(train, args.world_size, config_from(args), args.sequence_parallel, **launch_options(args))[0]
     print(
         f"final | train_loss {result['train_loss']:.4f} | one process {result['one_process_loss']:.4f}"

@@ -20,7 +20,7 @@ from checks.test_ex14_tp import (
     check_uneven,
 )
 from course.layout import SOLUTIONS
-from tests.mutants import assert_caught
+from tests.mutants import assert_caught, assert_refused
 
 with open(os.path.join(SOLUTIONS, "tp.py")) as f:
     SOURCE = f.read()
@@ -303,3 +303,9 @@ MUTANTS = {
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])
+
+
+@pytest.mark.parametrize("args, words", [(["--n-layers", "1"], "--n-layers 1: the layers pair up")])
+def test_sizes_the_script_cannot_take_are_refused(args, words):
+    """The smallest sizes the parser takes, where the model cannot be split so: one line, before any world."""
+    assert_refused("tp.py", args, words)

@@ -24,7 +24,7 @@ from course.launch import WorldFailed
 from course.layout import SOLUTIONS
 from course.runtime import env
 from tests import warm
-from tests.mutants import assert_caught, make_mutant
+from tests.mutants import assert_caught, assert_refused, make_mutant
 
 SEND_BACK = "        return [] if self.rank == 0 else [(inputs.grad, self.rank - 1)]\n"
 WAIT_ALL = """    if ops:
@@ -336,3 +336,15 @@ def test_the_script_trains_as_one_process():
         r"test_loss ([\d.]+) \| one process: test_loss ([\d.]+) \| largest weight difference (\S+)", done.stdout
     )
     assert final and final[1] == final[2] and float(final[3]) < 1e-5, done.stdout
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--n-layers", "1"], "--n-layers 1 cannot give each of --world-size 2 stages a layer"),
+        (["--micro-batches", "0"], "--micro-batches 0: a batch splits into 1 micro-batch or more"),
+    ],
+)
+def test_sizes_the_script_cannot_take_are_refused(args, words):
+    """The smallest sizes the parser takes, where the model cannot be split so: one line, before any world."""
+    assert_refused("pp.py", args, words)

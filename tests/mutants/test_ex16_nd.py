@@ -347,3 +347,7 @@ def test_the_reference_trains_as_torchs_composition():
 
 def test_the_script_refuses_a_world_size_that_is_not_the_mesh():
     assert_refused("nd.py", ["--world-size", "3", "--dp", "2", "--tp", "2"], "--world-size 3 is not --dp 2 x --tp 2")
+
+
+def test_the_script_refuses_layers_that_do_not_pair():
+    assert_refused("nd.py", ["--n-layers", "1"], "--n-layers 1: the layers pair up")
