@@ -42,7 +42,8 @@ _SECONDARY = ("Connection closed by peer", "Connection reset by peer")
 # ranks' calls by their order.
 _NEW_GROUP_RULE = (
     "dist.new_group is called by every rank for every group, its own or not, in the same order (or by the group's"
-    " members alone, each with use_local_synchronization=True)"
+    " members alone, each with use_local_synchronization=True, which torch 2.13 pairs only where every rank holds as"
+    " many groups already: made after a group that some ranks are not in, it waits for ever, pytorch#173608)"
 )
 # A collective that not every rank joined: gloo's own timeout, or the checking group's barrier.
 _WAITED = ("Timed out", "failed to pass monitoredBarrier")
