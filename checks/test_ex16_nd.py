@@ -425,6 +425,28 @@ def layers_gradient(model, rank, dp, tp):
     return grads
 
 
+def kept_on(model):
+    """The tensors the model's modules hold besides their parameters, buffers and submodules, in their
+    attributes and in the lists, tuples and dicts there: [[where, elements, bytes]]."""
+    found = []
+
+    def walk(value, where, depth):
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            found.append([where, value.numel(), value.untyped_storage().nbytes()])
+        elif isinstance(value, (list, tuple)) and depth < 3:
+            for i, item in enumerate(value):
+                walk(item, f"{where}[{i}]", depth + 1)
+        elif isinstance(value, dict) and depth < 3:
+            for key, item in value.items():
+                walk(item, f"{where}[{key!r}]", depth + 1)
+
+    for name, module in model.named_modules():
+        for attribute, value in vars(module).items():
+            if attribute not in ("_parameters", "_buffers", "_modules"):
+                walk(value, f"{name}.{attribute}" if name else attribute, 0)
+    return found
+
+
 def train_in_world(folder, dp, tp, steps):
     """Probe: train_step on the mesh model of the tests' model, `steps` batches; the losses it returned, the
     rows the model ran in the first step, the shards' gradients of the first step (and of the model alone,
@@ -437,7 +459,7 @@ def train_in_world(folder, dp, tp, steps):
     optimizer = PlainSGD(model.parameters(), lr=LR)
     rows = []
     hook = model.register_forward_pre_hook(lambda module, args: rows.append(args[0].detach().clone()))
-    losses, history, grads, held = [], [], None, None
+    losses, history, grads, held, kept = [], [], None, None, None
     for step in range(steps):
         x, y = data(step)
         with Gathered() as gathered:
@@ -446,9 +468,18 @@ def train_in_world(folder, dp, tp, steps):
             grads = {n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()}
             held = [sum(t.untyped_storage().nbytes() for t in ts) for ts in (model.parameters(), grads.values())]
             held += [gathered.peak_bytes(), gathered.alive_bytes()]
+            kept = kept_on(model)
             hook.remove()
         history.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return {"losses": losses, "rows": rows, "grads": grads, "layers": layers, "history": history, "bytes": held}
+    return {
+        "losses": losses,
+        "rows": rows,
+        "grads": grads,
+        "layers": layers,
+        "history": history,
+        "bytes": held,
+        "kept": kept,
+    }
 
 
 def run_steps(folder, dp, tp, steps):
@@ -459,6 +490,7 @@ def run_steps(folder, dp, tp, steps):
         "layers": keyed(object),
         "history": many(keyed(torch.Tensor), steps),
         "bytes": many(int, 4),
+        "kept": many(many(object, 3)),
     }
     return world(train_in_world, dp * tp, folder, dp, tp, steps, expect=expect)
 
@@ -556,8 +588,10 @@ def near(got, expected):
 
 
 def judge_loss(mesh, got, expected, own, rank, step, dp, tp):
-    """train_step returned one process's loss on the batch (expected), not tp times it (the shares summed over
-    the world) nor the rank's own rows' mean (own) or share of it (not summed over the dp group)."""
+    """train_step returned one process's loss on the batch (expected), not what a wrong sum gives: tp times it
+    (the shares summed over the world), the rank's share (own / dp) summed over its tp group or not summed at all,
+    or its own rows' mean (own). Where one number fits several of these (on (2, 2) the share summed over tp is
+    the own rows' mean), the message names each."""
     if isinstance(got, float) and near(got, expected):
         return
     shown = f"{got:.6f}" if isinstance(got, float) else repr(got)
@@ -568,10 +602,26 @@ def judge_loss(mesh, got, expected, own, rank, step, dp, tp):
             f"{whose}, {tp} times one process's loss {expected:.6f}: the shares were summed over the world, where the"
             f" {tp} ranks of a tp group each hold the same rows' share. Sum them over the dp group only",
         )
-        assert not (dp > 1 and (near(got, own) or near(got, own / dp))), said(
-            "the loss not summed over the dp group",
-            f"{whose}, the loss of its own rows: one process's loss {expected:.6f} is the mean over all the rows,"
-            f" the sum of the {dp} ranks' shares over the dp group",
+        readings = [
+            (
+                tp > 1,
+                tp * own / dp,
+                "the loss summed over the tp group instead of the dp group",
+                f"its own rows' share summed over its tp group, whose {tp} ranks hold the same share",
+            ),
+            (
+                True,
+                own / dp,
+                "the loss not summed over the dp group",
+                "its own rows' share (their mean / dp), not summed over the dp group",
+            ),
+            (True, own, "the loss not summed over the dp group", "the mean of its own rows alone"),
+        ]
+        fits = [(concept, reading) for due, value, concept, reading in readings if due and dp > 1 and near(got, value)]
+        assert not fits, said(
+            fits[0][0] if fits else "",
+            f"{whose}: " + "; or ".join(reading for _, reading in fits) + f". One process's loss {expected:.6f} is"
+            f" the mean over all the rows: the {dp} ranks' shares summed over the dp group",
         )
     raise AssertionError(
         said(
@@ -648,11 +698,16 @@ def check_memory(folder, dp=2, tp=2):
                 f"{mesh}: rank {rank}'s {what} hold {held} B, expected {expected} B: its shard"
                 f" of its block, about 1/{dp * tp} of the model's {whole} B",
             )
-        assert after == 0, said(
+        # A block made from the gathered shards some other way (the list form of the all-gather, then a cat) is
+        # no all-gather's output: held on the layers, it is found there, as large as a weight block at least.
+        smallest = min(layer.weight.numel() // tp for layer in full.layers)
+        on_layers = [f"{where} ({size} B)" for where, numel, size in result["kept"] if numel >= smallest and size]
+        assert after == 0 and not on_layers, said(
             "the gathered blocks kept after the step",
-            f"{mesh}: after train_step, rank {rank}'s gathered blocks still hold {after} B: a block gathered for a"
-            " step is the step's alone (autograd frees it after the backward); kept on the layer, every rank holds"
-            " its whole blocks between steps, and sharding over dp saves nothing",
+            f"{mesh}: after train_step, rank {rank}'s "
+            + (f"gathered blocks still hold {after} B" if after else f"layers hold {', '.join(on_layers)}")
+            + ": a block gathered for a step is the step's alone (autograd frees it after the backward); kept on the"
+            " layer, every rank holds its whole blocks between steps, and sharding over dp saves nothing",
         )
         assert peak <= dp * expected, said(
             "more gathered than the rank's blocks",

@@ -7,8 +7,9 @@ storage: the note never keeps a buffer alive, and a buffer counts for as many by
 holds at that moment (0 once freed by resizing the storage, none once no tensor uses it). At the
 start of every collective, and at every ``mark``, it takes a sample: the element counts of the
 gathered buffers alive, and for a collective the element count of its larger tensor (an
-all-gather's output, a reduce-scatter's input: the full tensor it is about). Exercise 13's script
-reports the peak; its checks read the samples.
+all-gather's output, a reduce-scatter's input: the full tensor it is about). dist.all_gather's
+list of outputs is followed too, each tensor of it. Exercise 13's script reports the peak; its
+checks read the samples.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class Gathered:
             tensors = [t for t in args[:2] if isinstance(t, torch.Tensor)]
             if name in GATHERS and tensors:
                 self._follow(tensors[0])
+            if name == "allgather" and args and isinstance(args[0], list):  # dist.all_gather: a list per input
+                for output in (t for outputs in args[0] for t in outputs if isinstance(t, torch.Tensor)):
+                    self._follow(output)
             self.sample(collective(name), max((t.numel() for t in tensors), default=None))
             return method(group, *args, **kwargs)
 

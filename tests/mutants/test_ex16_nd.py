@@ -31,7 +31,7 @@ from checks.test_ex16_nd import (
 from course.launch import WorldFailed
 from course.layout import SOLUTIONS
 from tests import warm
-from tests.mutants import assert_caught, assert_refused, make_mutant
+from tests.mutants import assert_caught, assert_refused, make_mutant, plant
 
 ROWS_OVER_DP = '    rows = block(len(x), mesh.dp, mesh.dp_rank, "the batch\'s rows")\n'
 SHARE = "    share = F.cross_entropy(model(x[rows]), y[rows]) / mesh.dp\n"
@@ -205,7 +205,21 @@ MUTANTS = {
         "    dist.all_reduce(loss, group=mesh.dp_group)\n",
         "",
         lambda folder: check_steps(folder, 2, 2, steps=1),
-        "on rank 0 in step 0, the loss of its own rows: one process's loss 1.023011 is the mean over all the rows",
+        "on rank 0 in step 0: its own rows' share (their mean / dp), not summed over the dp group. One process's"
+        " loss 1.023011 is the mean over all the rows",
+    ),
+    "the loss summed over the tp group": (
+        "    dist.all_reduce(loss, group=mesh.dp_group)\n",
+        "    dist.all_reduce(loss, group=mesh.tp_group)\n",
+        lambda folder: check_steps(folder, 2, 2, steps=1),
+        "its own rows' share summed over its tp group, whose 2 ranks hold the same share; or the mean of its own rows"
+        " alone. One process's loss 1.023011",
+    ),
+    "the loss summed over the tp group, where tp is 1": (
+        "    dist.all_reduce(loss, group=mesh.dp_group)\n",
+        "    dist.all_reduce(loss, group=mesh.tp_group)\n",
+        lambda folder: check_steps(folder, 4, 1, steps=1),
+        "its own rows' share (their mean / dp), not summed over the dp group",
     ),
     "a mean loss that is no loss of the batch": (
         SHARE,
@@ -243,6 +257,30 @@ def test_a_mistake_in_the_groups_costs_the_groups_checks_alone(tmp_path):
     for other in (check_collectives, check_memory, check_own_tensors, check_odd_batch):
         other(folder)
     check_steps(folder, 2, 2, steps=1)
+
+
+GATHER_INTO_ONE = """        full = shard.new_empty(shard.numel() * dist.get_world_size(group))
+        dist.all_gather_into_tensor(full, shard.detach().contiguous(), group=group)
+"""
+GATHER_A_LIST = """        pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, shard.detach().contiguous(), group=group)
+        full = torch.cat(pieces)
+"""
+KEEP = (
+    "        full = GatherShards.apply(self.shard, self.mesh.dp_group)\n",
+    "        self.kept = full = GatherShards.apply(self.shard, self.mesh.dp_group)\n",
+)
+
+
+def test_the_list_form_of_the_all_gather_is_held_to_the_same_memory(tmp_path):
+    """dist.all_gather into a list, then a cat: correct, it passes the memory check; with the block kept on the
+    layer, the check names where it is kept, as it does for all_gather_into_tensor."""
+    folder = make_mutant(tmp_path / "list", "nd.py", GATHER_INTO_ONE, GATHER_A_LIST)
+    check_memory(folder)
+    check_steps(folder, 2, 2, steps=1)
+    plant(folder, "nd.py", *KEEP)
+    with pytest.raises(AssertionError, match=r"after train_step, rank 0's layers hold layers\.0\.kept \(\d+ B\)"):
+        check_memory(folder)
 
 
 # Correct programs that make their groups otherwise than the reference: each as torch allows.
