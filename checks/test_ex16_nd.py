@@ -725,11 +725,11 @@ def test_memory(impl_dir):
 
 
 def function_data(name, rank, dp):
-    """Rank r's input of a function (a flat shard for GatherShards) and the gradient of its output."""
+    """Rank r's input of a function (a flat shard for GatherShards) and the gradient of its output, in float64:
+    what a function makes keeps its input's dtype, which float32 everywhere would not show."""
     g = torch.Generator().manual_seed(200 + rank)
-    if name == "GatherShards":
-        return torch.randn(3, generator=g), torch.randn(3 * dp, generator=g)
-    return torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g)
+    sizes = (3, 3 * dp) if name == "GatherShards" else ((2, 3), (2, 3))
+    return tuple(torch.randn(size, generator=g, dtype=torch.float64) for size in sizes)
 
 
 FUNCTIONS = {"Copy": "tp", "AllReduce": "tp", "GatherShards": "dp"}
@@ -737,31 +737,60 @@ FUNCTIONS = {"Copy": "tp", "AllReduce": "tp", "GatherShards": "dp"}
 
 def functions_in_world(folder, dp, tp):
     """Probe: Copy and AllReduce in the rank's tp group, GatherShards in its dp group, forward and backward on
-    this rank's data: by function, whether its forward wrote into its input, and its backward into the gradient
-    it was given."""
+    this rank's data: by function, whether its forward wrote into its input and its backward into the gradient
+    it was given, and the dtypes of what each returned."""
     nd = load(folder).nd
     mesh = judge_mesh(nd, dp, tp)
-    wrote = {}
+    found = {}
     for name, group in FUNCTIONS.items():
         x, grad = function_data(name, dist.get_rank(), dp)
         x.requires_grad_()
         given = x.detach().clone(), grad.clone()
-        out = getattr(nd, name).apply(x, getattr(mesh, f"{group}_group"))
-        if isinstance(out, torch.Tensor) and out.shape == grad.shape and out.grad_fn is not None:
-            # The function's backward on its own ctx, handed this very gradient (as autograd's engine would):
-            # out.backward(grad) would first import sympy to compare the shapes, a second and more.
-            out.grad_fn.apply(grad)
-        wrote[name] = [not torch.equal(x.detach(), given[0]), not torch.equal(grad, given[1])]
-    return wrote
+        way, back = "forward", None
+        try:
+            out = getattr(nd, name).apply(x, getattr(mesh, f"{group}_group"))
+            if isinstance(out, torch.Tensor) and out.shape == grad.shape and out.grad_fn is not None:
+                # The function's backward on its own ctx, handed this very gradient (as autograd's engine would):
+                # out.backward(grad) would first import sympy to compare the shapes, a second and more.
+                way = "backward"
+                back = out.grad_fn.apply(grad)
+                back = back[0] if isinstance(back, tuple) else back
+        except RuntimeError as error:  # gloo refuses a buffer of another dtype on every rank, before sending
+            found[name] = {"raised": [way, f"{type(error).__name__}: {str(error)[:160]}"]}
+            continue
+        found[name] = {
+            "wrote": [not torch.equal(x.detach(), given[0]), not torch.equal(grad, given[1])],
+            "dtypes": [
+                str(t.dtype).removeprefix("torch.") if isinstance(t, torch.Tensor) else None for t in (out, back)
+            ],
+        }
+    return found
 
 
 def check_own_tensors(folder, dp=2, tp=2):
-    """Copy, AllReduce and GatherShards each return a tensor of their own, forward and backward: what they were
-    given (the input, the gradient) is as it was."""
-    results = world(functions_in_world, dp * tp, folder, dp, tp, expect=keyed(many(bool, 2), list(FUNCTIONS)))
-    for rank, wrote in enumerate(results):
+    """Copy, AllReduce and GatherShards each return a tensor of their own, forward and backward, of the dtype of
+    what they were given: and what they were given (the input, the gradient) is as it was."""
+    expect = keyed(
+        either({"raised": many(str, 2)}, {"wrote": many(bool, 2), "dtypes": many(maybe(str), 2)}), list(FUNCTIONS)
+    )
+    results = world(functions_in_world, dp * tp, folder, dp, tp, expect=expect)
+    for rank, found in enumerate(results):
         for name in FUNCTIONS:
-            for way, what, written in zip(("forward", "backward"), ("input", "gradient"), wrote[name]):
+            way, error = found[name].get("raised", (None, None))
+            assert error is None, said(
+                f"{name} fails on another dtype than float32",
+                f"{the_mesh(dp, tp)}: on rank {rank}, {name}'s {way} raised {error} on float64 tensors (the other"
+                " checks run float32): a tensor made for a collective takes the dtype of what it"
+                " holds (new_empty, empty_like, or dtype=), whatever the model's dtype",
+            )
+            for way, what, made in zip(("forward", "backward"), ("input", "gradient"), found[name]["dtypes"]):
+                assert made in (None, "float64"), said(
+                    f"{name}'s {way} makes another dtype than it was given",
+                    f"{the_mesh(dp, tp)}: on rank {rank}, {name}'s {way} returned a {made} tensor for a float64 {what}:"
+                    " a tensor made for a collective takes the dtype of what it holds (new_empty, empty_like, or"
+                    " dtype=), whatever the model's dtype",
+                )
+            for way, what, written in zip(("forward", "backward"), ("input", "gradient"), found[name]["wrote"]):
                 assert not written, said(
                     f"{name}'s {way} writes into what it was given",
                     f"{the_mesh(dp, tp)}: on rank {rank}, {name}'s {way} changed the {what} it was given in place: it"

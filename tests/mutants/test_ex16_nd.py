@@ -157,6 +157,24 @@ MUTANTS = {
         check_own_tensors,
         "GatherShards's backward changed the gradient it was given in place",
     ),
+    "GatherShards' forward gathers into a float32 buffer whatever the shard's dtype": (
+        "        full = shard.new_empty(shard.numel() * dist.get_world_size(group))\n",
+        "        full = torch.empty(shard.numel() * dist.get_world_size(group))\n",
+        check_own_tensors,
+        "GatherShards's forward raised RuntimeError: ProcessGroupGloo::allgather: invalid tensor type",
+    ),
+    "GatherShards' backward reduce-scatters into a float32 buffer": (
+        "        mine = grad.new_empty(grad.numel() // dist.get_world_size(ctx.group))\n",
+        "        mine = torch.zeros(grad.numel() // dist.get_world_size(ctx.group))\n",
+        check_own_tensors,
+        "GatherShards's backward raised RuntimeError",
+    ),
+    "Copy's backward sums a float32 copy": (
+        "        total = grad.clone(memory_format=torch.contiguous_format)\n",
+        "        total = grad.float().clone()\n",
+        check_own_tensors,
+        "on rank 0, Copy's backward returned a float32 tensor for a float64 gradient",
+    ),
     "a batch that dp does not divide split by chunk": (
         ROWS_OVER_DP + SHARE,
         "    xs, ys = x.chunk(mesh.dp)[mesh.dp_rank], y.chunk(mesh.dp)[mesh.dp_rank]\n"
