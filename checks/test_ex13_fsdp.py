@@ -552,13 +552,18 @@ def sharded_steps(folder, zero3, steps, bf16=False, frozen=False, again=False):
         optimizer.step()
         out["history"].append([p.detach().clone() for p in shards_of(model)])
     seen.append([])  # evaluation, a forward with no backward to come: not a step's, nor sampled with its memory
-    now["gathered"] = Gathered()
+    out["evaluated_bytes"] = 0  # what the gathers of an evaluation's forward still hold after it
+    model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), Gathered() as evaluated:
+            now["gathered"] = evaluated
             model(global_batch(CONFIG, 0, world_size)[0][: CONFIG.batch_size])
         out["no_grad"] = None
+        out["evaluated_bytes"] = evaluated.alive_bytes()
     except RuntimeError as error:
         out["no_grad"] = f"{type(error).__name__}: {str(error)[:200]}"
+    finally:
+        model.train()
     seen.pop()
     out["param_bytes"] = storage_bytes(shards_of(model))
     out["state_bytes"] = sum(
@@ -590,6 +595,7 @@ def stepped(steps, again=False):
         "param_bytes": int,
         "state_bytes": int,
         "frozen_bias": maybe(torch.Tensor),
+        "evaluated_bytes": int,
     }
     return either({"alone": str}, wrapped, wrapped | {"error": str}, complete)
 
@@ -772,6 +778,13 @@ def check_steps(folder, world_size, zero3, steps=None):
             f"on rank {rank}, the model's forward under torch.no_grad() (as in evaluation) raised"
             f" {result['no_grad']}: there the output requires no gradient and no backward will come, so there is"
             " nothing to gather again for",
+        )
+        assert not (zero3 and result.get("evaluated_bytes")), said(
+            "a unit's forward in evaluation keeps its gathered parameters",
+            f"on rank {rank}, after the model's forward in evaluation (model.eval(), torch.no_grad()), the units'"
+            f" gathered parameters still hold {result.get('evaluated_bytes')} B: ZeRO-3 frees them after every"
+            " forward, in training or not (there no backward comes to free them); kept, an evaluation holds the"
+            " whole model on every rank",
         )
     for step in range(steps):
         check_seen(results, step)

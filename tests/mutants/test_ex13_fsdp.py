@@ -41,6 +41,22 @@ VIEWS = "    return [piece.view(shape) for piece, shape in zip(flat[: sum(sizes)
 VALID = "    valid = shard.detach()[: max(0, min(shard.numel(), numel - start))]\n"
 
 MUTANTS = {
+    "ZeRO-3 frees the gathered parameters only where a backward will come": (
+        "        if self.reshard_after_forward:\n            free(self.full)\n            if output.requires_grad:\n"
+        "                output.register_hook(self.pre_backward)\n",
+        "        if self.reshard_after_forward and output.requires_grad:\n            free(self.full)\n"
+        "            output.register_hook(self.pre_backward)\n",
+        lambda folder: check_steps(folder, 2, zero3=True, steps=1),
+        "after the model's forward in evaluation (model.eval(), torch.no_grad()), the units' gathered parameters"
+        " still hold",
+    ),
+    "ZeRO-3 frees the gathered parameters only in training mode": (
+        "        if self.reshard_after_forward:\n            free(self.full)\n            if output.requires_grad:\n",
+        "        if self.reshard_after_forward and self.training:\n            free(self.full)\n"
+        "            if output.requires_grad:\n",
+        lambda folder: check_steps(folder, 2, zero3=True, steps=1),
+        "ZeRO-3 frees them after every forward, in training or not",
+    ),
     # Part A: flat shards and the collectives
     "a shard interleaved (every W-th element)": (
         PIECE,
