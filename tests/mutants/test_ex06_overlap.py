@@ -24,6 +24,13 @@ LAUNCH_WHEN_FULL = """        if bucket.ready == len(bucket.params):
 """
 
 MUTANTS = {
+    "the .grad tensors made views of the bucket's buffer": (
+        "mydp.py",
+        "                param.grad.copy_(average.view_as(param.grad))\n",
+        "                param.grad = average.view_as(param.grad)\n",
+        check_overlap,
+        "the .grad tensors share memory with a bucket's buffer",
+    ),
     "OverlappedDP starts from each rank's own weights": (
         "mydp.py",
         "        with torch.no_grad():\n            for state in [*model.parameters(), *model.buffers()]:\n"
