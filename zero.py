@@ -75,7 +75,7 @@ class ShardedOptimizer:
                 p.grad.zero_()
 
     def average_gradients(self) -> None:
-        """Replace every parameter's gradient by its mean over the ranks (dist.all_reduce)."""
+        """Replace every parameter's gradient by its mean over the ranks (dist.all_reduce); a frozen one has none."""
         # TODO(exercise 11): every rank needs the average: the owner steps with it.
         raise NotImplementedError(
             "Exercise 11: ShardedOptimizer.average_gradients is not written yet, see exercises/11_zero.md"

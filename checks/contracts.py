@@ -12,6 +12,9 @@ The kinds of promise:
   1.0); "list of float" is a list whose items are each a float.
 - within_tolerance: "compare with torch.allclose": a case whose ranks differ by less than allclose's
   tolerance must count as equal.
+- frozen: "every parameter", frozen ones too: tried on a model with a frozen parameter
+  (requires_grad=False, so no .grad): it must not fail on it, and a comparison of parameters must
+  count ranks that differ in it alone as different.
 - world_sizes: the worlds it must handle, the smallest legal one (a world of 1) among them.
 - smallest: the smallest legal value of an argument ({"micro_batches": 1}).
 - syncs: "every parameter and every buffer, on every rank": tried on a model with a frozen parameter
@@ -35,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from checks.helpers import CONFIG, SmallMLP, alone, global_batch, keyed, load, world
+from checks.helpers import CONFIG, PlainSGD, SmallMLP, alone, global_batch, keyed, load, world
 from course.grading.points import said
 from course.runtime.instrument import unchecked_group
 
@@ -50,6 +53,7 @@ class Contract:
     # test_contracts shares the world of the check two before it in its file, where that one's size is here.
     world_sizes: tuple = (2,)
     within_tolerance: bool = False  # "compare with torch.allclose"
+    frozen: bool = False  # every parameter, frozen ones too (no .grad; a comparison counts them)
     smallest: dict = field(default_factory=dict)  # the smallest legal value of each argument named
     syncs: bool = False  # every parameter and every buffer, on every rank, from rank 0
     in_place: tuple = ()  # what it must change in place, by name; ("*",): every tensor of the model it is given
@@ -77,6 +81,7 @@ CONTRACTS = (
         returns="bool",
         world_sizes=(1, 3),
         within_tolerance=True,
+        frozen=True,
     ),
     Contract(4, "mydp.MyDP.__init__", "_mydp_start", syncs=True),
     Contract(6, "mydp.bucket_parameters", "_buckets", dtypes=DTYPES[1:]),
@@ -90,6 +95,7 @@ CONTRACTS = (
     ),
     Contract(10, "hvd.broadcast_parameters", "_broadcast_parameters", world_sizes=(3,), syncs=True, in_place=("*",)),
     Contract(11, "zero.bf16_average_hook", "_hook_on_a_group", group=True),
+    Contract(11, "zero.ShardedOptimizer.step", "_sharded_frozen", frozen=True),
 )
 
 
@@ -108,6 +114,8 @@ def cases(contract: Contract, world_size: int) -> list:
     found = [{"case": "plain"}]
     if contract.within_tolerance and world_size > 1:
         found.append({"case": "within tolerance", "expected": True})
+    if contract.frozen and contract.returns == "bool" and world_size > 1:  # a comparison of the parameters
+        found.append({"case": "a frozen parameter differs", "expected": False})
     for argument, value in contract.smallest.items():
         found.append({"case": f"smallest {argument}", argument: value})
     return found
@@ -165,9 +173,15 @@ def _evaluate(ex, case):
 def _closeness(ex, case):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
-    if case["case"] == "within tolerance" and dist.get_rank() == dist.get_world_size() - 1:
+    last = dist.get_rank() == dist.get_world_size() - 1
+    if case["case"] == "within tolerance" and last:
         with torch.no_grad():  # far inside allclose's rtol of 1e-5, yet not equal in float32
             model[2].weight.mul_(1 + 1e-6)
+    if case["case"] == "a frozen parameter differs":
+        model[0].bias.requires_grad_(False)
+        if last:
+            with torch.no_grad():
+                model[0].bias.add_(1.0)
     return {"result": ex.mlp.check_parameter_closeness(model)}
 
 
@@ -250,6 +264,22 @@ def _buckets(ex, case):
     return {"result": buckets, "bytes": sizes}
 
 
+def _sharded_frozen(ex, case):
+    """A step of ShardedOptimizer over a model whose first layer is frozen (its .grad None on every rank)."""
+    torch.manual_seed(0)
+    model = SmallMLP()
+    frozen = next(iter(model.parameters())).requires_grad_(False)
+    before = frozen.detach().clone()
+    optimizer = ex.zero.ShardedOptimizer(model.parameters(), PlainSGD, lr=0.1)  # no torch._dynamo to import
+    x, y = global_batch(CONFIG, 0, 1)
+    model(x, y)[1].backward()
+    try:
+        optimizer.step()
+    except (AttributeError, TypeError, ValueError, RuntimeError) as error:  # on every rank alike
+        return {"result": None, "raised": f"{type(error).__name__}: {str(error)[:120]}"}
+    return {"result": None, "raised": None, "frozen_changed": not torch.equal(frozen.detach(), before)}
+
+
 def _hook_on_a_group(ex, case):
     group = unchecked_group(use="given")  # a group of its own, as a caller hands one
     torch.manual_seed(0)
@@ -308,6 +338,13 @@ def broken(contract: Contract, case: dict, got: dict, rank: int, world_size: int
             f"{name} returns something where it changes its argument in place",
             f"{name} returned {_a(kind)}; it changes what it was given in place and returns None{where}",
         )
+    if case["case"] == "a frozen parameter differs" and got["result"]["value"] != case["expected"]:
+        return said(
+            f"{name} skips frozen parameters",
+            f"{name} returned {got['result']['value']!r} for ranks that differ in a frozen parameter"
+            f" (requires_grad=False) alone; it must return {case['expected']!r}: every parameter counts, frozen"
+            f" ones too{where}",
+        )
     if "expected" in case and got["result"]["value"] != case["expected"]:
         return said(
             f"{name} compares exactly where torch.allclose is asked",
@@ -332,6 +369,17 @@ def broken(contract: Contract, case: dict, got: dict, rank: int, world_size: int
             f"{name} over cap_bytes for gradients of another dtype than float32",
             f"{name} put {sum(too_full[0])} bytes of {case['dtype']} gradients in one bucket, cap_bytes={CAP_BYTES}:"
             f" a bucket holds at most cap_bytes, and a gradient takes element_size() bytes per element{where}",
+        )
+    if contract.frozen and got.get("raised"):
+        return said(
+            f"{name} fails on a frozen parameter",
+            f"{name} raised {got['raised']} on a model with a frozen parameter (requires_grad=False: its .grad is"
+            f" None on every rank): a function that walks the parameters meets frozen ones{where}",
+        )
+    if contract.frozen and got.get("frozen_changed"):
+        return said(
+            f"{name} changes a frozen parameter",
+            f"{name} changed a frozen parameter (requires_grad=False): it trains only what has a gradient{where}",
         )
     if contract.group and not (got["on_group"] and all(got["on_group"])):
         return said(

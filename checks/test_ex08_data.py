@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from checks.comm_log import CommLog
-from checks.helpers import CONFIG, SMALL_PARAMETERS, PlainSGD, SmallMLP, load, many, world
+from checks.helpers import CONFIG, SMALL_PARAMETERS, PlainSGD, SmallMLP, load, many, maybe, world
 from course.grading.points import said
 from course.launch import WorldFailed
 
@@ -244,12 +244,22 @@ def weighted_step(folder):
     data.average_gradients_weighted(model, sizes[rank])
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     optimizer.step()
-    return {"grads": grads, "state": state(model)}
+    # The same on a model whose first layer is frozen (requires_grad=False, no .grad): every rank alike.
+    frozen = fresh_model()
+    frozen.layers[0].weight.requires_grad_(False)
+    frozen(X[start : start + sizes[rank]], Y[start : start + sizes[rank]])[1].backward()
+    try:
+        data.average_gradients_weighted(frozen, sizes[rank])
+        refused = None
+    except (AttributeError, TypeError, RuntimeError) as error:
+        refused = f"{type(error).__name__}: {str(error)[:120]}"
+    return {"grads": grads, "state": state(model), "frozen": refused}
 
 
 def check_weighted_average(folder, world_size):
     """average_gradients_weighted gives every rank the gradient of the union batch, the sum of (m_k / n) g_k."""
-    results = world(weighted_step, world_size, folder, expect={"grads": SMALL_PARAMETERS, "state": SMALL_PARAMETERS})
+    expect = {"grads": SMALL_PARAMETERS, "state": SMALL_PARAMETERS, "frozen": maybe(str)}
+    results = world(weighted_step, world_size, folder, expect=expect)
     X, Y, sizes = union_batch(world_size)
     model = fresh_model()
     local, start = [], 0
@@ -262,6 +272,12 @@ def check_weighted_average(folder, world_size):
     model(X, Y)[1].backward()  # one process, the union batch
     optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
     for rank, result in enumerate(results):
+        assert result["frozen"] is None, said(
+            "a frozen parameter's missing gradient not skipped",
+            f"on {world_size} ranks, average_gradients_weighted raised {result['frozen']} on rank {rank} for a model"
+            " whose first layer is frozen (requires_grad=False: its .grad is None): a function that walks the"
+            " parameters meets frozen ones, and skips those that have no gradient",
+        )
         for name, param in model.named_parameters():
             got, expected = result["grads"][name], param.grad
             plain = sum(g[name] for g in local) / world_size

@@ -84,12 +84,13 @@ class ShardedOptimizer:
                 p.grad.zero_()
 
     def average_gradients(self) -> None:
-        """Replace every parameter's gradient by its mean over the ranks (dist.all_reduce)."""
+        """Replace every parameter's gradient by its mean over the ranks (dist.all_reduce); a frozen one has none."""
         # TODO(exercise 11): every rank needs the average: the owner steps with it.
         ### BEGIN SOLUTION
         for p in self.params:
-            dist.all_reduce(p.grad)
-            p.grad /= dist.get_world_size()
+            if p.grad is not None:  # a frozen parameter has none, on every rank
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
         ### END SOLUTION
 
     def share_parameters(self) -> None:

@@ -50,6 +50,23 @@ MUTANTS = {
         lambda folder: check_contracts(folder, 3),
         "compare with torch.allclose, not exactly",
     ),
+    # frozen: every parameter, frozen ones too.
+    "check_parameter_closeness compares the trainable parameters only": (
+        "mlp.py",
+        "    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])\n",
+        "    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])\n",
+        lambda folder: check_contracts(folder, 3),
+        "check_parameter_closeness returned True for ranks that differ in a frozen parameter (requires_grad=False)"
+        " alone; it must return False: every parameter counts, frozen ones too",
+    ),
+    "ShardedOptimizer all-reduces a frozen parameter's missing gradient": (
+        "zero.py",
+        "            if p.grad is not None:  # a frozen parameter has none, on every rank\n"
+        "                dist.all_reduce(p.grad)\n                p.grad /= dist.get_world_size()\n",
+        "            dist.all_reduce(p.grad)\n            p.grad /= dist.get_world_size()\n",
+        lambda folder: check_contracts(folder, 11),
+        "step raised TypeError: Invalid function argument",
+    ),
     # world_sizes: fails in the smallest legal world, a world of one.
     "check_parameter_closeness fails in a world of one": (
         "mlp.py",

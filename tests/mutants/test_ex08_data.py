@@ -26,6 +26,15 @@ DDP_LOOP = """    wrapped = DDP(model)
         for step in range(steps):"""
 
 MUTANTS = {
+    "a frozen parameter's missing gradient not skipped": (
+        "data.py",
+        "        if param.grad is not None:\n            param.grad.mul_(rows / n.item())\n"
+        "            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)\n",
+        "        param.grad.mul_(rows / n.item())\n        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)\n",
+        lambda folder: check_weighted_average(folder, 2),
+        "raised AttributeError: 'NoneType' object has no attribute 'mul_' on rank 0 for a model whose first layer is"
+        " frozen",
+    ),
     # int(n * f) for each: 10 samples by thirds make shards of 3, 3 and 3, and one sample is lost.
     "left-over samples dropped": (
         "data.py",

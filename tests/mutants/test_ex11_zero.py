@@ -86,8 +86,10 @@ MUTANTS = {
     # Only the owner needs the average to step, but after step() every rank's gradients are the averages.
     "gradients reduced to their owner only": (
         "zero.py",
-        "        for p in self.params:\n            dist.all_reduce(p.grad)\n",
-        "        for p, owner in zip(self.params, self.owners):\n            dist.reduce(p.grad, dst=owner)\n",
+        "        for p in self.params:\n            if p.grad is not None:  # a frozen parameter has none, on every rank\n"
+        "                dist.all_reduce(p.grad)\n",
+        "        for p, owner in zip(self.params, self.owners):\n            if p.grad is not None:\n"
+        "                dist.reduce(p.grad, dst=owner)\n",
         lambda folder: check_steps(folder, 2, steps=1),
         "not the average of the ranks' gradients",
     ),
@@ -114,15 +116,15 @@ MUTANTS = {
     ),
     "gradients summed, not averaged": (
         "zero.py",
-        "            p.grad /= dist.get_world_size()\n",
+        "                p.grad /= dist.get_world_size()\n",
         "",
         lambda folder: check_steps(folder, 2, steps=1),
         "2.0x the expected average",
     ),
     "gradients not all-reduced": (
         "zero.py",
-        "            dist.all_reduce(p.grad)\n            p.grad /= dist.get_world_size()\n",
-        "            pass\n",
+        "                dist.all_reduce(p.grad)\n                p.grad /= dist.get_world_size()\n",
+        "                pass\n",
         lambda folder: check_steps(folder, 2, steps=1),
         "not the average of the ranks' gradients",
     ),
