@@ -53,6 +53,13 @@ NORM_PARTS = "        weight, bias = (None if p is None else Copy.apply(p) for p
 UNEVEN = '        raise ValueError(f"{what}: {total} does not divide by the world size {world_size}")\n'
 
 MUTANTS = {
+    "AllGatherRows gathers into a float32 buffer whatever the rows' dtype": (
+        "tp.py",
+        "        everyone = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))\n",
+        "        everyone = torch.empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))\n",
+        lambda folder: check_function(folder, "AllGatherRows"),
+        "AllGatherRows raised RuntimeError: ProcessGroupGloo::allgather: invalid tensor type",
+    ),
     "the layers use Copy and AllReduce swapped": (
         "tp.py",
         LAYERS,
