@@ -29,23 +29,26 @@ OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1),
 }
 RESUMED_LR = 0.02  # rank 0's checkpoint changed the learning rate: hyper-parameters travel too
+OWN_LR = 0.5  # rank 2's own, before the broadcast: what a rank holds already must give way to rank 0's
 PRE_STEPS = 2  # steps rank 0 took alone before the checkpoint: its state exists on rank 0 only
 
 
 def resumed(kind, rank):
     """A model and optimizer as rank `rank` has them before the broadcasts: rank 0 resumed from a
-    checkpoint (its weights and optimizer state after PRE_STEPS steps), the others start fresh."""
+    checkpoint (its weights and optimizer state after PRE_STEPS steps); rank 1 starts fresh, with no
+    state at all; rank 2 (in a world of 3) holds state of its own, of one step on data of its own and
+    a learning rate of its own, which rank 0's must replace."""
     torch.manual_seed(100 + rank)
     model = SmallMLP()
     optimizer = OPTIMIZERS[kind](model.parameters())
-    if rank == 0:
-        for step in range(PRE_STEPS):
-            x, y = global_batch(CONFIG, -1 - step, 1)
-            optimizer.zero_grad()
-            model(x, y)[1].backward()
-            optimizer.step()
-        for group in optimizer.param_groups:
-            group["lr"] = RESUMED_LR
+    steps, lr = {0: (PRE_STEPS, RESUMED_LR), 2: (1, OWN_LR)}.get(rank, (0, None))
+    for step in range(steps):
+        x, y = global_batch(CONFIG, -1 - step - 10 * rank, 1)
+        optimizer.zero_grad()
+        model(x, y)[1].backward()
+        optimizer.step()
+    for group in optimizer.param_groups if lr is not None else ():
+        group["lr"] = lr
     return model, optimizer
 
 

@@ -13,6 +13,13 @@ ONE_BUFFER = """            flat = torch.cat([g.reshape(-1) for g in same])
             dist.all_reduce(flat)"""
 
 MUTANTS = {
+    "rank 0's optimizer state loaded only where a rank holds none": (
+        "hvd.py",
+        "    optimizer.load_state_dict(state[0])\n",
+        "    if not optimizer.state:\n        optimizer.load_state_dict(state[0])\n",
+        lambda folder: check_optimizer_state(folder, 3),
+        "after broadcast_optimizer_state, rank 2's",
+    ),
     "parameters broadcast, buffers not": (
         "hvd.py",
         "for tensor in [*model.parameters(), *model.buffers()]:",
