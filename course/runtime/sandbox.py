@@ -87,6 +87,12 @@ def prctl(option: int, value: int) -> None:
         _call("prctl", option, ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
+def name_process(name: str) -> None:
+    """This process's name, as ps and /proc/PID/comm show it (Linux; at most 15 bytes)."""
+    if LINUX:
+        _call("prctl", 15, ctypes.c_char_p(name.encode()[:15]), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+
+
 def die_with_parent() -> None:
     """This process is killed when the one that started it ends, however it ends (Linux only)."""
     prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -1,27 +1,28 @@
 """One rank of a world: what a worker process does from its start to its end (course/runtime/workers.py
-starts them). It confines itself, joins the world's process group, runs each call it is sent and
-answers with data, and keeps its process for the next call only where the call left it as it found it
-(Baseline)."""
+starts them). It confines itself and then serves calls, never running one itself where its world is
+kept: each call runs in a child forked for it, which joins a process group of its own, runs the call,
+answers with data and is gone, with all it started, before the next call is read. No code under test
+ever ran in the process a call is forked from (its template), so no call finds what an earlier one
+left: a check's probe replaced, torch patched, a thread, a timer, a signal handler, a descriptor."""
 
 from __future__ import annotations
 
-import _thread
-import collections
+import contextlib
 import faulthandler
+import importlib
+import io
+import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
-import random
 import signal
-import stat
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import numpy
 import torch
 import torch.distributed as dist
 
@@ -30,7 +31,7 @@ from course.device import bound_device
 from course.device import select as select_device
 from course.runtime import compat, env, failure, sandbox
 from course.runtime.instrument import Agreement, Board, Loops, PointToPoint, Waits
-from course.runtime.processes import descendants, drop_streams, kill, private_descriptors, send, take_streams
+from course.runtime.processes import descendants, drop_streams, kill, private_descriptors, send_streams, take_streams
 
 
 @dataclass(frozen=True)
@@ -54,133 +55,11 @@ class WorkerSettings:
     )
 
 
-# What a call must leave as it found it for its world to be kept: a function of these replaced
-# (a patched all_reduce, a wrapped Module.__call__) would reach the next call.
-_WATCHED = ("torch", "torch.distributed", "torch.nn.functional", "torch.optim", "torch.nn.parallel")
-
-
-def _watched() -> list:
-    import torch.nn.parallel  # noqa: F401 - imported by torch.distributed's users anyway
-
-    objects = [sys.modules[name] for name in _WATCHED] + [torch.Tensor, torch.nn.Module, torch.optim.Optimizer]
-    objects.append(torch.nn.parallel.DistributedDataParallel)
-    return [(o, dict(vars(o))) for o in objects]
-
-
-_GONE = object()
-_TIMERS = [getattr(signal, name) for name in ("ITIMER_REAL", "ITIMER_VIRTUAL", "ITIMER_PROF") if hasattr(signal, name)]
-
-
-def _listing(folder: str) -> set:
-    try:
-        return set(os.listdir(folder))
-    except OSError:  # not Linux
-        return set()
-
-
-def _descriptors() -> dict:
-    """This process's open descriptors but stdout and stderr (each call's own): what each reaches
-    (its type, device and inode)."""
-    found = {}
-    for fd in (_listing("/proc/self/fd") or _listing("/dev/fd")) - {"1", "2"}:
-        try:
-            st = os.fstat(int(fd))
-        except OSError:  # the listing's own, closed by now
-            continue
-        found[int(fd)] = (stat.S_IFMT(st.st_mode), st.st_dev, st.st_ino)
-    return found
-
-
-def _outputs() -> set:
-    """What this call's stdout and stderr reach."""
-    return {(st.st_dev, st.st_ino) for st in map(os.fstat, (1, 2))}
-
-
-def _own_descriptors(first: dict, outputs: set) -> bool:
-    """Whether every descriptor but stdout and stderr is the world's own: one its first call found,
-    or one of those a process group opens (a socket, a pipe with both ends here, an epoll's, which
-    reach nothing outside the world); and none reaches this call's output, which a descriptor kept
-    would write into after the call (a notebook kernel's, say)."""
-    now = _descriptors()
-    held = collections.Counter(now.values())
-    for fd, what in now.items():
-        if what[1:] in outputs:
-            return False
-        own = what[0] in (stat.S_IFSOCK, 0) or (what[0] == stat.S_IFIFO and held[what] == 2)
-        if first.get(fd) != what and not own:
-            return False
-    return True
-
-
-def _signal_state() -> list:
-    """What the kernel holds of this process's signals and timers, beyond Python's handlers: the
-    signals caught, ignored and blocked (handlers set from C, a mask) and its POSIX timers (Linux)."""
-    found = []
-    for path, kept in (("/proc/self/status", ("SigBlk", "SigIgn", "SigCgt")), ("/proc/self/timers", "")):
-        try:
-            with open(path) as f:
-                found += [line for line in f if line.startswith(kept)]
-        except OSError:  # not Linux, or a kernel without the timers' listing
-            pass
-    return found
-
-
-class Baseline:
-    """What a kept worker's first call found: restored after each call, then checked."""
-
-    def __init__(self):
-        self.environ, self.cwd, self.path = dict(os.environ), os.getcwd(), list(sys.path)
-        self.rng = torch.random.get_rng_state(), random.getstate(), numpy.random.get_state()
-        self.threads, self.dtype = torch.get_num_threads(), torch.get_default_dtype()
-        self.python_threads = set(threading.enumerate())
-        # Every thread that Python started, or that runs Python, threading's or not.
-        self.started, self.running = _thread._count(), set(sys._current_frames())
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.attributes = _watched()
-        self.handlers = {s: signal.getsignal(s) for s in signal.valid_signals() if signal.getsignal(s) is not None}
-        self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, []) if hasattr(signal, "pthread_sigmask") else None
-        self.descriptors, self.signals = _descriptors(), _signal_state()
-
-    def restored(self) -> bool:
-        """Restore what a call may change; whether the rest is as the first call found it."""
-        os.environ.clear()
-        os.environ.update(self.environ)
-        os.chdir(self.cwd)
-        sys.path[:] = self.path
-        torch.random.set_rng_state(self.rng[0])
-        random.setstate(self.rng[1])
-        numpy.random.set_state(self.rng[2])
-        torch.set_num_threads(self.threads)
-        torch.set_default_dtype(self.dtype)
-        torch.set_grad_enabled(True)
-        # Timers first: a timer's signal after its handler is restored would find the default (an exit).
-        for timer in _TIMERS:
-            signal.setitimer(timer, 0)
-        for signum, handler in self.handlers.items():
-            if signal.getsignal(signum) is not handler:
-                signal.signal(signum, handler)
-        if self.mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
-        for folder in impl.loaded():  # the code under test is read again, as in a new worker
-            impl.forget(folder)
-        if not (dist.is_initialized() and (dist.get_rank(), dist.get_world_size()) == (self.rank, self.world_size)):
-            return False
-        if not set(threading.enumerate()) <= self.python_threads:
-            return False
-        if _thread._count() > self.started or not set(sys._current_frames()) <= self.running:
-            return False
-        # What cannot be undone from here ends the world: a handler or timer set from C, a descriptor kept.
-        if _signal_state() != self.signals or not _own_descriptors(self.descriptors, _outputs()):
-            return False
-        return all(
-            all(vars(o).get(name, _GONE) is value for name, value in saved.items()) for o, saved in self.attributes
-        )
-
-
 def worker(rank: int, settings: WorkerSettings, conn) -> None:
     # Ctrl-C reaches every process in the terminal's group; only the parent acts on it, so the
     # student sees one message rather than a KeyboardInterrupt traceback from every rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sandbox.name_process(f"rank{rank}")  # not its parent's name: a world's processes are not the grader
     sandbox.die_with_parent()
     sandbox.adopt_orphans()  # a daemon the student starts stays ours, to be stopped
     stack_file = open(os.path.join(settings.stack_dir, f"rank{rank}.stack"), "w")
@@ -193,6 +72,7 @@ def worker(rank: int, settings: WorkerSettings, conn) -> None:
     sandbox.confine(settings.sandbox, settings.guard, settings.stack_dir, settings.view)
     if settings.sandbox != "none":
         tempfile.tempdir = None  # TMPDIR is the world's folder now (settings.env): read it again
+        sandbox.protect()  # the calls it forks run as its user: none may trace it or read its memory
     faulthandler.enable(file=stack_file)  # a crash (segfault, abort) leaves its stack too
     os.environ.update(settings.env)
     # The names torchrun sets, so code can ask os.environ["RANK"] as it would on a cluster.
@@ -202,92 +82,218 @@ def worker(rank: int, settings: WorkerSettings, conn) -> None:
     messages.install()
     waits = Waits(rank, board, messages)
     waits.install()
-    loops = Loops(stack_file)
     torch.set_num_threads(settings.threads)
-    baseline = None
+    calls = _Calls(rank, settings, messages, waits, Loops(stack_file))
+    if settings.keep and hasattr(signal, "SIGUSR1"):
+        signal.signal(signal.SIGUSR1, calls.hand_on)
+    number = 0
     while True:
         try:
-            fn, args = pickle.loads(conn.recv_bytes())
+            call, needed = conn.recv_bytes(), conn.recv_bytes().decode().split()
             take_streams(conn)
         except (EOFError, OSError):  # the parent ended, or stopped keeping this world
             os._exit(0)
-        if hasattr(signal, "SIGUSR1"):  # the parent asks for the stack with it
-            loops.install()
-        code, kept, before = 1, False, None
-        try:
-            if baseline is None:  # the world's first call
-                gpus = torch.cuda.device_count() if settings.device == "cuda" else 0
-                select_device(
-                    env.choose_device(
-                        settings.device, settings.backend, rank, gpus, settings.world_size, same_gpus=True
-                    )
-                )
-                dist.init_process_group(
-                    settings.backend,
-                    store=store(settings, rank),
-                    rank=rank,
-                    world_size=settings.world_size,
-                    timeout=timedelta(seconds=settings.collective_timeout),
-                    device_id=bound_device(settings.backend),
-                )
-                if settings.compare:
-                    Agreement().install(timedelta(seconds=settings.collective_timeout))
-                baseline = Baseline()
-            messages.clear()
-            waits.clear()
-            before = _traffic()
-            result = fn(*args)
-            never_waited = messages.never_waited()
-            if never_waited:
-                send(conn, ("error", failure.unwaited_report(rank, time.time(), never_waited), False))
-            else:
-                # A rank that skipped a collective arrives here while its peers wait inside that
-                # collective: the barrier turns the silent hang into a reported mismatch.
-                dist.barrier()
-                kept = settings.keep and baseline.restored()
-                imported = [m for m in env.ON_DEMAND_MODULES if m in sys.modules]
-                send(conn, ("ok", {"result": result, "imported": imported}, kept))
-                code = 0
-                if not kept:
-                    # gloo takes about 20 ms to tear a group down: after the result, so that no one
-                    # waits for it (the parent stops the world as soon as every rank has answered).
-                    dist.destroy_process_group()
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-            report = failure.rank_report(rank, exc, time.time(), messages.waiting, waits.broken, messages.dropped())
-            # An exception raised before the rank made a group or sent anything (a stub's
-            # NotImplementedError) leaves no peer waiting for it: where every rank's is such, the
-            # parent keeps the world (_World.collect).
-            if settings.keep and isinstance(exc, Exception) and before is not None and _traffic() == before:
-                kept = baseline.restored()
-            send(conn, ("error", report, kept))
-        finally:
+        number += 1
+        if not settings.keep:
+            conn.send_bytes(calls.inline(call, number))
             _end_descendants()
             sys.stdout.flush()
             sys.stderr.flush()
-            if not kept:
-                os._exit(code)
-            drop_streams()
-
-
-def _traffic() -> tuple | None:
-    """How many groups this rank has made, and the sequence number of each (torch counts every
-    collective and message of a group in it, barriers and monitored ones too); None where torch
-    cannot say."""
-    c10d = dist.distributed_c10d
-    try:
-        return c10d._world.group_count, tuple(g._get_sequence_number_for_group() for g in list(c10d._world.pg_map))
-    except Exception:  # noqa: BLE001 - a backend without sequence numbers: no call is taken for clean
-        return None
-
-
-def _end_descendants() -> None:
-    """Kill every process this worker started, and reap them: a kept world starts each call clean."""
-    if sandbox.in_own_namespace():  # every other process of the namespace is a descendant
+            os._exit(0)
+        conn.send_bytes(calls.forked(call, number))
         try:
-            os.kill(-1, signal.SIGKILL)  # all at once: none can fork past it
-        except ProcessLookupError:
+            conn.recv_bytes()  # the parent's word that every rank has answered: no peer needs the call's processes
+        except (EOFError, OSError):
+            os._exit(0)
+        _end_descendants(calls.child)
+        calls.child = 0
+        with contextlib.suppress(OSError):  # the call's rendezvous, which no later call reads
+            os.unlink(f"{settings.store_path}.{number}")
+        drop_streams()
+        conn.send_bytes(ENDED)  # nothing of the call runs any more
+        # What the next call's child should find imported: the probe's module (the call, unpickled
+        # here, where no code under test runs), and what the world's calls have needed.
+        with contextlib.suppress(Exception):
+            pickle.loads(call)
+        for name in set(needed) & set(env.CALL_MODULES):
+            importlib.import_module(name)
+        calls.prepare(number + 1)
+
+
+ANSWERED, ENDED = b"A", b"E"  # what a call's answer to the parent starts with: data follows, or an exit status
+
+
+@dataclass
+class _Calls:
+    """The calls of one rank: run where they are asked (inline), or each in a child of its own, forked
+    and joined to the world before its call comes (prepare, then forked): the fork and the rendezvous
+    take place while the parent judges the call before."""
+
+    rank: int
+    settings: WorkerSettings
+    messages: PointToPoint
+    waits: Waits
+    loops: Loops
+    child: int = 0  # the pid of the child that runs, or will run, the next call
+    link: Any = None  # the pipe to it
+
+    def inline(self, call: bytes, number: int) -> bytes:
+        self._answer_asks()
+        try:
+            self._join(number)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+            return self._failed(exc)
+        return self._run(call)
+
+    def prepare(self, number: int) -> None:
+        """Fork the child of call ``number``: it joins a process group of its own, then waits for the call."""
+        here, there = multiprocessing.Pipe(duplex=True)  # a socket: the call's output travels on it
+        parent = os.getpid()
+        self.child = os.fork()
+        if self.child == 0:
+            sandbox.die_with_parent()  # the worker dies with the grader: so does the call it runs
+            if os.getppid() != parent:  # it died before that
+                os._exit(1)
+            here.close()
+            try:
+                self._serve(there, number)
+            finally:
+                os._exit(0)
+        there.close()
+        self.link = here
+
+    def forked(self, call: bytes, number: int) -> bytes:
+        """Hand the call to its child; what it answered, or how it ended without answering. The
+        child never holds this process's pipe to the parent: nothing it writes reaches the parent
+        but its one answer."""
+        if self.child == 0:
+            self.prepare(number)
+        link, self.link = self.link, None
+        try:
+            link.send_bytes(call)
+            send_streams(link, self.child)
+        except OSError:  # it ended already
             pass
-    else:
+        try:
+            return self._read(link)
+        finally:
+            link.close()
+
+    def _serve(self, link, number: int) -> None:
+        self._answer_asks()
+        try:
+            self._join(number)
+            failed = None
+        except BaseException as exc:  # noqa: BLE001 - said when the call comes
+            failed = exc
+        try:
+            call = link.recv_bytes()
+            take_streams(link)
+        except (EOFError, OSError):  # the world ends
+            return
+        link.send_bytes(self._failed(failed) if failed is not None else self._run(call))
+        # Alive until every rank has answered (the worker then ends it): a peer may still read what this
+        # rank sent, or connect to it, in a collective or a group this call made.
+        with contextlib.suppress(EOFError, OSError):
+            link.recv_bytes()
+
+    def _read(self, link) -> bytes:
+        ended = os.pidfd_open(self.child) if hasattr(os, "pidfd_open") else None
+        try:
+            while True:
+                # The child's end, too: a process it started may hold the pipe open.
+                ready = multiprocessing.connection.wait([link] + ([ended] if ended is not None else []), timeout=0.05)
+                if link in ready:
+                    try:
+                        return link.recv_bytes()
+                    except (EOFError, OSError):  # it ended without answering
+                        pass
+                pid, status = os.waitpid(self.child, os.WNOHANG)
+                if pid:
+                    self.child = 0  # reaped: its pid may be another process's from now on
+                    return ENDED + str(os.waitstatus_to_exitcode(status)).encode()
+        finally:
+            if ended is not None:
+                os.close(ended)
+
+    def hand_on(self, signum, frame) -> None:
+        """The parent's ask for the stack (SIGUSR1), for the call's child."""
+        if self.child > 0:
+            os.kill(self.child, signum)
+
+    def _answer_asks(self) -> None:
+        if hasattr(signal, "SIGUSR1"):  # the parent asks for the stack with it
+            self.loops.install()
+
+    def _join(self, number: int) -> None:
+        settings = self.settings
+        gpus = torch.cuda.device_count() if settings.device == "cuda" else 0
+        select_device(
+            env.choose_device(settings.device, settings.backend, self.rank, gpus, settings.world_size, same_gpus=True)
+        )
+        dist.init_process_group(
+            settings.backend,
+            store=store(settings, self.rank, number),
+            rank=self.rank,
+            world_size=settings.world_size,
+            timeout=timedelta(seconds=settings.collective_timeout),
+            device_id=bound_device(settings.backend),
+        )
+        if settings.compare:
+            Agreement().install(timedelta(seconds=settings.collective_timeout))
+
+    def _run(self, call: bytes) -> bytes:
+        """Run the call in this process's group; what came of it, as data."""
+        try:
+            fn, args = pickle.loads(call)
+            self.messages.clear()
+            self.waits.clear()
+            result = fn(*args)
+            never_waited = self.messages.never_waited()
+            if never_waited:
+                return _data(("error", failure.unwaited_report(self.rank, time.time(), never_waited)))
+            # A rank that skipped a collective arrives here while its peers wait inside that
+            # collective: the barrier turns the silent hang into a reported mismatch.
+            dist.barrier()
+            imported = [m for m in env.CALL_MODULES if m in sys.modules]
+            return _data(("ok", {"result": result, "imported": imported}))
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+            return self._failed(exc)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+    def _failed(self, exc: BaseException) -> bytes:
+        messages = self.messages
+        report = failure.rank_report(
+            self.rank, exc, time.time(), messages.waiting, self.waits.broken, messages.dropped()
+        )
+        return _data(("error", report))
+
+
+def _data(message) -> bytes:
+    """A call's answer to the parent: torch.save's bytes, read back there with weights_only."""
+    buffer = io.BytesIO()
+    torch.save(message, buffer)
+    return ANSWERED + buffer.getvalue()
+
+
+def _end_descendants(child: int = 0) -> None:
+    """Kill every process this worker started (``child``, a call's, and what it started), and reap them."""
+    namespace = sandbox.in_own_namespace()  # every other process of the namespace is a descendant
+    if namespace:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(-1, signal.SIGKILL)  # all at once: none can fork past it
+    elif child:
+        kill([child])
+    if child:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(child, 0)  # killed, it ends for certain; its children are this process's now (a subreaper)
+    try:
+        others = not namespace and os.waitpid(-1, os.WNOHANG)[0] == 0
+    except ChildProcessError:  # none: no need to look through every process of the machine
+        return
+    if others:
         kill(descendants([os.getpid()]))
     while True:
         try:
@@ -302,10 +308,11 @@ def board_path(folder: str, rank: int) -> str:
     return os.path.join(folder, f"rank{rank}.waits")
 
 
-def store(settings: WorkerSettings, rank: int):
-    """Where the ranks meet: a file in the world's private folder, or a TCP port if one was asked for."""
+def store(settings: WorkerSettings, rank: int, number: int):
+    """Where the ranks meet for call ``number``: a file of its own in the world's private folder, or a
+    TCP port if one was asked for (a world of one call)."""
     if settings.port is None:
-        return dist.FileStore(settings.store_path, settings.world_size)
+        return dist.FileStore(f"{settings.store_path}.{number}", settings.world_size)
     return dist.TCPStore(
         "127.0.0.1",
         settings.port,

@@ -16,16 +16,16 @@ list of their return values, indexed by rank. It never hangs and never leaves a 
 - Workers ignore Ctrl-C (the parent stops them and says where they were) and die with their
   parent (Linux; elsewhere they end when its pipe closes). Their output is line-buffered, so two
   ranks never share a line, and goes where the parent's goes at each call.
-- ``keep=True`` (the checks): a world whose call succeeded and left its workers as it found them
-  serves the next call with the same settings, instead of new processes (a world costs about
-  0.1 s of start-up and warm-up, a call on a kept one a few ms). Each call still gets the code
-  under test read afresh, and the random state, environment, working folder, threads, defaults,
-  signal handlers and mask the world's first call found, with no timer set. A call that fails
-  stops its world, unless every rank raised before it made a group or sent or started anything (a
-  stub's NotImplementedError: no rank waits for another); so does a call that times out, starts a
-  thread, replaces a function of torch, ends the process group, sets a signal handler from C or
-  keeps a descriptor that is not the world's own (its caller's output, a file). Kept workers end
-  with this process (``stop_kept`` ends them sooner).
+- ``keep=True`` (the checks): a world whose every rank answered serves the next call with the same
+  settings, instead of new processes (a world costs about 0.1 s of start-up and warm-up). Its workers
+  never run a call: each call runs in a process forked for it from its rank's worker, which joins a
+  process group of the call's own, and ends, with all it started, once every rank has answered
+  (course/runtime/worker.py). No code under test ever runs in a worker, so a call finds nothing an
+  earlier one left: not a check's probe replaced, a patched torch, a thread, a timer, a signal
+  handler or a descriptor; and the code under test is read afresh. A call's child is forked and
+  joined before the call comes, while the parent judges the call before. A world is stopped when a
+  rank does not answer (it timed out, or waits for what never comes); kept worlds end with this
+  process (``stop_kept`` ends them sooner).
 
 What went wrong is diagnosed in course/runtime/failure.py; ``WorldFailed.failure`` carries it.
 """
@@ -68,7 +68,7 @@ from course.runtime.processes import (
     reap,
     send_streams,
 )
-from course.runtime.worker import WorkerSettings, board_path, worker
+from course.runtime.worker import ENDED, WorkerSettings, board_path, worker
 
 
 class WorldFailed(RuntimeError):
@@ -237,7 +237,7 @@ def run(
         try:
             return world.collect()
         finally:
-            if world.reusable:
+            if keep and world.reusable and world.ended_call():
                 _kept.put(key, world)
                 world = None
     except KeyboardInterrupt:
@@ -276,6 +276,10 @@ def submission_view() -> tuple:
 
 
 _POLL = 0.25  # seconds between looks at whether a worker's process has ended
+_GRACE = 1.0
+# At most this long for the workers to end a call's processes: a worker that a call stopped (SIGSTOP,
+# under "uid" its user's to send) must not hold the grader; its world is stopped instead.
+_ENDING = 30.0
 # How long every rank's waits board must stay as it was before a deadlock is reported: a rank that has
 # just been answered may not have run since to say so (a loaded machine), a message may be on its way.
 _STILL = 1.0
@@ -298,6 +302,8 @@ class _World:
         self.ended: list = []
         self.pending: set = set()
         self.reusable = False
+        self.needed: set = set()  # of env.CALL_MODULES: what its calls have imported
+        self.stacks_before: dict = {}  # the size of each rank's stack file when the call began
 
     @classmethod
     def start(cls, method: str, settings: WorkerSettings) -> _World:
@@ -344,22 +350,27 @@ class _World:
     def call(self, call: bytes) -> None:
         """Hand every rank the pickled (fn, args), and this process's stdout and stderr as they are now."""
         self.results, self.reports, self.ended, self.reusable = {}, [], [], False
+        self.stacks_before = {r: self._stack_size(r) for r in range(self.world_size)}
         for proc, conn in zip(self.procs, self.conns):
             conn.send_bytes(call)
+            conn.send_bytes(" ".join(sorted(self.needed)).encode())
             send_streams(conn, proc.pid)
 
     def collect(self) -> list:
         rank_of = {id(c): r for r, c in enumerate(self.conns)}
         self.pending = set(range(self.world_size))
         self.clock = OwnTime([proc.pid for proc in self.procs])  # the limits are of the world's own time
-        grace_end = None  # after a first failure, peers get a moment to report theirs
+        # After a first failure, peers get a moment of the world's own time to report theirs (a peer
+        # that waited for the failed rank fails at once, its process gone): a world whose every rank
+        # answered is kept.
+        grace_end = None
         kept = []
         self.still = (None, 0.0)  # the boards as last read while every rank waited, and since when
         while self.pending:
             now = self.clock.elapsed()  # read once a look: it reads every process's schedstat
             left = self.timeout - now
             if grace_end is not None:
-                left = min(left, grace_end - time.monotonic())
+                left = min(left, grace_end - now)
             if left <= 0:
                 break
             ready = wait([self.conns[r] for r in self.pending], timeout=min(left, _POLL))
@@ -368,11 +379,11 @@ class _World:
             for rank in {rank_of[id(conn)] for conn in ready} | set(ended):
                 kept.append(self._receive(rank, self.conns[rank]))
             if (self.reports or self.ended) and grace_end is None:
-                grace_end = time.monotonic() + 1.0
+                grace_end = self.clock.elapsed() + _GRACE
             stuck = self._deadlock(now) if grace_end is None else None
             if stuck is not None:
                 raise WorldFailed(stuck)
-        # Every rank answered and can run another call: it returned, or every one raised before it sent anything.
+        # Every rank answered: each worker serves the next call, in a process forked for it.
         self.reusable = not self.pending and all(kept)
         if self.reports or self.ended:
             self.ended += self._where_running()  # a rank that never reported: where it is
@@ -380,6 +391,22 @@ class _World:
         if self.pending:
             raise WorldFailed(failure.timed_out(self._where_running(), self.world_size, self.timeout))
         return [self.results[r] for r in range(self.world_size)]
+
+    def ended_call(self) -> bool:
+        """Every rank answered: tell the workers to end what the call started (the call's process, and
+        what it started), and wait until they have. Whether every one has."""
+        try:
+            for conn in self.conns:
+                conn.send_bytes(b"end")
+            waiting, end = list(self.conns), time.monotonic() + _ENDING
+            while waiting and time.monotonic() < end:
+                for conn in wait(waiting, timeout=end - time.monotonic()):
+                    if conn.recv_bytes() != ENDED:
+                        return False
+                    waiting.remove(conn)
+            return not waiting  # a worker stopped (by the call, under "uid"): the world is stopped
+        except (EOFError, OSError):
+            return False
 
     def _boards(self) -> list | None:
         """Every rank's board, where every rank waits in something it says; else None."""
@@ -401,7 +428,7 @@ class _World:
             return None
 
     def _receive(self, rank: int, conn) -> bool:
-        """Take what a rank sent; whether it can run another call."""
+        """Take what a rank sent; whether its worker can serve another call."""
         self.pending.discard(rank)
         try:
             if not conn.poll(0):  # the process ended and sent nothing
@@ -410,27 +437,40 @@ class _World:
         except (EOFError, OSError):
             self.procs[rank].join(timeout=1)
             self.ended.append(
-                failure.ended_without_report(rank, self.procs[rank].exitcode, self._stack(rank), when=time.time())
+                failure.ended_without_report(rank, self.procs[rank].exitcode, self._call_stack(rank), when=time.time())
             )
             return False
+        # The worker's own word (course/runtime/worker.py): its call's child answered, or ended without.
+        kind, data = data[:1], data[1:]
+        if kind == ENDED:
+            self.ended.append(failure.ended_without_report(rank, int(data), self._call_stack(rank), when=time.time()))
+            return True
         try:
-            # kept: whether the rank can run another call (it returned, or raised before it sent anything)
-            status, payload, kept = torch.load(io.BytesIO(data), weights_only=True)
+            status, payload = torch.load(io.BytesIO(data), weights_only=True)
             if status == "ok":
                 result, imported = payload["result"], set(payload["imported"])
-        except Exception as exc:  # noqa: BLE001 - whatever a worker sent, it is that rank's failure
+        except Exception as exc:  # noqa: BLE001 - whatever a call sent, it is that rank's failure
             reason = (
                 f"it sent something that is not data (tensors, numbers, strings, lists, dicts):"
                 f" {type(exc).__name__}: {failure.first_line(str(exc))}"
             )
             self.ended.append(failure.ended_without_report(rank, None, "", reason, when=time.time()))
-            return False
+            return True
         if status != "ok":
             self.reports.append(payload)
         else:
             self.results[rank] = result
             _needed.update(imported & set(env.ON_DEMAND_MODULES))
-        return kept is True
+            self.needed.update(imported & set(env.CALL_MODULES))
+        return True
+
+    def _stack_size(self, rank: int) -> int:
+        path = os.path.join(self.stack_dir, f"rank{rank}.stack")
+        return os.path.getsize(path) if os.path.exists(path) else 0
+
+    def _call_stack(self, rank: int) -> str:
+        """What the rank's stack file took during this call (a crash's dump): an earlier call's is not this one's."""
+        return self._stack(rank, self.stacks_before.get(rank, 0))
 
     def _stack(self, rank: int, offset: int = 0) -> str:
         try:
@@ -446,12 +486,7 @@ class _World:
         running = sorted(self.pending)
         if not running:  # every rank reported: no dump to wait for (most failed checks)
             return []
-        offsets = {
-            r: os.path.getsize(os.path.join(self.stack_dir, f"rank{r}.stack"))
-            if os.path.exists(os.path.join(self.stack_dir, f"rank{r}.stack"))
-            else 0
-            for r in running
-        }
+        offsets = {r: self._stack_size(r) for r in running}
         # faulthandler writes from a signal handler, thread by thread; give it a moment.
         self._ask(running, lambda r: failure.stack_frames(self._stack(r, offsets[r])), seconds=2.0)
         time.sleep(0.05)  # the rest of a dump that has begun

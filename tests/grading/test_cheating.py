@@ -672,16 +672,16 @@ def test_taking_the_notebook_kernels_socket_gains_nothing(attacked):
 REWRITE_REPLIES = """
 import course.runtime.worker as _worker
 
-_real_send = _worker.send
+_real_data = _worker._data
 
 
-def _send(conn, message):
+def _data(message):
     if message[0] == "error":
-        message = ("ok", {"result": [], "imported": []}, False)  # a reply as workers send one
-    _real_send(conn, message)
+        message = ("ok", {"result": [], "imported": []})  # a reply as a call sends one
+    return _real_data(message)
 
 
-_worker.send = _send
+_worker._data = _data
 """
 
 # A hang made up by the worker: rank 0 raises what a rank stopped in a collective of data.py would, rank 1 returns
@@ -729,6 +729,47 @@ def test_a_made_up_hang_gains_nothing(tmp_path):
     assert "the world should hang in a collective that rank 1 never joins, and it ended" in found["tests"][0]["output"]
     reference = grade_only(tmp_path / "reference", {}, args, base=SOLUTIONS)
     assert reference["score"] == 2 and [t["status"] for t in reference["tests"]] == ["passed"], reference
+
+
+# Issue 47: the stubs' dist.py, which, on import, replaces the probe that exercise 2's checks send by
+# name with one that computes the expected answers itself (the checks' own seeded operands) and counts
+# no work. When a kept world ran each call in the process of the call before, the stubs earned 14/25
+# this way: every world's first call failed (the stub) and every later one ran the forgery.
+FORGED_PROBE = """
+import sys as _sys
+
+import torch as _torch
+import torch.distributed as _dist
+
+_checks = _sys.modules.get("checks.test_ex02_dist")
+
+
+def _forged(folder, method):
+    _rank = _dist.get_rank()
+    _out = []
+    for _i in range(len(_checks.SHAPES)):
+        _A, _B = _checks.operands(_i)
+        _mine = _rank == 0 or method == "par_matmul_by_reduction"
+        _out.append((_A @ _B if _mine else None, 0))
+    return _out
+
+
+if _checks is not None:
+    _checks.multiply_everything = _forged
+    _checks.multiply_everything.__module__ = "checks.test_ex02_dist"
+    print("CHEAT forged the probe", file=_sys.stderr, flush=True)
+"""
+
+
+def test_a_probe_forged_for_the_calls_after_gains_nothing(tmp_path):
+    """Issue 47: each call runs in a process forked for it from a worker that never ran submission code, so a
+    probe replaced by one call is the checks' own in the next: the forgery earns what the stubs earn, 0."""
+    grader, submission = _copy_grader(tmp_path, {"dist.py": FORGED_PROBE})
+    command = ["-m", "course", "grade", "--ex", "2", "--", "-s"]  # -s: what the forgery prints reaches stderr
+    done = warm.run(command, cwd=grader, env=dict(os.environ, COURSE_IMPL=str(submission)))
+    assert "CHEAT forged the probe" in done.stderr, "the attack ran"
+    said = "par_matmul_by_row is not written yet|par_matmul_by_reduction is not written yet"
+    assert_no_points(done, grader / "results.json", said)
 
 
 # Parameters that the owners never share: each rank keeps its own, which is wrong; and torch's
