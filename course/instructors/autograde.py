@@ -644,6 +644,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     sandbox.protect()
     os.environ.update(env.check_settings(), COURSE_MISTAKE_FACTS="1")  # the kernels' checks show their facts
+    os.environ["COURSE_FOR_CREDIT"] = "1"  # each call of a check in a process of its own (course/runtime/workers.py)
     if sys.platform.startswith(
         "linux"
     ):  # kernels forked from a server that imported torch once (course/instructors/kernels.py)

@@ -133,6 +133,7 @@ def run(root: str, exercises: list | None = None) -> int:
     notes = take_in(os.path.join(root, "submission"), graded)
     command = [sys.executable, "-m", "course", "grade", *[f"--ex={n}" for n in exercises or []], "--results", results]
     env = dict(os.environ, COURSE_IMPL=graded, COURSE_SANDBOX=os.environ.get("COURSE_SANDBOX", "required"))
+    env["COURSE_FOR_CREDIT"] = "1"  # each call of a check in a process of its own (course/runtime/workers.py)
     done = subprocess.run(command, cwd=ROOT, env=env)
     shutil.rmtree(graded, ignore_errors=True)
     from course.grading.results import not_graded, write_json

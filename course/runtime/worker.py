@@ -7,6 +7,8 @@ left: a check's probe replaced, torch patched, a thread, a timer, a signal handl
 
 from __future__ import annotations
 
+import _thread
+import collections
 import contextlib
 import faulthandler
 import importlib
@@ -15,14 +17,18 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import random
 import signal
+import stat
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -53,6 +59,130 @@ class WorkerSettings:
     compare: bool = (
         False  # the ranks compare each collective before it starts (course/runtime/instrument.py's Agreement)
     )
+    fresh: bool = False  # a kept world whose every call runs in a process forked for it (a grade for credit)
+
+
+# What a call must leave as it found it for its world to be kept: a function of these replaced
+# (a patched all_reduce, a wrapped Module.__call__) would reach the next call.
+_WATCHED = ("torch", "torch.distributed", "torch.nn.functional", "torch.optim", "torch.nn.parallel")
+
+
+def _watched() -> list:
+    import torch.nn.parallel  # noqa: F401 - imported by torch.distributed's users anyway
+
+    objects = [sys.modules[name] for name in _WATCHED] + [torch.Tensor, torch.nn.Module, torch.optim.Optimizer]
+    objects.append(torch.nn.parallel.DistributedDataParallel)
+    return [(o, dict(vars(o))) for o in objects]
+
+
+_GONE = object()
+_TIMERS = [getattr(signal, name) for name in ("ITIMER_REAL", "ITIMER_VIRTUAL", "ITIMER_PROF") if hasattr(signal, name)]
+
+
+def _listing(folder: str) -> set:
+    try:
+        return set(os.listdir(folder))
+    except OSError:  # not Linux
+        return set()
+
+
+def _descriptors() -> dict:
+    """This process's open descriptors but stdout and stderr (each call's own): what each reaches
+    (its type, device and inode)."""
+    found = {}
+    for fd in (_listing("/proc/self/fd") or _listing("/dev/fd")) - {"1", "2"}:
+        try:
+            st = os.fstat(int(fd))
+        except OSError:  # the listing's own, closed by now
+            continue
+        found[int(fd)] = (stat.S_IFMT(st.st_mode), st.st_dev, st.st_ino)
+    return found
+
+
+def _outputs() -> set:
+    """What this call's stdout and stderr reach."""
+    return {(st.st_dev, st.st_ino) for st in map(os.fstat, (1, 2))}
+
+
+def _own_descriptors(first: dict, outputs: set) -> bool:
+    """Whether every descriptor but stdout and stderr is the world's own: one its first call found,
+    or one of those a process group opens (a socket, a pipe with both ends here, an epoll's, which
+    reach nothing outside the world); and none reaches this call's output, which a descriptor kept
+    would write into after the call (a notebook kernel's, say)."""
+    now = _descriptors()
+    held = collections.Counter(now.values())
+    for fd, what in now.items():
+        if what[1:] in outputs:
+            return False
+        own = what[0] in (stat.S_IFSOCK, 0) or (what[0] == stat.S_IFIFO and held[what] == 2)
+        if first.get(fd) != what and not own:
+            return False
+    return True
+
+
+def _signal_state() -> list:
+    """What the kernel holds of this process's signals and timers, beyond Python's handlers: the
+    signals caught, ignored and blocked (handlers set from C, a mask) and its POSIX timers (Linux)."""
+    found = []
+    for path, kept in (("/proc/self/status", ("SigBlk", "SigIgn", "SigCgt")), ("/proc/self/timers", "")):
+        try:
+            with open(path) as f:
+                found += [line for line in f if line.startswith(kept)]
+        except OSError:  # not Linux, or a kernel without the timers' listing
+            pass
+    return found
+
+
+class Baseline:
+    """What a kept worker's first call found: restored after each call, then checked."""
+
+    def __init__(self):
+        self.environ, self.cwd, self.path = dict(os.environ), os.getcwd(), list(sys.path)
+        self.rng = torch.random.get_rng_state(), random.getstate(), numpy.random.get_state()
+        self.threads, self.dtype = torch.get_num_threads(), torch.get_default_dtype()
+        self.python_threads = set(threading.enumerate())
+        # Every thread that Python started, or that runs Python, threading's or not.
+        self.started, self.running = _thread._count(), set(sys._current_frames())
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.attributes = _watched()
+        self.handlers = {s: signal.getsignal(s) for s in signal.valid_signals() if signal.getsignal(s) is not None}
+        self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, []) if hasattr(signal, "pthread_sigmask") else None
+        self.descriptors, self.signals = _descriptors(), _signal_state()
+
+    def restored(self) -> bool:
+        """Restore what a call may change; whether the rest is as the first call found it."""
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        sys.path[:] = self.path
+        torch.random.set_rng_state(self.rng[0])
+        random.setstate(self.rng[1])
+        numpy.random.set_state(self.rng[2])
+        torch.set_num_threads(self.threads)
+        torch.set_default_dtype(self.dtype)
+        torch.set_grad_enabled(True)
+        # Timers first: a timer's signal after its handler is restored would find the default (an exit).
+        for timer in _TIMERS:
+            signal.setitimer(timer, 0)
+        for signum, handler in self.handlers.items():
+            if signal.getsignal(signum) is not handler:
+                signal.signal(signum, handler)
+        if self.mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
+        for folder in impl.loaded():  # the code under test is read again, as in a new worker
+            impl.forget(folder)
+        if not (dist.is_initialized() and (dist.get_rank(), dist.get_world_size()) == (self.rank, self.world_size)):
+            return False
+        if not set(threading.enumerate()) <= self.python_threads:
+            return False
+        if _thread._count() > self.started or not set(sys._current_frames()) <= self.running:
+            return False
+        # What cannot be undone from here ends the world: a handler or timer set from C, a descriptor kept.
+        if _signal_state() != self.signals or not _own_descriptors(self.descriptors, _outputs()):
+            return False
+        return all(
+            all(vars(o).get(name, _GONE) is value for name, value in saved.items()) for o, saved in self.attributes
+        )
 
 
 def worker(rank: int, settings: WorkerSettings, conn) -> None:
@@ -84,8 +214,10 @@ def worker(rank: int, settings: WorkerSettings, conn) -> None:
     waits.install()
     torch.set_num_threads(settings.threads)
     calls = _Calls(rank, settings, messages, waits, Loops(stack_file))
-    if settings.keep and hasattr(signal, "SIGUSR1"):
-        signal.signal(signal.SIGUSR1, calls.hand_on)
+    if settings.fresh:
+        _warm_up(settings.threads)
+        if hasattr(signal, "SIGUSR1"):
+            signal.signal(signal.SIGUSR1, calls.hand_on)
     number = 0
     while True:
         try:
@@ -94,12 +226,17 @@ def worker(rank: int, settings: WorkerSettings, conn) -> None:
         except (EOFError, OSError):  # the parent ended, or stopped keeping this world
             os._exit(0)
         number += 1
-        if not settings.keep:
-            conn.send_bytes(calls.inline(call, number))
+        if not settings.fresh:
+            answer, kept = calls.shared(call, number)
+            conn.send_bytes(answer)
+            calls.ended(kept)
             _end_descendants()
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(0)
+            if not kept:
+                os._exit(0)
+            drop_streams()
+            continue
         conn.send_bytes(calls.forked(call, number))
         try:
             conn.recv_bytes()  # the parent's word that every rank has answered: no peer needs the call's processes
@@ -117,17 +254,42 @@ def worker(rank: int, settings: WorkerSettings, conn) -> None:
             pickle.loads(call)
         for name in set(needed) & set(env.CALL_MODULES):
             importlib.import_module(name)
+        _reap()  # what the call's end killed, before a new child is forked
         calls.prepare(number + 1)
 
 
-ANSWERED, ENDED = b"A", b"E"  # what a call's answer to the parent starts with: data follows, or an exit status
+def _warm_up(threads: int) -> None:
+    """Run here, once, what most calls run first in their process (a model's forward and backward, an
+    optimizer's step), so that torch's first-time costs (lazy imports, caches) are paid once a world
+    rather than once a call. In one thread: no OpenMP pool that a forked child could not use. The
+    random state is left as it was."""
+    state = torch.random.get_rng_state()
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    # An optimizer's first step imports torch._dynamo: only where this process has it already.
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1)] if "torch._dynamo" in sys.modules else []
+    for optimizer in [None, *optimizers]:
+        loss = torch.nn.functional.cross_entropy(model(torch.randn(5, 4)), torch.tensor([0, 1, 2, 0, 1]))
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
+    torch.set_num_threads(threads)
+    torch.random.set_rng_state(state)
+
+
+# What a call's answer to the parent starts with: data follows, and the worker serves another call
+# (ANSWERED) or ends (DROPPED); or the call's process ended without answering, its exit status follows.
+ANSWERED, DROPPED, ENDED = b"A", b"D", b"E"
 
 
 @dataclass
 class _Calls:
-    """The calls of one rank: run where they are asked (inline), or each in a child of its own, forked
-    and joined to the world before its call comes (prepare, then forked): the fork and the rendezvous
-    take place while the parent judges the call before."""
+    """The calls of one rank. In its own process (shared): a world not kept, or a kept one whose calls
+    share their worker's process, which serves the next call where the call left it as it found it
+    (Baseline); or each in a child of its own, forked and joined to the world before its call comes
+    (prepare, then forked: the fork and the rendezvous take place while the parent judges the call
+    before), where the worker never runs a call (fresh)."""
 
     rank: int
     settings: WorkerSettings
@@ -136,14 +298,31 @@ class _Calls:
     loops: Loops
     child: int = 0  # the pid of the child that runs, or will run, the next call
     link: Any = None  # the pipe to it
+    baseline: Any = None  # what the first shared call found
 
-    def inline(self, call: bytes, number: int) -> bytes:
+    def shared(self, call: bytes, number: int) -> tuple:
+        """Run the call here; its answer, and whether this process can serve another call: it returned,
+        or raised before it made a group or sent or started anything (a stub's NotImplementedError, after
+        which no peer waits for this rank), and left the process as the first call found it."""
         self._answer_asks()
-        try:
-            self._join(number)
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-            return self._failed(exc)
-        return self._run(call)
+        if self.baseline is None:  # the world's first call
+            try:
+                self._join(number)
+            except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+                return DROPPED + self._failed(exc), False
+            self.baseline = Baseline()
+        before = _traffic()
+        answer, raised = self._run(call)
+        clean = raised is None or (isinstance(raised, Exception) and before is not None and _traffic() == before)
+        kept = self.settings.keep and clean and self.baseline.restored()
+        return (ANSWERED if kept else DROPPED) + answer, kept
+
+    def ended(self, kept: bool) -> None:
+        """After a shared call's answer: a process group that no later call uses is torn down (gloo takes
+        about 20 ms: after the answer, so that no one waits for it)."""
+        if not kept and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
 
     def prepare(self, number: int) -> None:
         """Fork the child of call ``number``: it joins a process group of its own, then waits for the call."""
@@ -191,7 +370,7 @@ class _Calls:
             take_streams(link)
         except (EOFError, OSError):  # the world ends
             return
-        link.send_bytes(self._failed(failed) if failed is not None else self._run(call))
+        link.send_bytes(ANSWERED + (self._failed(failed) if failed is not None else self._run(call)[0]))
         # Alive until every rank has answered (the worker then ends it): a peer may still read what this
         # rank sent, or connect to it, in a collective or a group this call made.
         with contextlib.suppress(EOFError, OSError):
@@ -242,8 +421,8 @@ class _Calls:
         if settings.compare:
             Agreement().install(timedelta(seconds=settings.collective_timeout))
 
-    def _run(self, call: bytes) -> bytes:
-        """Run the call in this process's group; what came of it, as data."""
+    def _run(self, call: bytes) -> tuple:
+        """Run the call in this process's group: what came of it, as data, and what it raised (None)."""
         try:
             fn, args = pickle.loads(call)
             self.messages.clear()
@@ -251,14 +430,15 @@ class _Calls:
             result = fn(*args)
             never_waited = self.messages.never_waited()
             if never_waited:
-                return _data(("error", failure.unwaited_report(self.rank, time.time(), never_waited)))
+                unwaited = failure.unwaited_report(self.rank, time.time(), never_waited)
+                return _data(("error", unwaited)), RuntimeError("messages never waited for")
             # A rank that skipped a collective arrives here while its peers wait inside that
             # collective: the barrier turns the silent hang into a reported mismatch.
             dist.barrier()
             imported = [m for m in env.CALL_MODULES if m in sys.modules]
-            return _data(("ok", {"result": result, "imported": imported}))
+            return _data(("ok", {"result": result, "imported": imported})), None
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-            return self._failed(exc)
+            return self._failed(exc), exc
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -275,26 +455,48 @@ def _data(message) -> bytes:
     """A call's answer to the parent: torch.save's bytes, read back there with weights_only."""
     buffer = io.BytesIO()
     torch.save(message, buffer)
-    return ANSWERED + buffer.getvalue()
+    return buffer.getvalue()
+
+
+def _traffic() -> tuple | None:
+    """How many groups this rank has made, and the sequence number of each (torch counts every
+    collective and message of a group in it, barriers and monitored ones too); None where torch
+    cannot say."""
+    c10d = dist.distributed_c10d
+    try:
+        return c10d._world.group_count, tuple(g._get_sequence_number_for_group() for g in list(c10d._world.pg_map))
+    except Exception:  # noqa: BLE001 - a backend without sequence numbers: no call is taken for clean
+        return None
+
+
+def _end_descendants() -> None:
+    """Kill every process this worker started, and reap them: a kept world starts each call clean."""
 
 
 def _end_descendants(child: int = 0) -> None:
-    """Kill every process this worker started (``child``, a call's, and what it started), and reap them."""
+    """Kill every process this worker started (``child``, a call's, and what it started), and reap them;
+    under "namespaces", those that have ended (the others, killed, run no line more: a later _reap)."""
     namespace = sandbox.in_own_namespace()  # every other process of the namespace is a descendant
     if namespace:
         with contextlib.suppress(ProcessLookupError):
             os.kill(-1, signal.SIGKILL)  # all at once: none can fork past it
-    elif child:
-        kill([child])
+        _reap()
+        return
     if child:
+        kill([child])
         with contextlib.suppress(ChildProcessError):
             os.waitpid(child, 0)  # killed, it ends for certain; its children are this process's now (a subreaper)
     try:
-        others = not namespace and os.waitpid(-1, os.WNOHANG)[0] == 0
+        others = os.waitpid(-1, os.WNOHANG)[0] == 0
     except ChildProcessError:  # none: no need to look through every process of the machine
         return
     if others:
         kill(descendants([os.getpid()]))
+    _reap()
+
+
+def _reap() -> None:
+    """Reap the killed processes that have ended."""
     while True:
         try:
             if os.waitpid(-1, os.WNOHANG)[0] == 0:

@@ -16,16 +16,22 @@ list of their return values, indexed by rank. It never hangs and never leaves a 
 - Workers ignore Ctrl-C (the parent stops them and says where they were) and die with their
   parent (Linux; elsewhere they end when its pipe closes). Their output is line-buffered, so two
   ranks never share a line, and goes where the parent's goes at each call.
-- ``keep=True`` (the checks): a world whose every rank answered serves the next call with the same
-  settings, instead of new processes (a world costs about 0.1 s of start-up and warm-up). Its workers
-  never run a call: each call runs in a process forked for it from its rank's worker, which joins a
-  process group of the call's own, and ends, with all it started, once every rank has answered
-  (course/runtime/worker.py). No code under test ever runs in a worker, so a call finds nothing an
-  earlier one left: not a check's probe replaced, a patched torch, a thread, a timer, a signal
-  handler or a descriptor; and the code under test is read afresh. A call's child is forked and
-  joined before the call comes, while the parent judges the call before. A world is stopped when a
-  rank does not answer (it timed out, or waits for what never comes); kept worlds end with this
-  process (``stop_kept`` ends them sooner).
+- ``keep=True`` (the checks): a world whose call succeeded and left its workers as it found them
+  serves the next call with the same settings, instead of new processes (a world costs about
+  0.1 s of start-up and warm-up, a call on a kept one a few ms). Each call still gets the code
+  under test read afresh, and the random state, environment, working folder, threads, defaults,
+  signal handlers and mask the world's first call found, with no timer set. A call that fails
+  stops its world, unless every rank raised before it made a group or sent or started anything (a
+  stub's NotImplementedError: no rank waits for another); so does a call that times out, starts a
+  thread, replaces a function of torch, ends the process group, sets a signal handler from C or
+  keeps a descriptor that is not the world's own (its caller's output, a file). Kept workers end
+  with this process (``stop_kept`` ends them sooner).
+- ``fresh=True`` with ``keep`` (where a grade counts, for_credit()): the workers never run a call.
+  Each call runs in a process forked for it from its rank's worker, which imported torch, the
+  course and the checks and never code under test; it joins a process group of its own (forked and
+  joined before the call comes), and is killed with all it started once every rank has answered.
+  No call finds anything an earlier one left, whatever it did (a check's probe replaced, a patched
+  torch, a thread, a timer); a world is stopped only where a rank did not answer.
 
 What went wrong is diagnosed in course/runtime/failure.py; ``WorldFailed.failure`` carries it.
 """
@@ -68,7 +74,7 @@ from course.runtime.processes import (
     reap,
     send_streams,
 )
-from course.runtime.worker import ENDED, WorkerSettings, board_path, worker
+from course.runtime.worker import ANSWERED, ENDED, WorkerSettings, board_path, worker
 
 
 class WorldFailed(RuntimeError):
@@ -174,6 +180,7 @@ def run(
     keep: bool = False,
     sandbox: bool = False,
     reference: bool = False,
+    fresh: bool | None = None,
 ) -> list:
     """Run ``fn(*args)`` on every rank of a new world; return the results by rank.
 
@@ -183,7 +190,8 @@ def run(
     is named before the world is stopped) and COURSE_DEBUG (set: check collectives). ``device``
     is "cpu" or "cuda" (rank r on cuda:r); course.device.current_device() tells each rank its own.
     Results must be data: tensors, numbers, strings, None, and lists, tuples and dicts of those.
-    With ``keep``, a world kept by an earlier call with the same settings runs it (module docstring).
+    With ``keep``, a world kept by an earlier call with the same settings runs it (module docstring);
+    with ``fresh`` too (default: for_credit()), in a process of the call's own.
     With ``sandbox`` (the checks), the workers are confined before they run anything (course/runtime/sandbox.py);
     after sandbox_every_world() (the grader, the notebooks' checks process) every world is.
     With ``reference`` (what a judge compares with: torch's own DDP, ZeroRedundancyOptimizer, ...), the
@@ -215,8 +223,9 @@ def run(
     viewed = _every_world_sandboxed and confinement != "none" and not level.unseen
     view = submission_view() if viewed else None
     keep = keep and port is None and PASS_STREAMS
+    fresh = keep and hasattr(os, "fork") and (fresh if fresh is not None else for_credit())
     key = (world_size, threads, backend, device, collective_timeout, method, tuple(sorted(child_env.items())))
-    key += (confinement, view, reference, debug)
+    key += (confinement, view, reference, debug, fresh)
     world = _kept.take(key) if keep else None
     try:
         if world is not None:
@@ -231,13 +240,14 @@ def run(
             )
             # The comparison's exchanges are CPU tensors: gloo only (NCCL compares nothing, docs/design.md).
             compare = debug and backend == "gloo"
-            world = _World.start(method, dataclasses.replace(settings, view=view, reference=reference, compare=compare))
+            settings = dataclasses.replace(settings, view=view, reference=reference, compare=compare, fresh=fresh)
+            world = _World.start(method, settings)
             world.call(call)
         world.timeout = timeout
         try:
             return world.collect()
         finally:
-            if keep and world.reusable and world.ended_call():
+            if keep and world.reusable and (not fresh or world.ended_call()):
                 _kept.put(key, world)
                 world = None
     except KeyboardInterrupt:
@@ -247,6 +257,15 @@ def run(
     finally:
         if world is not None:
             world.stop()
+
+
+def for_credit() -> bool:
+    """Whether this grade counts (COURSE_FOR_CREDIT set: Gradescope's autograder, make autograde): then
+    every call of a kept world runs in a process of its own, forked from a worker that never ran code
+    under test (course/runtime/worker.py), so that no call can reach the next. It costs about 50 ms a
+    call on 2 cores (docs/design.md); a student's own grade, feedback they control anyway, shares its
+    worker's process between calls."""
+    return bool(os.environ.get("COURSE_FOR_CREDIT"))
 
 
 _every_world_sandboxed = False
@@ -440,11 +459,13 @@ class _World:
                 failure.ended_without_report(rank, self.procs[rank].exitcode, self._call_stack(rank), when=time.time())
             )
             return False
-        # The worker's own word (course/runtime/worker.py): its call's child answered, or ended without.
+        # The worker's own word (course/runtime/worker.py): the call answered, and the worker serves
+        # another call or ends; or the call's child ended without answering.
         kind, data = data[:1], data[1:]
         if kind == ENDED:
             self.ended.append(failure.ended_without_report(rank, int(data), self._call_stack(rank), when=time.time()))
             return True
+        kept = kind == ANSWERED
         try:
             status, payload = torch.load(io.BytesIO(data), weights_only=True)
             if status == "ok":
@@ -455,14 +476,14 @@ class _World:
                 f" {type(exc).__name__}: {failure.first_line(str(exc))}"
             )
             self.ended.append(failure.ended_without_report(rank, None, "", reason, when=time.time()))
-            return True
+            return kept
         if status != "ok":
             self.reports.append(payload)
         else:
             self.results[rank] = result
             _needed.update(imported & set(env.ON_DEMAND_MODULES))
             self.needed.update(imported & set(env.CALL_MODULES))
-        return True
+        return kept
 
     def _stack_size(self, rank: int) -> int:
         path = os.path.join(self.stack_dir, f"rank{rank}.stack")

