@@ -3,11 +3,7 @@ that follow with its settings, each call in a process forked for it from a worke
 under test (course/runtime/worker.py), so each call finds what a new world would give it, whatever the
 calls before it did or failed to do."""
 
-import _thread
-import ctypes
 import os
-import random
-import signal
 import sys
 import threading
 import time
@@ -17,26 +13,29 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course import impl
 from course.launch import WorldFailed, run
-from course.layout import ROOT
 from course.runtime import workers
-from tests import warm
+from tests.runtime.test_kept_worlds import (
+    LASTING_CHANGES,
+    ends_the_group,
+    leaves_traces,
+    mark_of,
+    no_kept_world,  # noqa: F401 - its autouse fixture: each test starts with no kept world
+    pid,
+    raises_after,
+    sets_a_timer_and_a_handler,
+    signals_and_timers,
+)
 from tests.runtime.test_launch import alive, builds_ddp, wait_for
 
 # --- worker functions: top level, so every start method can send them ---------------------
-
-
-def pid():
-    return os.getpid()
-
 
 PID_CODE = pid.__code__
 
 
 def forges_the_probe():
     """Issue 47: code under test replaces a check's probe, by name and in place, for the calls after it."""
-    module = sys.modules[__name__]
+    module = sys.modules[pid.__module__]
     module.pid = lambda: "forged"
     pid.__code__ = (lambda: "forged").__code__
     return os.getpid()
@@ -45,7 +44,7 @@ def forges_the_probe():
 def what_it_finds():
     """What a call finds of what an earlier call could have changed."""
     return {
-        "probe": pid.__code__ is PID_CODE and sys.modules[__name__].pid is pid,
+        "probe": pid.__code__ is PID_CODE and sys.modules[pid.__module__].pid is pid,
         "all_reduce": dist.all_reduce is dist.distributed_c10d.all_reduce,
         "python threads": threading.active_count(),
         "tasks": len(os.listdir("/proc/self/task")),
@@ -60,113 +59,6 @@ def what_it_finds():
         "grad": torch.is_grad_enabled(),
         "threads": torch.get_num_threads(),
     }
-
-
-def leaves_traces():
-    os.environ["COURSE_LEFT_BEHIND"] = "1"
-    os.chdir(os.path.dirname(os.getcwd()))
-    torch.manual_seed(dist.get_rank() + 7)
-    random.seed(5)
-    numpy.random.seed(5)
-    torch.set_default_dtype(torch.float64)
-    torch.set_grad_enabled(False)
-    torch.set_num_threads(torch.get_num_threads() + 1)
-    return os.getpid()
-
-
-def starts_a_thread():
-    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
-    return os.getpid()
-
-
-def starts_a_thread_threading_does_not_see():
-    _thread.start_new_thread(time.sleep, (60,))
-    return os.getpid()
-
-
-def keeps_its_callers_output():
-    os.dup(1)  # to write into long after its call (a notebook kernel's output)
-    return os.getpid()
-
-
-def ignores_a_signal_from_c():
-    ctypes.CDLL(None).signal(signal.SIGUSR2, 1)  # SIG_IGN, behind Python's back
-    return os.getpid()
-
-
-def sets_a_timer_from_c():
-    ctypes.CDLL(None).timer_create(0, None, ctypes.byref(ctypes.c_void_p()))  # CLOCK_REALTIME, SIGALRM when armed
-    return os.getpid()
-
-
-def sets_a_timer_and_a_handler():
-    signal.signal(signal.SIGALRM, lambda *args: print("a timer of an earlier call", flush=True))
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.setitimer(signal.ITIMER_REAL, 30)
-    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
-    return os.getpid()
-
-
-def signals_and_timers():
-    return {
-        "timer": signal.getitimer(signal.ITIMER_REAL),
-        "SIGALRM": str(signal.getsignal(signal.SIGALRM)),
-        "SIGTERM": str(signal.getsignal(signal.SIGTERM)),
-        "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
-        "pid": os.getpid(),
-    }
-
-
-def replaces_all_reduce():
-    dist.all_reduce = lambda *args, **kwargs: None
-    return os.getpid()
-
-
-def all_reduce_is_torchs():
-    return dist.all_reduce is dist.distributed_c10d.all_reduce
-
-
-def ends_the_group():
-    dist.destroy_process_group()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return os.getpid()
-
-
-def raises_after(what):
-    """Raise on every rank after what: each a trace that a peer may wait for, or that the next call would meet."""
-    rank = dist.get_rank()
-    if what == "all_reduce":
-        dist.all_reduce(torch.ones(1))
-    elif what == "new_group":
-        dist.new_group([0, 1])
-    elif what == "monitored_barrier":
-        dist.monitored_barrier()
-    elif what == "a message from rank 1" and rank == 1:
-        dist.isend(torch.ones(1), 0)
-    elif what == "SystemExit on rank 1" and rank == 1:
-        raise SystemExit(3)
-    elif what == "a thread":
-        starts_a_thread()
-    elif what == "traces":
-        leaves_traces()
-    raise NotImplementedError(f"after {what}")
-
-
-def prints(text):
-    print(f"rank {dist.get_rank()}: {text}", flush=True)
-    print(f"rank {dist.get_rank()} on stderr: {text}", file=sys.stderr, flush=True)
-
-
-def mark_of(folder):
-    return impl.load(folder).mlp.MARK
-
-
-def exited(pid):
-    """Every thread of the process has ended: its leader shows as a zombie while gloo's threads still run."""
-    try:
-        return not alive(pid) and os.listdir(f"/proc/{pid}/task") in ([], [str(pid)])
-    except OSError:
-        return True
 
 
 def waits_for_a_rank_that_raised():
@@ -194,13 +86,6 @@ def same(found, again):
 
 
 # --- tests ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(autouse=True)
-def no_kept_world():
-    workers.stop_kept()
-    yield
-    workers.stop_kept()
 
 
 def test_a_kept_world_runs_the_next_call_with_its_settings():
@@ -238,12 +123,7 @@ def test_each_call_reads_the_code_under_test_again(tmp_path):
     [
         forges_the_probe,
         leaves_traces,
-        starts_a_thread,
-        replaces_all_reduce,
-        starts_a_thread_threading_does_not_see,
-        keeps_its_callers_output,
-        ignores_a_signal_from_c,
-        sets_a_timer_from_c,
+        *LASTING_CHANGES,
         sets_a_timer_and_a_handler,
         ends_the_group,
     ],
@@ -326,47 +206,3 @@ def test_a_call_that_leaves_a_rank_running_ends_its_world():
     wait_for(lambda: not any(alive(p) for p in world), 30)
     run(pid, 2, **options)
     assert kept().isdisjoint(world)
-
-
-def test_a_kept_worker_killed_while_it_waits_is_replaced():
-    run(pid, 2, keep=True, fresh=True)
-    world = sorted(kept())
-    os.kill(world[1], signal.SIGKILL)
-    wait_for(lambda: exited(world[1]), 30)
-    run(pid, 2, keep=True, fresh=True)
-    assert kept().isdisjoint(world)
-    assert not any(alive(p) for p in world)
-
-
-def test_a_kept_worker_writes_where_its_caller_writes_now(capfd):
-    """As a notebook cell's output or a test's captured output: where it goes changes between calls."""
-    with capfd.disabled():
-        run(pid, 2, keep=True, fresh=True)
-    run(prints, 2, "first", keep=True, fresh=True)
-    first = capfd.readouterr()
-    run(prints, 2, "second", keep=True, fresh=True)
-    second = capfd.readouterr()
-    assert sorted(first.out.splitlines()) == ["rank 0: first", "rank 1: first"]
-    assert sorted(second.out.splitlines()) == ["rank 0: second", "rank 1: second"]
-    assert sorted(second.err.splitlines()) == ["rank 0 on stderr: second", "rank 1 on stderr: second"]
-
-
-def test_stop_kept_ends_the_workers():
-    run(pid, 2, keep=True, fresh=True)
-    world = kept()
-    workers.stop_kept()
-    assert workers.kept_workers() == []
-    assert not any(alive(p) for p in world)
-
-
-def test_kept_workers_end_with_the_process_that_kept_them(tmp_path):
-    script = tmp_path / "keeps.py"
-    script.write_text(
-        "from course.launch import run\nfrom course.runtime import workers\n"
-        "from tests.runtime.test_fresh_calls import pid\nrun(pid, 2, keep=True, fresh=True)\nprint(*workers.kept_workers())\n"
-    )
-    done = warm.run([str(script)], cwd=ROOT, env=os.environ | {"PYTHONPATH": ROOT})
-    assert done.returncode == 0, done.stderr
-    pids = [int(p) for p in done.stdout.split()]
-    assert len(pids) == 2
-    wait_for(lambda: not any(alive(p) for p in pids), 30)

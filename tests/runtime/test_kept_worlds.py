@@ -216,17 +216,18 @@ def test_each_call_reads_the_code_under_test_again(tmp_path):
     assert run(mark_of, 2, str(tmp_path), keep=True) == [2, 2]
 
 
-@pytest.mark.parametrize(
-    "changes",
-    [
-        starts_a_thread,
-        replaces_all_reduce,
-        starts_a_thread_threading_does_not_see,
-        keeps_its_callers_output,
-        ignores_a_signal_from_c,
-        sets_a_timer_from_c,
-    ],
-)
+# What a call may leave that its worker cannot undo (a shared call's world is stopped for it).
+LASTING_CHANGES = [
+    starts_a_thread,
+    replaces_all_reduce,
+    starts_a_thread_threading_does_not_see,
+    keeps_its_callers_output,
+    ignores_a_signal_from_c,
+    sets_a_timer_from_c,
+]
+
+
+@pytest.mark.parametrize("changes", LASTING_CHANGES)
 def test_a_call_that_leaves_what_cannot_be_undone_ends_its_world(changes):
     pids = run(changes, 2, keep=True)
     assert workers.kept_workers() == []
@@ -285,39 +286,50 @@ def test_a_call_whose_every_rank_raised_before_sending_anything_keeps_its_world(
     assert run(all_reduce_is_torchs, 2, keep=True) == [True, True]
 
 
-def test_a_kept_worker_killed_while_it_waits_is_replaced():
-    pids = run(pid, 2, keep=True)
-    os.kill(pids[1], signal.SIGKILL)
-    wait_for(lambda: exited(pids[1]), 30)
-    fresh = run(pid, 2, keep=True)
-    assert set(fresh).isdisjoint(pids)
-    assert not any(alive(p) for p in pids)
+MODES = pytest.mark.parametrize("fresh", [False, True], ids=["shared", "fresh"])
 
 
-def test_a_kept_worker_writes_where_its_caller_writes_now(capfd):
+@MODES
+def test_a_kept_worker_killed_while_it_waits_is_replaced(fresh):
+    run(pid, 2, keep=True, fresh=fresh)
+    world = sorted(workers.kept_workers())
+    os.kill(world[1], signal.SIGKILL)
+    wait_for(lambda: exited(world[1]), 30)
+    run(pid, 2, keep=True, fresh=fresh)
+    assert set(workers.kept_workers()).isdisjoint(world)
+    assert not any(alive(p) for p in world)
+
+
+@MODES
+def test_a_kept_worker_writes_where_its_caller_writes_now(capfd, fresh):
     """As a notebook cell's output or a test's captured output: where it goes changes between calls."""
     with capfd.disabled():
-        run(pid, 2, keep=True)
-    run(prints, 2, "first", keep=True)
+        run(pid, 2, keep=True, fresh=fresh)
+    run(prints, 2, "first", keep=True, fresh=fresh)
     first = capfd.readouterr()
-    run(prints, 2, "second", keep=True)
+    run(prints, 2, "second", keep=True, fresh=fresh)
     second = capfd.readouterr()
     assert sorted(first.out.splitlines()) == ["rank 0: first", "rank 1: first"]
     assert sorted(second.out.splitlines()) == ["rank 0: second", "rank 1: second"]
     assert sorted(second.err.splitlines()) == ["rank 0 on stderr: second", "rank 1 on stderr: second"]
 
 
-def test_stop_kept_ends_the_workers():
-    pids = run(pid, 2, keep=True)
+@MODES
+def test_stop_kept_ends_the_workers(fresh):
+    run(pid, 2, keep=True, fresh=fresh)
+    world = workers.kept_workers()
     workers.stop_kept()
     assert workers.kept_workers() == []
-    assert not any(alive(p) for p in pids)
+    assert not any(alive(p) for p in world)
 
 
-def test_kept_workers_end_with_the_process_that_kept_them(tmp_path):
+@MODES
+def test_kept_workers_end_with_the_process_that_kept_them(tmp_path, fresh):
     script = tmp_path / "keeps.py"
     script.write_text(
-        "from course.launch import run\nfrom tests.runtime.test_kept_worlds import pid\nprint(*run(pid, 2, keep=True))\n"
+        "from course.launch import run\nfrom course.runtime import workers\n"
+        f"from tests.runtime.test_kept_worlds import pid\nrun(pid, 2, keep=True, fresh={fresh})\n"
+        "print(*workers.kept_workers())\n"
     )
     done = warm.run([str(script)], cwd=ROOT, env=os.environ | {"PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr
