@@ -61,6 +61,7 @@ LINUX = sys.platform.startswith("linux")
 
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 1, 4, 24, 36, 38
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+_CLONE_NEWIPC = 0x08000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
 _MS_REC, _MS_PRIVATE = 16384, 1 << 18
 # A mount's flags that a user namespace may not clear (the kernel locks them): kept when remounting.
@@ -397,8 +398,9 @@ def _kill_every_process_of(uid: int) -> None:
 
 @ctrl_c_held()
 def _start_holder(user: bool) -> int:
-    """A child that owns a new network namespace (its loopback up), and with ``user`` a new user
-    namespace, until it is killed. Without ``user`` (root, the uid level) the network namespace
+    """A child that owns a new network namespace (its loopback up) and IPC namespace (System V
+    shared memory, semaphores and message queues: none outlives the world, none is another's), and
+    with ``user`` a new user namespace, until it is killed. Without ``user`` (root, the uid level) the network namespace
     is root's to make: the world's workers join it before they take their uid.
 
     Once they are made it becomes `sleep`: it keeps no copy of the grader's memory, and, unlike
@@ -418,7 +420,7 @@ def _start_holder(user: bool) -> int:
             # The grader is not dumpable (protect()), and the /proc files of a process that is not
             # are root's: this one could not write its own uid_map. It becomes `sleep` below.
             prctl(_PR_SET_DUMPABLE, 1)
-            _call("unshare", (_CLONE_NEWUSER if user else 0) | _CLONE_NEWNET)
+            _call("unshare", (_CLONE_NEWUSER if user else 0) | _CLONE_NEWNET | _CLONE_NEWIPC)
             if user:
                 _map_ids(uid, gid)
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -617,8 +619,8 @@ def _mount_points() -> list:
 
 
 def _join(holder: int, kinds: tuple) -> None:
-    """Enter the namespaces of the world's holder: ("user", "net") under namespaces, ("net",) under uid."""
-    flags = {"user": _CLONE_NEWUSER, "net": _CLONE_NEWNET}
+    """Enter the namespaces of the world's holder: ("user", "net", "ipc") under namespaces, ("net", "ipc") under uid."""
+    flags = {"user": _CLONE_NEWUSER, "net": _CLONE_NEWNET, "ipc": _CLONE_NEWIPC}
     for kind in kinds:
         fd = os.open(f"/proc/{holder}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -665,7 +667,7 @@ def _read_only_but(folder: str, entries: tuple | None) -> None:
 def _enter_uid(uid: int, holder: int, folder: str, entries: tuple | None) -> None:
     """As root: the world's network; with entries, a mount namespace of its own and that view;
     then the world's uid, with no capability left."""
-    _join(holder, ("net",))
+    _join(holder, ("net", "ipc"))
     if entries is not None:
         _call("unshare", _CLONE_NEWNS)
         _read_only_but(folder, entries)
@@ -673,7 +675,7 @@ def _enter_uid(uid: int, holder: int, folder: str, entries: tuple | None) -> Non
 
 
 def _enter_namespaces(holder: int, folder: str, entries: tuple | None, fork: bool) -> None:
-    _join(holder, ("user", "net"))  # the world's, shared by its ranks
+    _join(holder, ("user", "net", "ipc"))  # the world's, shared by its ranks
     _call("unshare", _CLONE_NEWNS | _CLONE_NEWPID)
     _read_only_but(folder, entries)
     if not fork:

@@ -18,6 +18,7 @@ Two kinds of cheat:
   what the system let it do, which a failure shows.
 """
 
+import ctypes
 import functools
 import json
 import os
@@ -1096,6 +1097,44 @@ def test_reaching_another_worlds_listener_succeeds_without_a_network_of_its_own(
     finally:
         listener.close()
     assert "connect to another world's listener: done" in said, said
+
+
+# Issue 47: a System V shared memory segment made in a worker (1 MiB, a key of the test's own): in the
+# machine's IPC namespace it outlived the grade, and a later student's world could attach it (a channel
+# between students, and memory never given back). Each world has an IPC namespace of its own now.
+MAKE_A_SEGMENT = """
+import ctypes as _ctypes, sys as _sys
+_made = _ctypes.CDLL(None, use_errno=True).shmget(SEGMENT_KEY, 1 << 20, 0o1000 | 0o666)  # IPC_CREAT
+print(f"CHEAT make a System V segment: {'done' if _made >= 0 else 'refused'}", file=_sys.stderr, flush=True)
+"""
+
+
+def _segment(key):
+    """Whether the machine's IPC namespace (this process's) holds a segment of that key; removed if so."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    found = libc.shmget(key, 0, 0)
+    if found >= 0:
+        libc.shmctl(found, 0, None)  # IPC_RMID
+    return found >= 0
+
+
+@pytest.mark.parametrize("attacked", ATTACKERS, indirect=True)
+def test_a_system_v_segment_does_not_outlive_its_world(attacked):
+    base, who = attacked
+    key = random.randrange(1 << 20, 1 << 30)
+    done, path, said = _grade_in_repository(base, who, {"dist.py": f"SEGMENT_KEY = {key}\n" + MAKE_A_SEGMENT})
+    assert "make a System V segment: done" in said, said  # in the world's own namespace
+    assert not _segment(key), f"a worker's segment outlived its world in the machine's namespace:\n{said}"
+    assert_no_points(done, path, "par_matmul_by_row is not written yet")
+
+
+def test_a_system_v_segment_outlives_its_world_without_a_sandbox(tmp_path):
+    """The control: with COURSE_SANDBOX=off the segment is the machine's, after the grade."""
+    os.chmod(tmp_path, 0o755)
+    key = random.randrange(1 << 20, 1 << 30)
+    cheat = {"dist.py": f"SEGMENT_KEY = {key}\n" + MAKE_A_SEGMENT}
+    done, _, said = _grade_in_repository(tmp_path, (sys.executable, None, "off", ""), cheat)
+    assert _segment(key), said
 
 
 def _autograde_class(base, who, listener):
