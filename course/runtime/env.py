@@ -224,6 +224,22 @@ def threads_per_worker(world_size: int, cores: int, environ: Mapping[str, str] =
     return max(1, cores // max(1, world_size))
 
 
+# What a sandboxed worker keeps of its grader's environment (course/runtime/worker.py): the course's
+# settings, Python's, torch's and its libraries', the locale and the search path. Nothing else: a
+# grading job's secrets (a token, a cloud key) are not the submission's to read or print.
+_FOR_WORKERS = ("COURSE_", "PYTHON", "TORCH", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GLOO_", "NCCL_", "CUDA_")
+_FOR_WORKERS_EXACTLY = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "USE_LIBUV", "PYTEST_XDIST_WORKER")
+
+
+def for_workers(environ: Mapping[str, str]) -> dict[str, str]:
+    """The part of environ that a sandboxed world's workers get."""
+    return {
+        name: value
+        for name, value in environ.items()
+        if name.startswith(_FOR_WORKERS) or name.startswith("LC_") or name in _FOR_WORKERS_EXACTLY
+    }
+
+
 def loopback_settings(platform: str, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """Environment variables a single-machine world needs on this platform.
 

@@ -201,6 +201,9 @@ def worker(rank: int, settings: WorkerSettings, conn) -> None:
     # Before any code under test: under "namespaces" this process forks, and only the child returns.
     sandbox.confine(settings.sandbox, settings.guard, settings.stack_dir, settings.view)
     if settings.sandbox != "none":
+        kept = env.for_workers(os.environ)  # an environment built for the world, not the grader's
+        os.environ.clear()
+        os.environ.update(kept)
         tempfile.tempdir = None  # TMPDIR is the world's folder now (settings.env): read it again
         sandbox.protect()  # the calls it forks run as its user: none may trace it or read its memory
     faulthandler.enable(file=stack_file)  # a crash (segfault, abort) leaves its stack too

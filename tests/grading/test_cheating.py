@@ -1137,6 +1137,33 @@ def test_a_system_v_segment_outlives_its_world_without_a_sandbox(tmp_path):
     assert _segment(key), said
 
 
+# Issue 47: a grading job's secret in the grader's environment, read by a worker (and printable into its
+# feedback). Sandboxed workers get an environment built for them.
+READ_THE_GRADERS_ENVIRONMENT = """
+import os as _os, sys as _sys
+_found = _os.environ.get("GRADING_JOB_TOKEN")
+print(f"CHEAT read the grader's environment: {'done' if _found else 'refused'}", file=_sys.stderr, flush=True)
+"""
+
+
+@pytest.mark.parametrize("attacked", ATTACKERS, indirect=True)
+def test_a_worker_does_not_see_the_graders_environment(attacked, monkeypatch):
+    base, who = attacked
+    monkeypatch.setenv("GRADING_JOB_TOKEN", "a secret")
+    done, path, said = _grade_in_repository(base, who, {"dist.py": READ_THE_GRADERS_ENVIRONMENT})
+    assert "read the grader's environment: refused" in said and "done" not in said, said
+    assert_no_points(done, path, "par_matmul_by_row is not written yet")
+
+
+def test_a_worker_sees_the_graders_environment_without_a_sandbox(tmp_path, monkeypatch):
+    """The control: with COURSE_SANDBOX=off the worker reads it."""
+    os.chmod(tmp_path, 0o755)
+    monkeypatch.setenv("GRADING_JOB_TOKEN", "a secret")
+    cheat = {"dist.py": READ_THE_GRADERS_ENVIRONMENT}
+    _, _, said = _grade_in_repository(tmp_path, (sys.executable, None, "off", ""), cheat)
+    assert "read the grader's environment: done" in said, said
+
+
 def _autograde_class(base, who, listener):
     """`make autograde` of exercise 2, as who says, in the instructors' repository (a grader's copy
     with solutions/), on a class: alice, correct, and one student per cheat; the grading folder."""
