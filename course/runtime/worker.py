@@ -1,9 +1,10 @@
 """One rank of a world: what a worker process does from its start to its end (course/runtime/workers.py
-starts them). It confines itself and then serves calls, never running one itself where its world is
-kept: each call runs in a child forked for it, which joins a process group of its own, runs the call,
-answers with data and is gone, with all it started, before the next call is read. No code under test
-ever ran in the process a call is forked from (its template), so no call finds what an earlier one
-left: a check's probe replaced, torch patched, a thread, a timer, a signal handler, a descriptor."""
+starts them). It confines itself, then serves the calls it is sent, answering each with data. It runs
+a call itself and keeps its process for the next only where the call left it as it found it
+(Baseline); or, where a grade counts (fresh), it never runs one: each call runs in a child forked for
+it, which joins a process group of its own and is gone, with all it started, before the next call.
+No code under test ever ran in the process a fresh call is forked from, so no call finds what an
+earlier one left: a check's probe replaced, torch patched, a thread, a timer, a descriptor."""
 
 from __future__ import annotations
 
@@ -232,7 +233,7 @@ def worker(rank: int, settings: WorkerSettings, conn) -> None:
         if not settings.fresh:
             answer, kept = calls.shared(call, number)
             conn.send_bytes(answer)
-            calls.ended(kept)
+            calls.ended()
             _end_descendants()
             sys.stdout.flush()
             sys.stderr.flush()
@@ -302,6 +303,7 @@ class _Calls:
     child: int = 0  # the pid of the child that runs, or will run, the next call
     link: Any = None  # the pipe to it
     baseline: Any = None  # what the first shared call found
+    tear_down: bool = False  # the last shared call returned, and its world is not kept
 
     def shared(self, call: bytes, number: int) -> tuple:
         """Run the call here; its answer, and whether this process can serve another call: it returned,
@@ -318,14 +320,15 @@ class _Calls:
         answer, raised = self._run(call)
         clean = raised is None or (isinstance(raised, Exception) and before is not None and _traffic() == before)
         kept = self.settings.keep and clean and self.baseline.restored()
+        self.tear_down = raised is None and not kept
         return (ANSWERED if kept else DROPPED) + answer, kept
 
-    def ended(self, kept: bool) -> None:
-        """After a shared call's answer: a process group that no later call uses is torn down (gloo takes
-        about 20 ms: after the answer, so that no one waits for it)."""
-        if not kept and dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+    def ended(self) -> None:
+        """After a shared call's answer: the process group of a call that returned, which no later call
+        uses, is torn down (gloo takes about 20 ms: after the answer, so that no one waits for it). One
+        whose call failed is not: a rank may still wait in it for a peer."""
+        if self.tear_down:
+            dist.destroy_process_group()
 
     def prepare(self, number: int) -> None:
         """Fork the child of call ``number``: it joins a process group of its own, then waits for the call."""

@@ -295,7 +295,7 @@ def submission_view() -> tuple:
 
 
 _POLL = 0.25  # seconds between looks at whether a worker's process has ended
-_GRACE = 1.0
+_GRACE = 1.0  # own time, so that a loaded machine does not cost a world whose every rank answers
 # At most this long for the workers to end a call's processes: a worker that a call stopped (SIGSTOP,
 # under "uid" its user's to send) must not hold the grader; its world is stopped instead.
 _ENDING = 30.0
@@ -379,10 +379,7 @@ class _World:
         rank_of = {id(c): r for r, c in enumerate(self.conns)}
         self.pending = set(range(self.world_size))
         self.clock = OwnTime([proc.pid for proc in self.procs])  # the limits are of the world's own time
-        # After a first failure, peers get a moment of the world's own time to report theirs (a peer
-        # that waited for the failed rank fails at once, its process gone): a world whose every rank
-        # answered is kept.
-        grace_end = None
+        grace_end = None  # after a first failure, peers get _GRACE of the world's own time to report theirs
         kept = []
         self.still = (None, 0.0)  # the boards as last read while every rank waited, and since when
         while self.pending:
@@ -402,7 +399,7 @@ class _World:
             stuck = self._deadlock(now) if grace_end is None else None
             if stuck is not None:
                 raise WorldFailed(stuck)
-        # Every rank answered: each worker serves the next call, in a process forked for it.
+        # Every rank answered, and each worker can serve another call (course/runtime/worker.py's ANSWERED).
         self.reusable = not self.pending and all(kept)
         if self.reports or self.ended:
             self.ended += self._where_running()  # a rank that never reported: where it is
