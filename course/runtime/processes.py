@@ -138,12 +138,13 @@ def private_descriptors(keep: set) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False, encoding="utf-8", errors="backslashreplace")
 
 
-def send(conn, message) -> None:
+def as_data(message) -> bytes:
+    """A message from a worker to its parent: torch.save's bytes, read back there with weights_only."""
     import torch
 
     buffer = io.BytesIO()
     torch.save(message, buffer)
-    conn.send_bytes(buffer.getvalue())
+    return buffer.getvalue()
 
 
 def send_streams(conn, pid: int) -> None:

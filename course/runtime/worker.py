@@ -13,7 +13,6 @@ import collections
 import contextlib
 import faulthandler
 import importlib
-import io
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -38,7 +37,15 @@ from course.device import bound_device
 from course.device import select as select_device
 from course.runtime import compat, env, failure, sandbox
 from course.runtime.instrument import Agreement, Board, Loops, PointToPoint, Waits
-from course.runtime.processes import descendants, drop_streams, kill, private_descriptors, send_streams, take_streams
+from course.runtime.processes import (
+    as_data,
+    descendants,
+    drop_streams,
+    kill,
+    private_descriptors,
+    send_streams,
+    take_streams,
+)
 
 
 @dataclass(frozen=True)
@@ -251,7 +258,7 @@ def worker(rank: int, settings: WorkerSettings, conn) -> None:
         with contextlib.suppress(OSError):  # the call's rendezvous, which no later call reads
             os.unlink(f"{settings.store_path}.{number}")
         drop_streams()
-        conn.send_bytes(ENDED)  # nothing of the call runs any more
+        conn.send_bytes(GONE)
         # What the next call's child should find imported: the probe's module (the call, unpickled
         # here, where no code under test runs), and what the world's calls have needed.
         with contextlib.suppress(Exception):
@@ -285,6 +292,7 @@ def _warm_up(threads: int) -> None:
 # What a call's answer to the parent starts with: data follows, and the worker serves another call
 # (ANSWERED) or ends (DROPPED); or the call's process ended without answering, its exit status follows.
 ANSWERED, DROPPED, ENDED = b"A", b"D", b"E"
+GONE = b"G"  # a fresh call's end, told the parent: nothing of the call runs any more
 
 
 @dataclass
@@ -437,12 +445,12 @@ class _Calls:
             never_waited = self.messages.never_waited()
             if never_waited:
                 unwaited = failure.unwaited_report(self.rank, time.time(), never_waited)
-                return _data(("error", unwaited)), RuntimeError("messages never waited for")
+                return as_data(("error", unwaited)), RuntimeError("messages never waited for")
             # A rank that skipped a collective arrives here while its peers wait inside that
             # collective: the barrier turns the silent hang into a reported mismatch.
             dist.barrier()
             imported = [m for m in env.CALL_MODULES if m in sys.modules]
-            return _data(("ok", {"result": result, "imported": imported})), None
+            return as_data(("ok", {"result": result, "imported": imported})), None
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
             return self._failed(exc), exc
         finally:
@@ -454,14 +462,7 @@ class _Calls:
         report = failure.rank_report(
             self.rank, exc, time.time(), messages.waiting, self.waits.broken, messages.dropped()
         )
-        return _data(("error", report))
-
-
-def _data(message) -> bytes:
-    """A call's answer to the parent: torch.save's bytes, read back there with weights_only."""
-    buffer = io.BytesIO()
-    torch.save(message, buffer)
-    return buffer.getvalue()
+        return as_data(("error", report))
 
 
 def _traffic() -> tuple | None:

@@ -74,7 +74,7 @@ from course.runtime.processes import (
     reap,
     send_streams,
 )
-from course.runtime.worker import ANSWERED, ENDED, WorkerSettings, board_path, worker
+from course.runtime.worker import ANSWERED, ENDED, GONE, WorkerSettings, board_path, worker
 
 
 class WorldFailed(RuntimeError):
@@ -417,7 +417,7 @@ class _World:
             waiting, end = list(self.conns), time.monotonic() + _ENDING
             while waiting and time.monotonic() < end:
                 for conn in wait(waiting, timeout=end - time.monotonic()):
-                    if conn.recv_bytes() != ENDED:
+                    if conn.recv_bytes() != GONE:
                         return False
                     waiting.remove(conn)
             return not waiting  # a worker stopped (by the call, under "uid"): the world is stopped

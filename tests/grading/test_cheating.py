@@ -673,16 +673,16 @@ def test_taking_the_notebook_kernels_socket_gains_nothing(attacked):
 REWRITE_REPLIES = """
 import course.runtime.worker as _worker
 
-_real_data = _worker._data
+_real_data = _worker.as_data
 
 
-def _data(message):
+def _as_data(message):
     if message[0] == "error":
         message = ("ok", {"result": [], "imported": []})  # a reply as a call sends one
     return _real_data(message)
 
 
-_worker._data = _data
+_worker.as_data = _as_data
 """
 
 # A hang made up by the worker: rank 0 raises what a rank stopped in a collective of data.py would, rank 1 returns
