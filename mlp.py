@@ -102,7 +102,7 @@ def wrap_ddp(model: nn.Module) -> DDP:
 
 
 def check_parameter_closeness(model: nn.Module) -> bool:
-    """True on every rank when every rank holds the same parameters (torch.allclose).
+    """True on every rank when every rank holds the same parameters (torch.allclose), of any dtype.
 
     Rank 0 collects the parameters of all ranks with dist.gather, compares them, and sends its
     verdict to the others with dist.broadcast. With no process group there is nothing to compare.

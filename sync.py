@@ -33,9 +33,10 @@ from mlp import MLP, ModelConfig, config_from, evaluate, gen_dataset, make_parse
 def global_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(count, mean, var) of the rows x (N, C) of all ranks together, per feature.
 
-    count is the number of rows of all ranks (they may hold different numbers of rows), mean their
-    mean and var their biased variance (divided by count). The backward pass must carry the
-    gradient back through the communication to every rank whose rows made the statistics.
+    count is the number of rows of all ranks (they may hold different numbers of rows, none on
+    some), mean their mean and var their biased variance (divided by count). The backward pass
+    must carry the gradient back through the communication to every rank whose rows made the
+    statistics.
     """
     # TODO(exercise 9): count, sum and sum of squares of every rank's rows, summed over the ranks by
     # an all-reduce that autograd can pass gradients through; then the moments.

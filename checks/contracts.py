@@ -22,7 +22,7 @@ The kinds of promise:
 - in_place: what it must change in the tensors it was given, not in new ones: checked by identity
   (the same tensor objects, at the same storage) after the call.
 - dtypes: the input dtypes it must handle and keep: float32, float64 and bfloat16 where a dtype is
-  promised ("the dtype", "bytes of gradients").
+  promised ("the dtype", "bytes of gradients"); for a comparison, equal parameters of each dtype.
 - group: it must use the group it is given: tried on a group of its own (dist.new_group), and every
   collective it starts must go there, not to the default group.
 
@@ -82,6 +82,7 @@ CONTRACTS = (
         world_sizes=(1, 3),
         within_tolerance=True,
         frozen=True,
+        dtypes=DTYPES,
     ),
     Contract(4, "mydp.MyDP.__init__", "_mydp_start", syncs=True),
     Contract(6, "mydp.bucket_parameters", "_buckets", dtypes=DTYPES[1:]),
@@ -109,7 +110,7 @@ def of_exercise(exercise: int) -> list:
 def cases(contract: Contract, world_size: int) -> list:
     """The cases of a contract in a world of world_size, as dicts of plain data: each names what it
     tries ("plain", "within tolerance", "smallest micro_batches", "float64 inputs") and what the judge expects of it."""
-    if contract.dtypes:
+    if contract.dtypes and contract.returns != "bool":  # a function that makes tensors: one case per dtype
         return [{"case": f"{dtype} inputs", "dtype": dtype} for dtype in contract.dtypes]
     found = [{"case": "plain"}]
     if contract.within_tolerance and world_size > 1:
@@ -118,6 +119,8 @@ def cases(contract: Contract, world_size: int) -> list:
         found.append({"case": "a frozen parameter differs", "expected": False})
     for argument, value in contract.smallest.items():
         found.append({"case": f"smallest {argument}", argument: value})
+    if world_size > 1:  # a comparison: parameters of every other dtype, equal on every rank
+        found += [{"case": f"equal {d} parameters", "dtype": d, "expected": True} for d in contract.dtypes[1:]]
     return found
 
 
@@ -172,7 +175,7 @@ def _evaluate(ex, case):
 
 def _closeness(ex, case):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2)).to(getattr(torch, case.get("dtype", "float32")))
     last = dist.get_rank() == dist.get_world_size() - 1
     if case["case"] == "within tolerance" and last:
         with torch.no_grad():  # far inside allclose's rtol of 1e-5, yet not equal in float32
@@ -345,6 +348,12 @@ def broken(contract: Contract, case: dict, got: dict, rank: int, world_size: int
             f" (requires_grad=False) alone; it must return {case['expected']!r}: every parameter counts, frozen"
             f" ones too{where}",
         )
+    if "dtype" in case and "expected" in case and got["result"]["value"] != case["expected"]:
+        return said(
+            f"{name} wrong on parameters of another dtype than float32",
+            f"{name} returned {got['result']['value']!r} for {case['dtype']} parameters that are equal on every rank;"
+            f" it must return {case['expected']!r}: what it gathers and compares keeps the parameters' dtype{where}",
+        )
     if "expected" in case and got["result"]["value"] != case["expected"]:
         return said(
             f"{name} compares exactly where torch.allclose is asked",
@@ -357,7 +366,7 @@ def broken(contract: Contract, case: dict, got: dict, rank: int, world_size: int
             f"{name} returns no product",
             f"{name} returned {_a(kind)} where the product is due{where}",
         )
-    if contract.dtypes and got.get("dtype") not in (None, case["dtype"]):
+    if contract.dtypes and got.get("dtype") not in (None, case.get("dtype")):
         return said(
             f"{name} does not keep its inputs' dtype",
             f"{name} returned a {got['dtype']} tensor for {case['dtype']} inputs; it must keep the inputs' dtype,"

@@ -106,5 +106,5 @@ def test_rank0_prints(impl_dir):
 
 @pytest.mark.points(2)
 def test_contracts(impl_dir):
-    """Every promise declared for the exercise's functions in checks/contracts.py: check_parameter_closeness returns a bool, compares within torch.allclose's tolerance, and answers in a world of one."""
+    """Every promise declared for the exercise's functions in checks/contracts.py: check_parameter_closeness returns a bool, compares within torch.allclose's tolerance, parameters of any dtype too, and answers in a world of one."""
     check_contracts(impl_dir, 3)

@@ -204,46 +204,92 @@ def check_steps(folder, world_size, kind, steps=3):
 
 
 class TwoDtypes(nn.Module):
-    def __init__(self):
+    """A float32 weight and bias and a float64 parameter, in the order ``wide_first`` says (a module's own
+    parameters come in the order they were set). The float64 gradient carries a third, which float32 cannot
+    hold: averaged in float32, it is off by far more than float64's precision."""
+
+    def __init__(self, wide_first):
         super().__init__()
-        self.single = nn.Linear(3, 2)
-        self.wide = nn.Parameter(torch.ones(2, dtype=torch.float64))
+        if wide_first:
+            self.wide = nn.Parameter(torch.ones(2, dtype=torch.float64))
+        self.weight = nn.Parameter(torch.randn(2, 3))
+        self.bias = nn.Parameter(torch.randn(2))
+        if not wide_first:
+            self.wide = nn.Parameter(torch.ones(2, dtype=torch.float64))
 
     def forward(self, x):
-        return (self.single(x).double() * self.wide).sum()
+        return ((x @ self.weight.T + self.bias).double() * self.wide).sum() + self.wide.sum() / 3
 
 
 def mixed_dtypes(folder):
-    """Probe: gradients of two dtypes; each rank's gradients before and after synchronize()."""
+    """Probe: gradients of two dtypes, float32's first and then float64's first; for each order, each rank's
+    gradients before and after synchronize() and the collectives it started."""
     hvd = load(folder).hvd
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = TwoDtypes()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    model(torch.full((4, 3), float(rank + 1))).backward()
-    before = {n: p.grad.clone() for n, p in model.named_parameters()}
-    with CommLog() as log:
-        optimizer.synchronize()
-    after = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return {"before": before, "after": after, "collectives": log.summary()["collectives"]}
+    found = []
+    for wide_first in (False, True):
+        torch.manual_seed(0)
+        model = TwoDtypes(wide_first)
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        model(torch.full((4, 3), float(rank + 1))).backward()
+        before = {n: p.grad.clone() for n, p in model.named_parameters()}
+        with CommLog() as log:
+            optimizer.synchronize()
+        after = {n: p.grad.clone() for n, p in model.named_parameters()}
+        summary = log.summary()
+        found.append(
+            {
+                "before": before,
+                "after": after,
+                "collectives": summary["collectives"],
+                "dtypes": summary["collective_dtypes"],
+            }
+        )
+    return found
 
 
 def check_mixed_dtypes(folder, world_size=2):
-    """Gradients of two dtypes are averaged by one all-reduce per dtype, each keeping its dtype."""
-    grads = keyed(torch.Tensor, ["single.weight", "single.bias", "wide"])
-    got = world(mixed_dtypes, world_size, folder, expect={"before": grads, "after": grads, "collectives": many(str)})
-    for rank, result in enumerate(got):
-        assert result["collectives"] == ["allreduce", "allreduce"], said(
-            "not one all-reduce per dtype",
-            f"with float32 and float64 gradients, rank {rank} started {result['collectives']}:"
-            " one all-reduce per dtype, each of one flat buffer",
-        )
-        for name, grad in result["after"].items():
-            mean = sum(r["before"][name] for r in got) / world_size
-            assert grad.dtype == mean.dtype, said(
-                "a gradient's dtype changed", f"synchronize() changed the dtype of {name}'s gradient to {grad.dtype}"
+    """Gradients of two dtypes are averaged by one all-reduce per dtype, each in its dtype, in the order the dtypes'
+    first gradients come."""
+    grads = keyed(torch.Tensor, ["weight", "bias", "wide"])
+    one = {"before": grads, "after": grads, "collectives": many(str), "dtypes": many(str)}
+    got = world(mixed_dtypes, world_size, folder, expect=many(one, 2))
+    for order, first in enumerate(("float32", "float64")):
+        results = [r[order] for r in got]
+        for rank, result in enumerate(results):
+            assert result["collectives"] == ["allreduce", "allreduce"], said(
+                "not one all-reduce per dtype",
+                f"with float32 and float64 gradients, rank {rank} started {result['collectives']}:"
+                " one all-reduce per dtype, each of one flat buffer",
             )
-            assert torch.allclose(grad, mean), describe_ratio(name, grad, mean, rank, "with gradients of two dtypes, ")
+            assert sorted(result["dtypes"]) == ["float32", "float64"], said(
+                "a gradient's buffer in another dtype",
+                f"for float32 and float64 gradients, rank {rank} all-reduced buffers of {' and '.join(result['dtypes'])}:"
+                " each dtype's buffer, and its all-reduce, stays in that dtype (float64 averaged in float32 loses its"
+                " precision)",
+            )
+            expected = [first, "float64" if first == "float32" else "float32"]
+            assert result["dtypes"] == expected, said(
+                "the dtypes not in the order of their first gradients",
+                f"with the {first} gradients first, rank {rank} all-reduced {' then '.join(result['dtypes'])} buffers:"
+                f" the dtypes go in the order their first gradients come ({' then '.join(expected)}), so that ranks"
+                " started apart (torchrun, spawn) start the same all-reduces in the same order",
+            )
+            for name, grad in result["after"].items():
+                mean = sum(r["before"][name] for r in results) / world_size
+                assert grad.dtype == mean.dtype, said(
+                    "a gradient's dtype changed",
+                    f"synchronize() changed the dtype of {name}'s gradient to {grad.dtype}",
+                )
+                assert torch.allclose(grad, mean), describe_ratio(
+                    name, grad, mean, rank, "with gradients of two dtypes, "
+                )
+                # A float64 gradient averaged in float32 is off by about 1e-8: float64 is held to its own precision.
+                assert grad.dtype != torch.float64 or torch.allclose(grad, mean, rtol=1e-12, atol=0.0), said(
+                    "a float64 gradient averaged in another dtype",
+                    f"rank {rank}'s float64 gradient {name} is off its mean by {float((grad - mean).abs().max()):.1e}:"
+                    " float32's precision, not float64's. Each dtype's buffer, and its all-reduce, stays in that dtype",
+                )
 
 
 @pytest.mark.points(3)

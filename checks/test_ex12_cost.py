@@ -21,31 +21,39 @@ RINGS = {(1e6, 1): 0.0, (1e6, 2): 600e-6, (3e6, 3): 2.2e-3, (64e6, 4): 0.0483, (
 # in its check, whatever the student's ring gives (test_ring judges that).
 BUCKET_RINGS = {(1e6, 2): 600e-6, (4e6, 2): 2.1e-3, (1e3, 2): 100.5e-6}
 # Buckets on 2 ranks: (ready times, bytes, end of the backward pass) and the exposed seconds.
-# An idle link between buckets; a queue; everything done before the backward pass ends.
+# An idle link between buckets; a queue; everything done before the backward pass ends; a bucket ready before
+# the one that launches ahead of it (it still waits its turn on the link).
 SCHEDULES = [
     (([0.001, 0.004, 0.009], [1e6, 1e6, 1e6], 0.0092), 0.0004),
     (([0.000, 0.000, 0.001], [4e6, 4e6, 4e6], 0.002), 0.0043),
     (([0.000, 0.005], [1e3, 1e3], 0.020), 0.0),
+    (([0.002, 0.000], [1e3, 4e6], 0.002), 0.0022005),
 ]
 # What known mistakes give on SCHEDULES, worked out by hand likewise, and what to say of each.
 EXPOSED_MISTAKES = [
     (
-        [0.0066, 0.0053, 0.0],
+        [0.0066, 0.0053, 0.0, 0.0022005],
         "a bucket's start the sum of its ready time and the previous bucket's end",
         "a bucket starts at the later of its ready time and the end of the bucket before it: their maximum,"
         " not their sum",
     ),
     (
-        [0.0004, 0.0011, 0.0],
+        [0.0004, 0.0011, 0.0, 0.0001],
         "a bucket's all-reduce not waiting for the one before it",
         "a bucket's all-reduce also waits for the link: it starts when the all-reduce of the bucket before it"
         " has ended, if that is later than its ready time",
     ),
     (
-        [0.0004, 0.0043, -0.0148995],
+        [0.0004, 0.0043, -0.0148995, 0.0022005],
         "a negative exposed time",
         "communication that ends before the backward pass does is not exposed: the optimizer waits 0 s, not a"
         " negative time",
+    ),
+    (
+        [0.0004, 0.0043, 0.0, 0.0002005],
+        "buckets taken in the order of their ready times",
+        "the buckets go on the link in the order they launch, the order of the lists: a bucket whose gradients are"
+        " ready before the one ahead of it still waits for that one's all-reduce",
     ),
 ]
 T_COMP = 0.010

@@ -89,7 +89,8 @@ class DistributedOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def synchronize(self) -> None:
-        """Replace every gradient by its mean over the ranks: one all-reduce (dist.all_reduce) per dtype."""
+        """Replace every gradient by its mean over the ranks: one all-reduce (dist.all_reduce) per dtype, of a
+        buffer in that dtype, the dtypes in the order their first gradients come."""
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         # TODO(exercise 10): flatten the gradients of each dtype into one tensor, all-reduce it once,
         # and copy the mean back into each gradient.

@@ -24,7 +24,7 @@ MARKED = ("every", "in place", "dtype", "group", "float", "at most", "bool")
 
 PROMISES = {
     # exercise 1 and 3: mlp.py
-    "mlp.check_parameter_closeness | True on every rank when every rank holds the same parameters (torch.allclose).": "contract mlp.check_parameter_closeness within_tolerance",
+    "mlp.check_parameter_closeness | True on every rank when every rank holds the same parameters (torch.allclose), of any dtype.": "contract mlp.check_parameter_closeness within_tolerance",
     "mlp.check_parameter_closeness | With no process group there is nothing to compare.": "test_ex03_ddp.test_contracts",
     "mlp.train | Train an MLP; in a process group, data-parallel with wrap(model).": "test_ex03_ddp.test_train_shares_batches",
     "mlp.train | Every rank builds the same data.": "test_ex03_ddp.test_train_shares_batches",
@@ -69,7 +69,7 @@ PROMISES = {
     "hvd.broadcast_parameters | every parameter and every buffer, from rank 0.": "contract hvd.broadcast_parameters syncs",
     "hvd.broadcast_optimizer_state | Give every rank rank 0's optimizer state: its hyper-parameters, and per parameter what the optimizer keeps (Adam: the step count and both moments), even where a rank holds none yet.": "test_ex10_hvd.test_broadcast_optimizer_state",
     "hvd.broadcast_optimizer_state | rank 0's state_dict, loaded on every rank.": "test_ex10_hvd.test_broadcast_optimizer_state",
-    "hvd.DistributedOptimizer.synchronize | Replace every gradient by its mean over the ranks: one all-reduce (dist.all_reduce) per dtype.": "test_ex10_hvd.test_mixed_dtypes",
+    "hvd.DistributedOptimizer.synchronize | Replace every gradient by its mean over the ranks: one all-reduce (dist.all_reduce) per dtype, of a buffer in that dtype, the dtypes in the order their first gradients come.": "test_ex10_hvd.test_mixed_dtypes",
     "hvd.DistributedOptimizer.synchronize | flatten the gradients of each dtype into one tensor, all-reduce it once, and copy the mean back into each gradient.": "test_ex10_hvd.test_mixed_dtypes",
     # exercise 11: zero.py
     "zero.ShardedOptimizer.average_gradients | Replace every parameter's gradient by its mean over the ranks (dist.all_reduce); a frozen one has none.": "contract zero.ShardedOptimizer.step frozen",

@@ -50,6 +50,21 @@ MUTANTS = {
         lambda folder: check_contracts(folder, 3),
         "compare with torch.allclose, not exactly",
     ),
+    # dtypes: a comparison of parameters of any dtype.
+    "check_parameter_closeness gathers into float32 buffers": (
+        "mlp.py",
+        "everyone = [torch.empty_like(mine) for _ in range(world_size)]",
+        "everyone = [torch.empty(mine.numel()) for _ in range(world_size)]",
+        lambda folder: check_contracts(folder, 3),
+        "Invalid usage of tensors with different dtypes",
+    ),
+    "check_parameter_closeness answers False for another dtype than float32": (
+        "mlp.py",
+        "return bool(verdict.item())",
+        "return bool(verdict.item()) and mine.dtype == torch.float32",
+        lambda folder: check_contracts(folder, 3),
+        "for float64 parameters that are equal on every rank; it must return True",
+    ),
     # frozen: every parameter, frozen ones too.
     "check_parameter_closeness compares the trainable parameters only": (
         "mlp.py",

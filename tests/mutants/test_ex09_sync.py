@@ -86,7 +86,15 @@ MUTANTS = {
         backward(3),
         "no gradient reached the mean and variance",
     ),
-    # Right when every rank holds as many rows; wrong for 5, 8 and 3.
+    # Right while every rank holds rows; a rank without any adds 0 * nan.
+    "sums made as mean times count": (
+        "sync.py",
+        "local = torch.cat([x.new_full((1,), x.shape[0]), x.sum(0), (x * x).sum(0)])",
+        "local = torch.cat([x.new_full((1,), x.shape[0]), x.mean(0) * x.shape[0], (x * x).mean(0) * x.shape[0]])",
+        forward(3),
+        "a mean of no rows is 0 / 0, nan",
+    ),
+    # Right when every rank holds as many rows; wrong for 5, 8 and 0.
     "count taken as rows x ranks": (
         "sync.py",
         "count, sums, squares = total[0],",

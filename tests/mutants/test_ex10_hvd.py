@@ -85,6 +85,27 @@ MUTANTS = {
         check_mixed_dtypes,
         "one all-reduce per dtype",
     ),
+    "each dtype's buffer made in float32": (
+        "hvd.py",
+        "flat = torch.cat([g.reshape(-1) for g in same])",
+        "flat = torch.cat([g.reshape(-1) for g in same]).float()",
+        check_mixed_dtypes,
+        "each dtype's buffer, and its all-reduce, stays in that dtype",
+    ),
+    "the mean copied back through float32": (
+        "hvd.py",
+        "grad.copy_(mean.view_as(grad))",
+        "grad.copy_(mean.float().view_as(grad))",
+        check_mixed_dtypes,
+        "float32's precision, not float64's",
+    ),
+    "the dtypes taken in a set's order": (
+        "hvd.py",
+        "for dtype in dict.fromkeys(g.dtype for g in grads):",
+        "for dtype in {g.dtype for g in grads}:",
+        check_mixed_dtypes,
+        "the dtypes go in the order their first gradients come",
+    ),
 }
 
 

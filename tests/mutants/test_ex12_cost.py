@@ -45,6 +45,12 @@ MUTANTS = {
         check_exposed,
         "also waits for the link",
     ),
+    "buckets taken in the order of their ready times": (
+        "for at, n in zip(ready, sizes):",
+        "for at, n in sorted(zip(ready, sizes)):",
+        check_exposed,
+        "a bucket whose gradients are ready before the one ahead of it still waits",
+    ),
     "communication that ends before the backward pass counts as exposed": (
         "return max(0.0, end - backward_end)",
         "return end - backward_end",
