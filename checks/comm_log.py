@@ -71,6 +71,7 @@ class Event:
     peer: int | None = None  # the other rank of a send or receive
     dtype: str = ""  # of the first tensor sent, as "float32"
     ranks: list | None = None  # the world ranks of the group it went to; None for a group torch does not know
+    memory: int = 0  # the address of the first tensor's data (data_ptr)
 
 
 def _tensors(first_argument) -> list:
@@ -87,6 +88,11 @@ def _members(group) -> list | None:
         return dist.get_process_group_ranks(group)
     except (KeyError, RuntimeError, ValueError):  # a backend's own group, not torch.distributed's
         return None
+
+
+def _memory(first_argument) -> int:
+    tensors = _tensors(first_argument)
+    return tensors[0].data_ptr() if tensors else 0
 
 
 def _dtype(first_argument) -> str:
@@ -137,7 +143,14 @@ class CommLog:
             peer = args[1] if name in ("send", "recv") and len(args) > 1 else None
             first = args[0] if args else None
             event = Event(
-                "start", collective(name), len(self.started()), _nbytes(first), peer, _dtype(first), _members(group)
+                "start",
+                collective(name),
+                len(self.started()),
+                _nbytes(first),
+                peer,
+                _dtype(first),
+                _members(group),
+                _memory(first),
             )
             self.events.append(event)
             work = method(group, *args, **kwargs)
@@ -154,6 +167,10 @@ class CommLog:
 
     def collectives(self):
         return [e for e in self.started() if e.what not in POINT_TO_POINT]
+
+    def collective_memory(self) -> set:
+        """Where the collectives' (first) tensors lie: to tell which tensor one went through."""
+        return {e.memory for e in self.collectives()}
 
     def in_flight(self, until=None):
         """Numbers of the operations started before events[until] and not waited for by then."""

@@ -103,6 +103,7 @@ def train_logged(folder, setup, steps):
     for i, p in enumerate(p for p in model.parameters() if p.requires_grad):
         p.register_post_accumulate_grad_hook(lambda p, i=i: logs[-1].mark(f"gradient {i}"))
     wrapped = mydp.OverlappedDP(model, bucket_cap_mb=cap)
+    made = [b.buffer for b in wrapped.buckets]  # held here, so no later tensor takes their memory
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     out = []
     for step in range(steps):
@@ -132,6 +133,8 @@ def train_logged(folder, setup, steps):
                 "in_flight_at_last_gradient": len(log.in_flight(last)),
                 "collective_bytes": sum(e.nbytes for e in log.collectives()),
                 "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                # the buckets whose buffer no all-reduce went through
+                "buffers_missed": [k for k, b in enumerate(made) if b.data_ptr() not in log.collective_memory()],
             }
         )
         if any(left_over["bucket.ready"]) or left_over["self.launched"] or left_over["self.finish_queued"]:
@@ -155,6 +158,7 @@ def logged(steps):
         "in_flight_at_last_gradient": int,
         "collective_bytes": int,
         "grads": keyed(torch.Tensor),
+        "buffers_missed": many(int),
     }
     return many(either(step, {"aliased": str}), range(1, steps + 1))
 
@@ -236,6 +240,12 @@ def check_overlap(folder):
                 "backward returning before its all-reduces are waited for",
                 f"{what}: backward() returned before waiting for {len(got['not_waited'])} all-reduces:"
                 " wait for every bucket at the end of the backward pass, before optimizer.step()",
+            )
+            assert not got["buffers_missed"], said(
+                "a bucket's all-reduce not through the buffer made once",
+                f"{what}: no all-reduce went through the buffer of bucket {got['buffers_missed'][0]}, the tensor"
+                " Bucket made once: a bucket's all-reduce goes through bucket.buffer, in place (a new tensor every"
+                " step costs the time to allocate it, many MiB in a real model)",
             )
     check_same_training(folder, "Deep", steps)
 

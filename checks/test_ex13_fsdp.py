@@ -392,8 +392,9 @@ def check_reduce_scatter(folder, world_size=3):
             )
 
 
-# Global sizes of flat tensors cut over 3 ranks: pieces of 4, 4 and 2 real elements; 3, 3 and 1; 2, 2 and none.
-PIECE_SIZES = (10, 7, 4)
+# Global sizes of flat tensors cut over 4 ranks: pieces of 3, 3, 3 and 1 real elements; 2, 2, 1 and none (rank 3's
+# piece would start at 6, past the 5 elements); 1, 1, 1 and none (it would start at the end).
+PIECE_SIZES = (10, 5, 3)
 ALONE_SIZE = 7  # cut over a mesh of one rank: the whole flat tensor on every rank
 
 
@@ -424,7 +425,7 @@ def flat_pieces(folder):
     return out
 
 
-def check_flat_piece(folder, world_size=3):
+def check_flat_piece(folder, world_size=4):
     """flat_piece makes this rank's shard its piece of the flat tensor of the global size: the real elements
     only, in the shard's own memory, so that a checkpoint does not depend on the world size."""
     piece = {"shape": many(int), "local": torch.Tensor, "shares": bool}
@@ -451,6 +452,11 @@ def check_flat_piece(folder, world_size=3):
                 " checkpoint's)",
             )
             local = result["local"]
+            assert rank * shard_size < numel or local.numel() == 0, said(
+                "a piece that starts past the end not empty",
+                f"{where} holds {local.numel()} elements: its place, element {rank * shard_size}, is at or past the"
+                f" end of the {numel} real elements, so its piece is empty (a slice's end below 0 counts from the end)",
+            )
             assert local.numel() <= real.numel() or not torch.equal(local[: real.numel()], real), said(
                 "the padding kept in the checkpoint's piece",
                 f"{where} holds {local.numel()} elements, {real.numel()} of them real: leave the padding out",

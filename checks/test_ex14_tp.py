@@ -947,13 +947,15 @@ def test_matches_torch(impl_dir, parallel):
 
 
 def uneven_in_world(folder):
-    """Probe: a hidden width of 10, and a batch of 8 rows sequence parallel, on 3 ranks: what each raised, as
-    facts the probe took itself (whether it is a ValueError, its words, and the messages and collectives started
-    before it), None where it raised nothing."""
+    """Probe: a hidden width of 10, a batch of 8 rows sequence parallel, and each layer alone with 10 features to
+    split, on 3 ranks: what each raised, as facts the probe took itself (whether it is a ValueError, its words, and
+    the messages and collectives started before it), None where it raised nothing."""
     tp = load(folder).tp
     raised = []
     for attempt in (
         lambda: tp.ParallelMLP(list(Blocks([7, 10, 5]).layers)),
+        lambda: tp.ColumnParallelLinear(nn.Linear(7, 10)),
+        lambda: tp.RowParallelLinear(nn.Linear(10, 5)),
         lambda: tp.train_step(
             (model := tp.ParallelMLP(list(Blocks().layers), None, True)),
             torch.optim.SGD(model.parameters(), lr=LR),
@@ -977,8 +979,13 @@ def check_uneven(folder, world_size=3):
     ValueError naming both. What pays is what the probe saw of the error (its class, when it came), not its name
     as the submission may word it (a class of its own named ValueError, say)."""
     fact = maybe({"value_error": bool, "name": str, "words": str, "started": int})
-    width, rows = world(uneven_in_world, world_size, folder, expect=(fact, fact))[0]
-    for what, size, got in (("a hidden width of 10", 10, width), ("a batch of 8 rows, sequence parallel", 8, rows)):
+    width, column, row, rows = world(uneven_in_world, world_size, folder, expect=(fact,) * 4)[0]
+    for what, size, got in (
+        ("a hidden width of 10", 10, width),
+        ("ColumnParallelLinear of an nn.Linear(7, 10) (its 10 output features)", 10, column),
+        ("RowParallelLinear of an nn.Linear(10, 5) (its 10 input features)", 10, row),
+        ("a batch of 8 rows, sequence parallel", 8, rows),
+    ):
         assert got is not None, said(
             "a size the world does not divide accepted",
             f"{what} on {world_size} ranks gave no error: {world_size} does not divide {size}",

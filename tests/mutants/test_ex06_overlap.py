@@ -24,6 +24,20 @@ LAUNCH_WHEN_FULL = """        if bucket.ready == len(bucket.params):
 """
 
 MUTANTS = {
+    "a new buffer every step": (
+        "mydp.py",
+        "        torch.cat([p.grad.reshape(-1) for p in bucket.params], out=bucket.buffer)\n",
+        "        bucket.buffer = torch.cat([p.grad.reshape(-1) for p in bucket.params])\n",
+        check_overlap,
+        "a bucket's all-reduce goes through bucket.buffer, in place",
+    ),
+    "the all-reduce of a copy of the buffer": (
+        "mydp.py",
+        "bucket.work = dist.all_reduce(bucket.buffer, async_op=True)",
+        "bucket.work = dist.all_reduce(bucket.buffer.clone(), async_op=True)",
+        check_overlap,
+        "no all-reduce went through the buffer of bucket 0",
+    ),
     "the .grad tensors made views of the bucket's buffer": (
         "mydp.py",
         "                param.grad.copy_(average.view_as(param.grad))\n",

@@ -364,13 +364,19 @@ MUTANTS = {
         VALID,
         "    valid = shard.detach()[shard.numel() - max(0, min(shard.numel(), numel - start)) :]\n",
         check_flat_piece,
-        "rank 2's piece is its shard's elements that come before the global size",
+        "rank 3's piece is its shard's elements that come before the global size",
     ),
     "Adam's step count left out of the checkpoint": (
         '        state[f"{name}.step"] = adam["step"]\n',
         "",
         check_checkpoint,
         "and a resumed run must go on counting",
+    ),
+    "flat_piece's piece past the end not empty": (
+        VALID,
+        "    valid = shard.detach()[: min(shard.numel(), numel - start)]\n",
+        check_flat_piece,
+        "is at or past the end of the 5 real elements, so its piece is empty",
     ),
     "flat_piece placed by the world's rank, not the mesh's": (
         "    start = mesh.get_local_rank() * shard.numel()\n",

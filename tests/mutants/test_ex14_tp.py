@@ -289,6 +289,16 @@ MUTANTS = {
         check_uneven,
         "names the size",
     ),
+    # The column layer cut with torch.chunk (4, 4 and 2 of 10 features): no error from the layer alone.
+    "the column layer's block taken with chunk": (
+        "tp.py",
+        '        mine = my_block(full.out_features, "ColumnParallelLinear\'s out_features")\n' + COLUMN_WEIGHT,
+        "        pieces = full.weight.detach().chunk(dist.get_world_size())\n"
+        "        mine = slice(sum(map(len, pieces[: dist.get_rank()])), sum(map(len, pieces[: dist.get_rank() + 1])))\n"
+        + COLUMN_WEIGHT,
+        check_uneven,
+        "ColumnParallelLinear of an nn.Linear(7, 10) (its 10 output features) on 3 ranks gave no error",
+    ),
     # Issue 36: the check read the error's name as the worker worded it; these two passed.
     "an error of its own class that is named ValueError": (
         "tp.py",
