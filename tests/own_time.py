@@ -5,8 +5,10 @@ time less the longest that any of its processes waited for a CPU). A test that b
 seconds from a hang to its report in wall time fails on a busy machine for a report that came as
 soon as the world's own clock allowed. ``with Watch() as watch:`` samples OwnTime over this
 process and its descendants (the world's workers, a script's interpreter) while the block runs;
-``watch.own(seconds)`` turns wall seconds of the block into the world's own: the same on an idle
-machine, at most OwnTime.SLOWEST times fewer on a loaded one.
+``watch.own_between(start, end)`` turns two moments of the block into the world's own seconds between
+them, as the samples around each saw it (not an average over the block: a world starved after a hang
+and not before it has its own time of then): the wall seconds on an idle machine, at most
+OwnTime.SLOWEST times fewer on a loaded one.
 """
 
 import os
@@ -21,20 +23,34 @@ class Watch:
 
     def __enter__(self):
         self.clock, self.stop = OwnTime([os.getpid()]), threading.Event()
+        self.epoch = time.time() - time.monotonic()  # what time.time() reads at monotonic 0
+        self.samples = [(self.clock.began, 0.0)]  # (monotonic, own seconds): own time runs unevenly on a busy machine
         self.thread = threading.Thread(target=self._sample, daemon=True)
         self.thread.start()
         return self
 
     def _sample(self):
         while not self.stop.wait(self.SAMPLE):
-            self.clock.elapsed()
+            self._take()
+
+    def _take(self):
+        own = self.clock.elapsed()
+        self.samples.append((time.monotonic(), own))
 
     def __exit__(self, *exc):
         self.stop.set()
         self.thread.join()
-        self.own_seconds = self.clock.elapsed()
-        self.wall_seconds = time.monotonic() - self.clock.began
+        self._take()
 
-    def own(self, seconds: float) -> float:
-        """Wall seconds of the block, as the world's own: scaled by the share of the block it had to run."""
-        return seconds * self.own_seconds / self.wall_seconds
+    def _own_at(self, moment: float) -> float:
+        """Own seconds at a time.time() moment inside the block, between the samples around it."""
+        at = moment - self.epoch
+        for (t0, own0), (t1, own1) in zip(self.samples, self.samples[1:]):
+            if at <= t1:
+                return own0 + (own1 - own0) * max(0.0, at - t0) / max(t1 - t0, 1e-9)
+        return self.samples[-1][1]
+
+    def own_between(self, start: float, end: float) -> float:
+        """The world's own seconds from start to end, both time.time() moments inside the block: the wall seconds
+        on an idle machine, fewer (at most OwnTime.SLOWEST times) where the world waited for a CPU then."""
+        return self._own_at(end) - self._own_at(start)

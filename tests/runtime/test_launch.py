@@ -500,7 +500,7 @@ def hang_found(how, fn, world_size, checked, capfd):
     blocked = [float(t) for t in re.findall(r"blocks at (\S+)", out)]
     assert len(blocked) == world_size, out
     assert seconds < 25, "found, not at the collective timeout (30 s)"
-    return found, err, watch.own(reported - max(blocked))
+    return found, err, watch.own_between(max(blocked), reported)
 
 
 @pytest.mark.parametrize("how", [in_a_script, in_a_check])
