@@ -390,6 +390,15 @@ def start_state(folder, wrap_name):
     return {"kept": wrapped.module is model, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
+# What a wrapper that leaves the ranks apart at the start forgot, by wrapper.
+START_ADVICE = {
+    "ddp": "DDP hands every rank rank 0's parameters and buffers when it is built, unless it is told not to"
+    " (init_sync=False)",
+    "mydp": "broadcast parameters and buffers from rank 0",
+    "overlapped": "broadcast parameters and buffers from rank 0",
+}
+
+
 def check_start_sync(folder, world_size, wrap_name="mydp"):
     """After wrapping, every rank holds rank 0's parameters and buffers, in the model it was given."""
     expected = model_with_buffers(0).state_dict()
@@ -401,8 +410,9 @@ def check_start_sync(folder, world_size, wrap_name="mydp"):
             "the wrapper not keeping the model as .module", "the wrapper should keep the wrapped model as .module"
         )
         for name, value in expected.items():
-            assert torch.equal(got["state"][name], value), (
-                f"after wrapping the model, rank {rank}'s {name} is not rank 0's: broadcast parameters and buffers from rank 0"
+            assert torch.equal(got["state"][name], value), said(
+                "ranks not started from rank 0's parameters and buffers",
+                f"after wrapping the model, rank {rank}'s {name} is not rank 0's: {START_ADVICE[wrap_name]}",
             )
 
 

@@ -6,7 +6,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from checks.contracts import assert_returns, check_contracts
-from checks.helpers import SMALL_PARAMETERS, alone, check_equivalence, load, printed, small_config, world
+from checks.helpers import (
+    SMALL_PARAMETERS,
+    alone,
+    check_equivalence,
+    check_start_sync,
+    load,
+    printed,
+    small_config,
+    world,
+)
 from course.grading.points import said
 
 
@@ -21,6 +30,8 @@ TRAINED = {"state": SMALL_PARAMETERS, "parameters_close": object, "printed": str
 
 
 def check_ddp_steps(folder, world_size):
+    """wrap_ddp's model starts every rank from rank 0's parameters and buffers, and its steps are one process's."""
+    check_start_sync(folder, world_size, "ddp")
     check_equivalence(folder, "ddp", world_size)
 
 
@@ -30,18 +41,21 @@ def check_train_shares_batches(folder, world_size=2):
     steps = {"niters": 6}  # within one pass over the 160 samples, for 2 and 3 ranks
     ranks = world(train_in_world, world_size, folder, {"batch_size": 8, **steps}, expect=TRAINED)
     alone_state = alone(train_in_world, folder, {"batch_size": 8 * world_size, **steps}, expect=TRAINED)["state"]
-    for name, expected in alone_state.items():
-        got = ranks[0]["state"][name]
-        assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5), (
-            f"after training on {world_size} ranks, {name} differs from one process on batches {world_size} times"
-            " as large: does rank r train on the batches i with i % world_size == r, and only those?"
-        )
     for rank, got in enumerate(ranks):
         assert_returns("mlp.check_parameter_closeness", got["parameters_close"], rank, world_size)
     same = all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in alone_state)
     assert same and ranks[0]["parameters_close"] is True and ranks[1]["parameters_close"] is True, said(
-        "ranks ending with different parameters", "train should end with the same parameters on every rank"
+        "ranks ending with different parameters",
+        "train should end with the same parameters on every rank: does every rank start from rank 0's parameters,"
+        " and step with the same averaged gradients?",
     )
+    for name, expected in alone_state.items():
+        got = ranks[0]["state"][name]
+        assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5), (
+            f"after training on {world_size} ranks, {name} differs from one process on batches {world_size} times"
+            " as large, though every rank ends with the same parameters: does rank r train on the batches i with"
+            " i % world_size == r, and only those?"
+        )
 
 
 def closeness_verdicts(folder):
