@@ -521,15 +521,18 @@ class _World:
         return [facts[r] for r in running]
 
     def _ask(self, ranks: list, answered: Callable, seconds: float) -> None:
-        """Ask ranks for their stacks (SIGUSR1); wait until each has answered(rank), at most seconds."""
+        """Ask ranks for their stacks (SIGUSR1); wait until each has answered(rank), at most seconds of the
+        world's own time."""
         if not hasattr(signal, "SIGUSR1"):
             return
         for rank in ranks:
             if self.procs[rank].is_alive():
                 os.kill(self.procs[rank].pid, signal.SIGUSR1)
-        end = time.monotonic() + seconds
+        # Seconds of the world's own time: a rank starved of a CPU answers late, not never (OwnTime).
+        clock = getattr(self, "clock", None) or OwnTime([p.pid for p in self.procs if p.pid])
+        end = clock.elapsed() + seconds
         # A rank that ended cannot answer (one that had not yet set its handler dies of the signal).
-        while time.monotonic() < end and not all(answered(r) or not self.procs[r].is_alive() for r in ranks):
+        while clock.elapsed() < end and not all(answered(r) or not self.procs[r].is_alive() for r in ranks):
             time.sleep(0.02)
 
     def interrupted(self) -> None:
