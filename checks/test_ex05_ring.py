@@ -92,6 +92,18 @@ def check_ring(folder, world_size):
                 "messages never waited for",
                 f"{what}: rank {rank} returned before waiting for all its sends and receives",
             )
+    for i, (shape, dtype) in enumerate(CASES):
+        # Both directions: at most a ring's bytes per rank (above), and at least what any all-reduce of messages
+        # must send, over the world: each element travels to the others from W - 1 ranks and back to W - 1.
+        sent = sum(per_case[i][1]["sent_bytes"] for per_case in results)
+        least = 2 * (world_size - 1) * math.prod(shape) * dtype.itemsize
+        assert sent >= least, said(
+            "a sum that no message carried",
+            f"with {world_size} ranks, a {dtype} tensor of shape {list(shape)}: the ranks sent {sent} bytes in all by"
+            f" point-to-point messages, where any all-reduce by messages sends at least {least} (2(W-1) times the"
+            " tensor): the sum went another way (a collective, torch's functional collectives); use dist.isend and"
+            " dist.irecv",
+        )
 
 
 @pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.points(6)), 3, 4])

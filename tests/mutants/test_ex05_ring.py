@@ -25,6 +25,16 @@ MUTANTS = {
         lambda folder: check_ring(folder, 2),
         "no collective",
     ),
+    # Issue 47: torch's functional collectives reach no process group method that CommLog wraps; the ring sent nothing.
+    "ring as torch's functional all-reduce": (
+        "dist.py",
+        "    chunks = tensor.view(-1).tensor_split(world_size)\n",
+        "    funcol = __import__('torch.distributed._functional_collectives', fromlist=['all_reduce'])\n"
+        "    tensor.copy_(funcol.all_reduce(tensor, 'sum', dist.group.WORLD))\n"
+        "    return\n",
+        lambda folder: check_ring(folder, 3),
+        "the sum went another way",
+    ),
     "exchange never waits for its send": (
         "dist.py",
         "    for request in requests:\n        request.wait()\n",
