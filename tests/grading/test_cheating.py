@@ -729,7 +729,9 @@ def test_a_made_up_hang_gains_nothing(tmp_path):
     assert found["score"] == 0 and [t["status"] for t in found["tests"]] == ["failed"], found
     assert "the world should hang in a collective that rank 1 never joins, and it ended" in found["tests"][0]["output"]
     reference = grade_only(tmp_path / "reference", {}, args, base=SOLUTIONS)
-    assert reference["score"] == 2 and [t["status"] for t in reference["tests"]] == ["passed"], reference
+    assert reference["score"] == 2 and [t["status"] for t in reference["tests"]] == ["passed"], [
+        t["output"] for t in reference["tests"]
+    ]  # the check's own sentence: a failure once, under the suite's load, showed only the grade's table
 
 
 # Issue 47: the stubs' dist.py, which, on import, replaces the probe that exercise 2's checks send by
