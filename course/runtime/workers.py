@@ -323,6 +323,7 @@ class _World:
         self.reusable = False
         self.needed: set = set()  # of env.CALL_MODULES: what its calls have imported
         self.stacks_before: dict = {}  # the size of each rank's stack file when the call began
+        self.clock: OwnTime | None = None  # the call's own time, from collect() on
 
     @classmethod
     def start(cls, method: str, settings: WorkerSettings) -> _World:
@@ -529,7 +530,7 @@ class _World:
             if self.procs[rank].is_alive():
                 os.kill(self.procs[rank].pid, signal.SIGUSR1)
         # Seconds of the world's own time: a rank starved of a CPU answers late, not never (OwnTime).
-        clock = getattr(self, "clock", None) or OwnTime([p.pid for p in self.procs if p.pid])
+        clock = self.clock or OwnTime([p.pid for p in self.procs if p.pid])
         end = clock.elapsed() + seconds
         # A rank that ended cannot answer (one that had not yet set its handler dies of the signal).
         while clock.elapsed() < end and not all(answered(r) or not self.procs[r].is_alive() for r in ranks):
