@@ -4,7 +4,8 @@ A world's waits and limits run on its own time (course/runtime/processes.py's Ow
 time less the longest that any of its processes waited for a CPU). A test that bounds, say, the
 seconds from a hang to its report in wall time fails on a busy machine for a report that came as
 soon as the world's own clock allowed. ``with Watch() as watch:`` samples OwnTime over this
-process and its descendants (the world's workers, a script's interpreter) while the block runs;
+process and its descendants (the world's workers, a script's interpreter), and over the processes it
+is told to follow (a command tests/warm.py forks elsewhere), while the block runs;
 ``watch.own_between(start, end)`` turns two moments of the block into the world's own seconds between
 them, as the samples around each saw it (not an average over the block: a world starved after a hang
 and not before it has its own time of then): the wall seconds on an idle machine, at most
@@ -28,6 +29,11 @@ class Watch:
         self.thread = threading.Thread(target=self._sample, daemon=True)
         self.thread.start()
         return self
+
+    def follow(self, pid: int) -> None:
+        """Count the process pid and its descendants too: a command forked elsewhere (tests/warm.py's server)."""
+        self.clock.roots.append(pid)
+        self.clock.tree.append(pid)
 
     def _sample(self):
         while not self.stop.wait(self.SAMPLE):

@@ -131,10 +131,11 @@ def server_pids():
     return [server.process.pid for server in _servers.values() if server.process.poll() is None]
 
 
-def run(args, cwd, env=None, timeout=120, python=None, user=None, name=""):
+def run(args, cwd, env=None, timeout=120, python=None, user=None, name="", started=None):
     """subprocess.run([python, *args], cwd=cwd, env=env, capture_output=True, text=True,
     timeout=timeout), forked from the warm server of python (default sys.executable), as user
-    (uid, gid) when given; args start with "-m MODULE" or a script."""
+    (uid, gid) when given; args start with "-m MODULE" or a script. started(pid), where given, as
+    soon as the command's process is forked (tests/own_time.py's Watch.follow)."""
     environ = dict(os.environ if env is None else env)
     python = python or sys.executable
     server = _start(python, environ)
@@ -146,6 +147,8 @@ def run(args, cwd, env=None, timeout=120, python=None, user=None, name=""):
         request = dict(args=list(args), cwd=os.fspath(cwd), env=environ, out=out, err=err, user=user, name=name)
         server.process.stdin.write((repr(request) + "\n").encode())
         pid = int(server.answer(60))
+        if started is not None:
+            started(pid)
         done = server.answer(timeout)
         if done is None:
             _kill(pid)
@@ -157,11 +160,11 @@ def run(args, cwd, env=None, timeout=120, python=None, user=None, name=""):
     return subprocess.CompletedProcess(command, int(done.split()[1]), stdout, stderr)
 
 
-def grade(*args, impl, cwd, env=None, timeout=120):
+def grade(*args, impl, cwd, env=None, timeout=120, started=None):
     """`python -m course grade ARGS` on the code at impl (COURSE_IMPL), from the warm server, as run()
     runs it; env: variables to add to this process's."""
     environ = dict(os.environ, COURSE_IMPL=str(impl), **(env or {}))
-    return run(["-m", "course", "grade", *args], cwd=cwd, env=environ, timeout=timeout)
+    return run(["-m", "course", "grade", *args], cwd=cwd, env=environ, timeout=timeout, started=started)
 
 
 def _kill(pid):

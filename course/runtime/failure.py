@@ -38,6 +38,18 @@ _FINGERPRINT = (
     r"Rank {rank} is running collective: CollectiveFingerPrint\(.*?OpType=(\w+)(?:, TensorShape=(\[[^\]]*\]))?"
 )
 _SECONDARY = ("Connection closed by peer", "Connection reset by peer")
+# A limit of a sandboxed world (course/runtime/sandbox.py's Limits) reached, as the error says it: the
+# kernel's errno, or torch's allocator. The limit it is, and how the sentence names it.
+_LIMIT_WORDS = {
+    "disk": ("[Errno 28]",),  # ENOSPC: the world's own folder is full
+    "file": ("[Errno 27]",),  # EFBIG: RLIMIT_FSIZE
+    "memory": ("can't allocate memory", "[Errno 12]"),  # ENOMEM: RLIMIT_DATA
+}
+_LIMIT_SAID = {
+    "disk": "a world's own folder (its HOME and TMPDIR) holds at most {} MiB of files where grades are made",
+    "file": "no file a rank writes, its output where that is a file, may grow past {} MiB where grades are made",
+    "memory": "a rank may allocate at most {} MiB of memory where grades are made",
+}
 # Why ranks wait for ever in dist.new_group (a timeout or a wait whose ranks are in it): torch pairs the
 # ranks' calls by their order.
 _NEW_GROUP_RULE = (
@@ -96,6 +108,7 @@ class RankFact:
     making: tuple = ()
     keys: tuple = ()  # the keys of the store it waits for
     unimportable: dict | None = None  # a student file that does not import: {"file": "mlp.py", "error": "SyntaxError"}
+    limit: str = ""  # the limit of a sandboxed world its error says it reached: of _LIMIT_WORDS's
 
     def argument(self) -> str:
         """What differs of its collective, as its function names it: 'with src=1', 'with op=MAX',
@@ -151,6 +164,7 @@ class Failure:
     longer: str = ""  # for kind "timeout": how the user can give the world more time, where they can
     slow: bool = False  # for kind "timeout": every rank was in the same collective when its time ran out
     still: bool = False  # a deadlock the parent found while every rank still ran, none having reported (deadlock())
+    limits: dict | None = None  # a sandboxed world's limits in MiB ({"disk": 256, ...}), where it had them
 
     def fact(self, rank: int) -> RankFact | None:
         return next((f for f in self.ranks if f.rank == rank), None)
@@ -258,7 +272,16 @@ class Failure:
                 f"Rank {first.rank} of {w} gave {first.collective} {first.pieces} tensors for {w} ranks: its list takes"
                 f" one tensor per rank (at {first.where()})"
             )
-        return f"Rank {first.rank} of {w} failed first: {first.error}: {first.message} (at {first.where()})"
+        said = f"{first.error}: {first.message} (at {first.where()}){self._limit()}"
+        return f"Rank {first.rank} of {w} failed first: {said}"
+
+    def _limit(self) -> str:
+        """Where the first rank's error is a limit of its sandboxed world reached: which, and how much."""
+        first = self.fact(self.first) if self.first is not None else None
+        if first is None or not first.limit or not self.limits:
+            return ""
+        name = first.limit
+        return f": {_LIMIT_SAID[name].format(self.limits[name])} (COURSE_LIMIT_{name.upper()})"
 
     def _in_new_group(self) -> bool:
         return any(f.collective == "new_group" or f.making for f in self.ranks)
@@ -288,7 +311,12 @@ class Failure:
                 tail = f"\n(ranks {[f.rank for f in others]} failed after it, most likely because rank {first.rank} stopped.)"
             else:
                 tail = ""
-            return f"Rank {first.rank} of {self.world_size} failed first:\n{first.traceback.strip() or first.message}{tail}"
+            said = self._limit()[2:]  # without its ": "
+            limit = f"\n{said[:1].upper()}{said[1:]}." if said else ""
+            return (
+                f"Rank {first.rank} of {self.world_size} failed first:\n{first.traceback.strip() or first.message}"
+                f"{limit}{tail}"
+            )
         if self.kind == "crash":
             frames = stack_frames(self.fact(self.first).traceback)[::-1]
             return "\n".join(
@@ -447,6 +475,9 @@ def _fact(report: dict) -> RankFact:
         fact.dropped = (call, peer, os.path.basename(path), line, func)
     if error == "SystemExit":
         fact.message = f"it called sys.exit({report.get('message', '')})"
+    if error == "MemoryError":
+        fact.limit = "memory"
+    fact.limit = fact.limit or next((k for k, words in _LIMIT_WORDS.items() if any(w in full for w in words)), "")
     match = re.search(_FINGERPRINT.format(rank=fact.rank), full)
     if match:
         fact.op, fact.shape = match.group(1), match.group(2) or ""
@@ -503,13 +534,14 @@ def loop_frames(dump: str) -> list:
     return frames[::-1]
 
 
-def diagnose(reports: list, ended: list, world_size: int) -> Failure:
-    """The failure of a world from the reports that ranks sent and the ranks that ended without one."""
+def diagnose(reports: list, ended: list, world_size: int, limits: dict | None = None) -> Failure:
+    """The failure of a world from the reports that ranks sent and the ranks that ended without one;
+    ``limits``: those of its sandbox, in MiB, where it had them."""
     facts = sorted([_fact(r) for r in reports] + ended, key=lambda f: f.rank)
     # The root cause: a rank's own error before any peer's echo, earliest first (gloo may close a
     # socket a moment before the Python exception on that rank is raised and stamped).
     first = min(facts, key=lambda f: (f.state == "echo", f.state == "waited", f.when))
-    failure = Failure("error", world_size, facts, first.rank)
+    failure = Failure("error", world_size, facts, first.rank, limits=limits)
     stub = stub_facts(first.message) if first.error == "NotImplementedError" else None
     if stub:
         failure.kind, failure.stub = "stub", stub

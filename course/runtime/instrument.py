@@ -323,7 +323,7 @@ _HEAD = struct.Struct("<QI")  # the board's generation (odd while it is written)
 
 
 class Board:
-    """A rank's waits board: a file in the world's folder, mapped into the rank, that its parent reads at any
+    """A rank's waits board: a file in the grader's folder for the world, mapped into the rank, that its parent reads at any
     moment without asking the rank (a rank blocked in C answers no signal in Python). It says a Python
     literal: (the wait's record, collectives started by group, messages offered, groups made), or nothing."""
 

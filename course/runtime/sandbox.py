@@ -10,7 +10,7 @@ of a submission runs, as far as the machine allows (``level()``):
   set emptied too), no new privileges and a cap on their processes. A process of another user
   cannot be traced, read or written by them (/proc/PID/mem, /proc/PID/fd, pidfd_getfd), nor
   signalled; root's files, folders and sockets are not theirs to write or connect to. The world's
-  own folder (its store, stack files, HOME and TMPDIR) is the one folder made for them. When the
+  own folder (its store, HOME and TMPDIR) is the one folder made for them. When the
   world ends, every process of its uid dies at once: kill(-1) from a process of that uid, which no
   fork can outrun (the kernel signals under the lock that fork takes to add a process). A world
   has a network namespace of its own too, which root makes (a kernel that gives none refuses the
@@ -20,7 +20,7 @@ of a submission runs, as far as the machine allows (``level()``):
   instructor's machine, or root as above). A world gets a holder process that owns a user and a
   network namespace: its ranks join them, so they reach each other over loopback and nothing
   else (no port of the machine: a notebook kernel's, a server's; no abstract socket). Each rank
-  then gets a mount and a pid namespace of its own: every mount read-only but its world's folder,
+  then gets a mount and a pid namespace of its own: every mount read-only but its world's own folder,
   no process but its own descendants, all killed by the kernel when it ends (it is process 1 of
   its namespace), and no capability left.
 - ``none`` elsewhere (macOS, Windows, a kernel without user namespaces), or COURSE_SANDBOX=off.
@@ -29,8 +29,13 @@ of a submission runs, as far as the machine allows (``level()``):
 Where grades are made (workers.sandbox_every_world()), each rank of either level also gets a view
 before it takes its uid or drops its capabilities: its root is a tmpfs with the machine's system
 folders, Python, the course's public files and the one submission graded bound in, read-only, and
-the world's folder, writable (view(), publish()). Where a level is had but no view can be made, the
+the world's own folder, writable (view(), publish()). Where a level is had but no view can be made, the
 level's grades say they are advisory (Level.advisory).
+
+At both levels a world has limits (Limits): its own folder is a tmpfs of a few hundred MiB in a
+mount namespace its holder makes (no file of it is on the grader's disk; the grader's folder for the
+world, with the public files and each rank's stack file and board, is not the ranks' to write), no
+rank writes a file larger than a limit anywhere, and each rank's memory is bounded.
 
 At both levels a worker may not create a unix-domain socket (a seccomp filter, x86-64 and arm64):
 no connection to a socket of the user's or world-writable one (multiprocessing's servers, an SSH
@@ -69,6 +74,47 @@ _LOCKED = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC, "noat
 _LOCKED |= {"relatime": 1 << 21, "strictatime": 1 << 24}
 # Processes (threads count) one world's uid may have: a fork bomb stops there, not at the machine's limit.
 _MOST_PROCESSES = 1024
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one sandboxed world may take of the machine, in MiB, so that no submission can fill the
+    grader's disk or memory: ``disk``, all the files of its own folder together (a tmpfs of that size,
+    own_folder()); ``file``, the largest file a rank may write, wherever (its output too, where that
+    is a file: an autograded notebook's); ``memory``, the data each rank may allocate (RLIMIT_DATA:
+    its tensors and objects, not the libraries it maps). COURSE_LIMIT_DISK, COURSE_LIMIT_FILE and
+    COURSE_LIMIT_MEMORY change them, in MiB; the course's checks need a few MiB of disk and under
+    1 GiB of memory a rank."""
+
+    disk: int = 256
+    file: int = 16
+    memory: int = 4096
+
+    @classmethod
+    def from_env(cls) -> Limits:
+        given = {name: os.environ.get(f"COURSE_LIMIT_{name.upper()}") for name in ("disk", "file", "memory")}
+        return cls(**{name: int(value) for name, value in given.items() if value})
+
+    def apply(self) -> None:
+        """In a rank, before any code under test: its own limits (those of a call it forks too)."""
+        import resource
+
+        for kind, mib in ((resource.RLIMIT_FSIZE, self.file), (resource.RLIMIT_DATA, self.memory)):
+            resource.setrlimit(kind, (mib * _MIB, mib * _MIB))
+
+
+LIMITS = Limits.from_env()
+# Files of a world's own folder: each costs the kernel memory beside its bytes.
+_MOST_FILES = 16384
+
+
+def own_folder(folder: str) -> str:
+    """The one folder of the world whose grader's folder is ``folder`` that its ranks may write: their
+    store, HOME and TMPDIR. In a sandbox, a tmpfs of LIMITS.disk MiB in the world's own mount
+    namespace; the grader's folder around it (the public files, each rank's stack file and board)
+    is not theirs to write."""
+    return os.path.join(folder, "own")
 
 
 @functools.cache
@@ -214,13 +260,13 @@ def _probe(start, enter, submission: str | None, check=lambda: "") -> tuple:
     """(why the level cannot be had, why its workers cannot have a view) of a level whose Guard
     start() makes and whose worker enter(guard, folder, submission) confines; check(), in the
     confined worker: '' or what it lacks."""
-    try:
-        guard = start()
-    except OSError as error:
-        return str(error), ""
     folder = tempfile.mkdtemp(prefix="course-probe-")
     try:
-        guard.own(folder)
+        guard = start(folder)
+    except OSError as error:
+        shutil.rmtree(folder, ignore_errors=True)
+        return str(error), ""
+    try:
         confined = lambda entries: lambda: enter(guard, folder, entries) or check()  # noqa: E731
         unseen = ""
         if submission is not None:
@@ -241,9 +287,9 @@ def _probe(start, enter, submission: str | None, check=lambda: "") -> tuple:
 def _probe_uid(readable: tuple, submission: str | None) -> tuple:
     needed = _needed(readable)  # once its user is taken, what it cannot read is not a folder to it
 
-    def start():
+    def start(folder):
         try:
-            return Guard.start("uid")
+            return Guard.start("uid", folder)
         except OSError as error:
             raise OSError(f"no sandbox user or network namespace could be had: {error}") from error
 
@@ -254,9 +300,9 @@ def _probe_uid(readable: tuple, submission: str | None) -> tuple:
 
 
 def _probe_namespaces(readable: tuple, submission: str | None) -> tuple:
-    def start():
+    def start(folder):
         try:
-            return Guard.start("namespaces")
+            return Guard.start("namespaces", folder)
         except OSError as error:
             raise OSError(f"the kernel allows no user namespace here ({error})") from error
 
@@ -273,20 +319,26 @@ _PROBES = {"uid": _probe_uid, "namespaces": _probe_namespaces}
 
 class Guard:
     """What confines one world, held by the process that started it: the process that holds its
-    network namespace (``holder``; under ``namespaces`` its user namespace too), and under ``uid``
-    the world's uid (and the gid of the same number). ``handle`` is what its workers need: under
-    ``uid`` (uid, holder), under ``namespaces`` the holder."""
+    network, IPC and mount namespaces (``holder``; under ``namespaces`` its user namespace too), and
+    under ``uid`` the world's uid (and the gid of the same number). ``handle`` is what its workers
+    need: under ``uid`` (uid, holder), under ``namespaces`` the holder."""
 
     def __init__(self, level_name: str, handle, holder: int, release):
         self.level, self.handle, self.holder, self._release = level_name, handle, holder, release
 
     @classmethod
-    def start(cls, level_name: str) -> Guard:
+    def start(cls, level_name: str, folder: str) -> Guard:
+        """Confine the world whose grader's folder is ``folder``: its own folder (own_folder()) is made
+        there, a tmpfs in the holder's mount namespace, the world's uid's to write under ``uid``."""
         if level_name not in ("uid", "namespaces"):
             raise ValueError(f"no sandbox level {level_name!r}")
         uid, lock = _take_free_uid() if level_name == "uid" else (None, None)
         try:
-            holder = _start_holder(user=level_name == "namespaces")
+            os.mkdir(own_folder(folder), 0o700)
+            if uid is not None:  # its user may pass through the grader's folder to its own, and no more
+                os.chown(folder, 0, uid)
+                os.chmod(folder, 0o710)
+            holder = _start_holder(own_folder(folder), uid)
         except BaseException:
             if lock is not None:
                 os.close(lock)
@@ -303,12 +355,6 @@ class Guard:
                 pass
 
         return cls(level_name, (uid, holder) if uid is not None else holder, holder, release)
-
-    def own(self, folder: str) -> None:
-        """Make folder the world's to write: under ``uid``, its group's."""
-        if self.level == "uid":
-            os.chown(folder, 0, self.handle[0])
-            os.chmod(folder, 0o770)
 
     def stop(self) -> None:
         """Under ``uid``, kill whatever of its uid still runs and free the uid; under ``namespaces``,
@@ -397,11 +443,13 @@ def _kill_every_process_of(uid: int) -> None:
 
 
 @ctrl_c_held()
-def _start_holder(user: bool) -> int:
-    """A child that owns a new network namespace (its loopback up) and IPC namespace (System V
-    shared memory, semaphores and message queues: none outlives the world, none is another's), and
-    with ``user`` a new user namespace, until it is killed. Without ``user`` (root, the uid level) the network namespace
-    is root's to make: the world's workers join it before they take their uid.
+def _start_holder(own: str, uid: int | None) -> int:
+    """A child that owns new network, IPC and mount namespaces until it is killed: its loopback up;
+    System V shared memory, semaphores and message queues that none outlives the world and none is
+    another's; and the world's own folder ``own``, a tmpfs of LIMITS.disk MiB that only the world's
+    processes see (the world's ``uid``'s, where given). Without ``uid`` (the namespaces level) in a
+    new user namespace too; with it (root, the uid level) the namespaces are root's to make, and the
+    world's workers join them before they take their uid.
 
     Once they are made it becomes `sleep`: it keeps no copy of the grader's memory, and, unlike
     the grader, may be entered by the world's workers (/proc/PID/ns/*)."""
@@ -409,7 +457,7 @@ def _start_holder(user: bool) -> int:
     import socket
     import struct
 
-    uid, gid = os.getuid(), os.getgid()
+    user, outside = uid is None, (os.getuid(), os.getgid())
     reader, writer = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -420,12 +468,16 @@ def _start_holder(user: bool) -> int:
             # The grader is not dumpable (protect()), and the /proc files of a process that is not
             # are root's: this one could not write its own uid_map. It becomes `sleep` below.
             prctl(_PR_SET_DUMPABLE, 1)
-            _call("unshare", (_CLONE_NEWUSER if user else 0) | _CLONE_NEWNET | _CLONE_NEWIPC)
+            _call("unshare", (_CLONE_NEWUSER if user else 0) | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWNS)
             if user:
-                _map_ids(uid, gid)
+                _map_ids(*outside)
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 up, loopback, running = 1, 8, 0x40
                 fcntl.ioctl(s, 0x8914, struct.pack("16sh22x", b"lo", up | loopback | running))  # SIOCSIFFLAGS
+            _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # the tmpfs is the world's, not the grader's
+            owner = "" if user else f",uid={uid},gid={uid}"
+            size = f"size={LIMITS.disk}m,nr_inodes={_MOST_FILES},mode=0700{owner}"
+            _mount("tmpfs", own, "tmpfs", _MS_NOSUID | _MS_NODEV, size)
         except BaseException as error:  # noqa: BLE001 - said to the parent
             said = f"{type(error).__name__}: {error}".encode()
         os.write(writer, said or b"ready")
@@ -530,14 +582,14 @@ def publish(folder: str, entries: tuple) -> None:
 
 
 def _build_view(folder: str, entries: tuple) -> str:
-    """The view of entries (view()) in a tmpfs at folder/view, with folder (the world's) in it; its path."""
+    """The view of entries (view()) in a tmpfs at folder/view, with the world's own folder in it; its path."""
     from course.layout import ROOT
 
     root = os.path.join(folder, "view")
     os.makedirs(root, exist_ok=True)
     _mount("tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=755")
     public = os.path.join(folder, "public") if _public_files(ROOT) else ROOT
-    for path, kind, source in (*entries, (folder, "world", folder)):
+    for path, kind, source in (*entries, (own_folder(folder), "world", own_folder(folder))):
         target = root + path
         if os.path.lexists(target):  # a place made for it in what is bound above it, or that link
             pass
@@ -558,8 +610,9 @@ def _build_view(folder: str, entries: tuple) -> str:
 
 
 def confine(level_name: str, handle, folder: str, entries: tuple | None = None) -> None:
-    """Confine this worker before it runs submission code: ``folder`` is the world's own, ``handle``
-    its Guard's; with ``entries`` (where grades are made: view()), the worker sees only them.
+    """Confine this worker before it runs submission code: ``folder`` is the grader's for the world
+    (Guard.start's), ``handle`` its Guard's; with ``entries`` (where grades are made: view()), the
+    worker sees only them. It may write its world's own folder only, within LIMITS.
 
     Under ``namespaces`` this process forks: it stays outside as its rank's supervisor, and only
     the child, process 1 of the new pid namespace, returns from here.
@@ -577,6 +630,7 @@ def confine(level_name: str, handle, folder: str, entries: tuple | None = None) 
         # reads in a pid namespace, whose parent is 0) reaches across pid namespaces, and would
         # reach the grader's group; and no controlling terminal to type into (TIOCSTI).
         os.setsid()
+        LIMITS.apply()
 
 
 def _drop_bounding_set() -> None:
@@ -619,26 +673,29 @@ def _mount_points() -> list:
 
 
 def _join(holder: int, kinds: tuple) -> None:
-    """Enter the namespaces of the world's holder: ("user", "net", "ipc") under namespaces, ("net", "ipc") under uid."""
-    flags = {"user": _CLONE_NEWUSER, "net": _CLONE_NEWNET, "ipc": _CLONE_NEWIPC}
+    """Enter the namespaces of the world's holder: ("user", "mnt", "net", "ipc") under namespaces,
+    ("mnt", "net", "ipc") under uid. The working folder stays (a mount namespace entered resets it)."""
+    flags = {"user": _CLONE_NEWUSER, "mnt": _CLONE_NEWNS, "net": _CLONE_NEWNET, "ipc": _CLONE_NEWIPC}
+    cwd = os.getcwd()
     for kind in kinds:
         fd = os.open(f"/proc/{holder}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
         try:
             _call("setns", fd, flags[kind])
         finally:
             os.close(fd)
+    os.chdir(cwd)
 
 
 def _read_only_but(folder: str, entries: tuple | None) -> None:
-    """In a mount namespace of this process's own: every mount read-only, but folder; with
-    ``entries``, the root of this process its view (view()), built in folder."""
+    """In a mount namespace of this process's own: every mount read-only, but the world's own folder
+    (own_folder()); with ``entries``, the root of this process its view (view()), built in folder."""
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done here reaches the grader's mounts
+    own = own_folder(folder)
     if entries is None:
-        root, writable = "/", folder
-        _mount(folder, folder, None, _MS_BIND)  # a mount of its own, to be left writable
+        root, writable = "/", own
     else:
         root = _build_view(folder, entries)
-        writable = root + folder
+        writable = root + own
     for point, flags in _mount_points():
         try:
             _mount(None, point, None, _MS_REMOUNT | _MS_BIND | (0 if point == writable else _MS_RDONLY) | flags)
@@ -659,15 +716,15 @@ def _read_only_but(folder: str, entries: tuple | None) -> None:
         try:
             os.chdir(cwd)
         except OSError:  # a working folder outside the view
-            os.chdir(folder)
-    if os.access("/", os.W_OK) or not os.access(folder, os.W_OK):
+            os.chdir(own)
+    if os.access("/", os.W_OK) or not os.access(own, os.W_OK):
         raise OSError("the worker's mounts did not become read-only")
 
 
 def _enter_uid(uid: int, holder: int, folder: str, entries: tuple | None) -> None:
-    """As root: the world's network; with entries, a mount namespace of its own and that view;
+    """As root: the world's namespaces; with entries, a mount namespace of its own and that view;
     then the world's uid, with no capability left."""
-    _join(holder, ("net", "ipc"))
+    _join(holder, ("mnt", "net", "ipc"))
     if entries is not None:
         _call("unshare", _CLONE_NEWNS)
         _read_only_but(folder, entries)
@@ -675,7 +732,7 @@ def _enter_uid(uid: int, holder: int, folder: str, entries: tuple | None) -> Non
 
 
 def _enter_namespaces(holder: int, folder: str, entries: tuple | None, fork: bool) -> None:
-    _join(holder, ("user", "net", "ipc"))  # the world's, shared by its ranks
+    _join(holder, ("user", "mnt", "net", "ipc"))  # the world's, shared by its ranks
     _call("unshare", _CLONE_NEWNS | _CLONE_NEWPID)
     _read_only_but(folder, entries)
     if not fork:

@@ -212,7 +212,7 @@ def worker(rank: int, settings: WorkerSettings, conn) -> None:
         kept = env.for_workers(os.environ)  # an environment built for the world, not the grader's
         os.environ.clear()
         os.environ.update(kept)
-        tempfile.tempdir = None  # TMPDIR is the world's folder now (settings.env): read it again
+        tempfile.tempdir = None  # TMPDIR is the world's own folder now (settings.env): read it again
         sandbox.protect()  # the calls it forks run as its user: none may trace it or read its memory
     faulthandler.enable(file=stack_file)  # a crash (segfault, abort) leaves its stack too
     os.environ.update(settings.env)
@@ -513,7 +513,7 @@ def _reap() -> None:
 
 
 def board_path(folder: str, rank: int) -> str:
-    """Where a rank says what it waits in (course/runtime/instrument.py's Board), in its world's folder."""
+    """Where a rank says what it waits in (course/runtime/instrument.py's Board), in the grader's folder for its world."""
     return os.path.join(folder, f"rank{rank}.waits")
 
 

@@ -334,18 +334,16 @@ class _World:
         workdir = tempfile.mkdtemp(prefix="course-world-")
         children = {p for p, parent in processes().items() if parent == os.getpid()}
         world = cls(settings.world_size, workdir, children, None)
+        own = sandbox.own_folder(workdir)  # the one folder made for the workers to write
         try:
-            settings = dataclasses.replace(settings, store_path=os.path.join(workdir, "store"), stack_dir=workdir)
-            if settings.sandbox != "none":
-                world.guard = sandbox.Guard.start(settings.sandbox)
-                # The one folder made for the workers to write: HOME and TMPDIR too.
-                tmp = os.path.join(workdir, "tmp")
-                os.mkdir(tmp)
-                for folder in (workdir, tmp):
-                    world.guard.own(folder)
-                extra = {"HOME": workdir, "TMPDIR": tmp}
+            settings = dataclasses.replace(settings, store_path=os.path.join(own, "store"), stack_dir=workdir)
+            if settings.sandbox == "none":
+                os.mkdir(own)
+            else:
+                world.guard = sandbox.Guard.start(settings.sandbox, workdir)
                 if settings.view is not None:
                     sandbox.publish(workdir, settings.view)
+                extra = {"HOME": own, "TMPDIR": own}
                 settings = dataclasses.replace(settings, env=settings.env | extra, guard=world.guard.handle)
         except BaseException:
             world.stop()
@@ -404,7 +402,8 @@ class _World:
         self.reusable = not self.pending and all(kept)
         if self.reports or self.ended:
             self.ended += self._where_running()  # a rank that never reported: where it is
-            raise WorldFailed(failure.diagnose(self.reports, self.ended, self.world_size))
+            limits = dataclasses.asdict(sandbox.LIMITS) if self.guard is not None else None
+            raise WorldFailed(failure.diagnose(self.reports, self.ended, self.world_size, limits))
         if self.pending:
             raise WorldFailed(failure.timed_out(self._where_running(), self.world_size, self.timeout))
         return [self.results[r] for r in range(self.world_size)]

@@ -1166,6 +1166,102 @@ def test_a_worker_sees_the_graders_environment_without_a_sandbox(tmp_path, monke
     assert "read the grader's environment: done" in said, said
 
 
+# Issue 47: a world without limits. Its folder took 1 GiB of the grader's disk, a rank could take the machine's
+# memory, a notebook's worker output (a file) grew to 108 MB; and the grader's own files for the world (the
+# public copy of the course, each rank's stack file and board) were in that folder, the ranks' to write. Now a
+# world's own folder is a tmpfs of limited size, no rank writes a file past a limit or allocates past one, and
+# the grader's files are out of reach. Small limits here, so that the payload is quick.
+SMALL_LIMITS = {"COURSE_LIMIT_DISK": "16", "COURSE_LIMIT_FILE": "8", "COURSE_LIMIT_MEMORY": "1024"}
+TAKE_WITHOUT_LIMIT = """
+import os as _os, sys as _sys, tempfile as _tempfile, uuid as _uuid
+
+def _tried(what, do):
+    try:
+        do()
+        said = "done"
+    except (OSError, RuntimeError, MemoryError) as error:
+        said = f"refused ({type(error).__name__})"
+    print(f"CHEAT {what}: {said}", file=_sys.stderr, flush=True)
+
+def _fill(files, mib):
+    paths = [_os.path.join(_tempfile.gettempdir(), f"fill-{_uuid.uuid4().hex}") for k in range(files)]
+    try:
+        for path in paths:
+            with open(path, "wb") as f:
+                f.write(bytes(mib << 20))
+    finally:
+        for path in paths:
+            if _os.path.exists(path):
+                _os.unlink(path)
+
+def _append(path):
+    with open(path, "a") as f:
+        f.write("# a rank was here")
+
+_tried("write a file past the limit", lambda: _fill(1, 9))
+import checks.helpers as _public
+_tried("write the public copy of the checks", lambda: _append(_public.__file__))
+_own, _graders = _os.path.basename(_tempfile.gettempdir()), _os.path.dirname(_tempfile.gettempdir())
+for _name in ("rank0.stack", "rank0.waits", "public/checks/helpers.py") if _own == "own" else ():
+    # the grader's folder for the world, around the world's own
+    _tried(f"write the grader's {_name}", lambda: _append(_os.path.join(_graders, _name)))
+
+def par_matmul_by_row(A, B):
+    _fill(6, 4)
+    return None
+
+def par_matmul_by_reduction(A, B):
+    torch.empty(2 << 30, dtype=torch.uint8)
+"""
+
+
+@pytest.mark.parametrize("attacked", ATTACKERS, indirect=True)
+def test_a_world_takes_no_more_than_its_limits(attacked, monkeypatch):
+    base, who = attacked
+    for name, value in SMALL_LIMITS.items():
+        monkeypatch.setenv(name, value)
+    done, path, said = _grade_in_repository(base, who, {"dist.py": TAKE_WITHOUT_LIMIT})
+    tried = {line.partition(": ")[0] for line in said.splitlines()}
+    assert "done" not in said and len(tried) == 5, said
+    found = assert_no_points(done, path)
+    feedback = {t["name"]: t["output"] for t in found["tests"]}
+    disk = "holds at most 16 MiB of files where grades are made (COURSE_LIMIT_DISK)"
+    memory = "may allocate at most 1024 MiB of memory where grades are made (COURSE_LIMIT_MEMORY)"
+    for name, text in feedback.items():
+        if "by_row" in name:
+            assert "No space left on device" in text and disk in text and "dist.py" in text, text
+        if "by_reduction" in name:
+            assert memory in text and "dist.py" in text, text
+
+
+def test_a_world_takes_what_it_wants_without_a_sandbox(tmp_path, monkeypatch):
+    """The control: with COURSE_SANDBOX=off each limit is the machine's: the payload's writes and its
+    allocation succeed, and nothing says a limit."""
+    os.chmod(tmp_path, 0o755)
+    for name, value in SMALL_LIMITS.items():
+        monkeypatch.setenv(name, value)
+    cheat = {"dist.py": TAKE_WITHOUT_LIMIT}
+    done, _, said = _grade_in_repository(tmp_path, (sys.executable, None, "off", ""), cheat)
+    assert "write a file past the limit: done" in said, said
+    assert "COURSE_LIMIT" not in done.stdout, done.stdout
+
+
+# Issue 47: what a notebook's workers print went, unbounded, into its feedback (108 MB made a 110 MB notebook
+# and took autograde's process to 1.1 GB). Rank 0 of each world prints 24 MiB once (once per machine without
+# a sandbox): past the 16 MiB a rank's file may reach (COURSE_LIMIT_FILE), its output.txt included.
+PRINTS_WITHOUT_END = """
+import os as _os, sys as _sys, tempfile as _tempfile
+_mark = _os.path.join(_tempfile.gettempdir(), "printed" + _os.path.dirname(_os.path.abspath(__file__)).replace("/", "-"))
+if _os.environ.get("RANK") == "0" and not _os.path.exists(_mark):
+    open(_mark, "w").close()
+    try:
+        for _ in range(24):
+            print("x" * ((1 << 20) - 1), flush=True)
+    except OSError:
+        pass
+"""
+
+
 def _autograde_class(base, who, listener):
     """`make autograde` of exercise 2, as who says, in the instructors' repository (a grader's copy
     with solutions/), on a class: alice, correct, and one student per cheat; the grading folder."""
@@ -1173,7 +1269,7 @@ def _autograde_class(base, who, listener):
     base = pathlib.Path(base)
     grader, _ = _copy_grader(base, {})
     shutil.copytree(SOLUTIONS, grader / "solutions", ignore=shutil.ignore_patterns("__pycache__"))
-    cheats = {**VIEW_CHEATS, "reaches_a_listener": _reaching(listener)}
+    cheats = {**VIEW_CHEATS, "reaches_a_listener": _reaching(listener), "prints_without_end": PRINTS_WITHOUT_END}
     for student, cheat in [("alice", None), *cheats.items()]:
         folder = base / "class" / student
         folder.mkdir(parents=True)
@@ -1223,6 +1319,9 @@ def test_a_class_whose_cheats_read_or_reach_others_is_graded_as_if_they_did_not(
         assert all("is not written yet" in t["output"] for t in found["tests"]), found
         assert "refused" in said and "done" not in said, f"{student}: what the payload could do:\n{said}"
         assert "extra_data" not in found, found
+    found, _ = _graded(out, "prints_without_end")
+    assert found["score"] == 0 and all("is not written yet" in t["output"] for t in found["tests"]), found
+    assert os.path.getsize(out / "feedback" / "prints_without_end" / "output.txt") <= 16 << 20
     with open(out / "report.json") as f:
         assert not json.load(f)["advisory"]
 
@@ -1243,6 +1342,7 @@ def test_a_class_whose_cheats_read_or_reach_others_pays_without_a_sandbox(tmp_pa
         assert found["extra_data"]["advisory"] == "submission code ran without a sandbox (COURSE_SANDBOX=off)", found
         assert "This grade is advisory: submission code ran without a sandbox" in found["output"], found
     assert "done" in _graded(out, "reaches_a_listener")[1]
+    assert os.path.getsize(out / "feedback" / "prints_without_end" / "output.txt") >= 24 << 20
     with open(out / "report.json") as f:
         assert "COURSE_SANDBOX=off" in json.load(f)["advisory"]
     assert "These grades are advisory" in (out / "report.html").read_text()

@@ -1343,6 +1343,26 @@ def test_an_error_every_rank_raised_is_said_as_every_rank_s():
     assert "most likely because" not in f.report()
 
 
+@pytest.mark.parametrize(
+    "error, said, limit",
+    [
+        ("OSError", "[Errno 28] No space left on device: '/w/own/x'", "disk"),
+        ("OSError", "[Errno 27] File too large", "file"),
+        ("RuntimeError", "DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes", "memory"),
+        ("MemoryError", "", "memory"),
+    ],
+)
+def test_a_limit_reached_is_named_where_the_world_had_limits(error, said, limit):
+    """A sandboxed world's error that its limits explain names the limit and its variable; the same
+    error in a world without limits (the machine's own disk or memory) does not."""
+    report = dict(rank=1, when=1.0, error=error, message=said, full_message=said, frames=[("/x/dist.py", 7, "f")])
+    limits = {"disk": 256, "file": 16, "memory": 4096}
+    found = diagnose([report], [], 2, limits)
+    assert "MiB" in found.sentence() and f"(COURSE_LIMIT_{limit.upper()})" in found.sentence(), found.sentence()
+    assert f"(COURSE_LIMIT_{limit.upper()})" in found.report(), found.report()
+    assert "COURSE_LIMIT" not in diagnose([report], [], 2).sentence()
+
+
 def test_libuv_switch():
     assert env.libuv_available({}) and not env.libuv_available({"USE_LIBUV": "0"})
 
