@@ -1348,7 +1348,11 @@ def test_an_error_every_rank_raised_is_said_as_every_rank_s():
     [
         ("OSError", "[Errno 28] No space left on device: '/w/own/x'", "disk"),
         ("OSError", "[Errno 27] File too large", "file"),
-        ("RuntimeError", "DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes", "memory"),
+        (
+            "RuntimeError",
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes",
+            "memory",
+        ),
         ("MemoryError", "", "memory"),
     ],
 )
