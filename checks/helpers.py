@@ -9,6 +9,7 @@ code under test ever ran (reference_world()). So code under test can do what it 
 workers, and a verdict is still decided only by code of this repository and torch.
 """
 
+import dataclasses
 import math
 from contextlib import redirect_stdout
 from io import StringIO
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from course import impl
 from course.grading.points import said
-from course.launch import run
+from course.launch import Observed, run
 
 # Small enough that a multi-rank check takes a fraction of a second; 144 training rows divide
 # into batches of 8 and of 16 alike, so one epoch of W ranks matches one epoch of one process.
@@ -255,7 +256,10 @@ def malformed(got, shape, path=""):
 
 
 def validated(results, shape, world_size):
-    """results (by rank), each checked against shape: a malformed one fails the check, saying what came back."""
+    """results (by rank), each checked against shape: a malformed one fails the check, saying what came back.
+    An Observed (run's observe) is returned as it came, its results checked."""
+    if isinstance(results, Observed):
+        return dataclasses.replace(results, results=validated(results.results, shape, world_size))
     for rank, got in enumerate(results):
         found = malformed(got, shape)
         if found is None:
@@ -280,7 +284,7 @@ def world(fn, world_size, *args, expect, keep=True, debug=True, **options):
     check compared). The workers are sandboxed (course/runtime/sandbox.py): every world that runs submission
     code comes from here or alone(). The world is kept for the next probe of its size and options
     (course/runtime/workers.py says what each call gets afresh) unless keep is False; options go to run()
-    (timeout, ...)."""
+    (timeout, ...). With observe=True, run's Observed: the validated results with what the kernel counted."""
     return validated(run(fn, world_size, *args, keep=keep, sandbox=True, debug=debug, **options), expect, world_size)
 
 

@@ -50,7 +50,8 @@ def ring_in_world(folder):
 def check_ring(folder, world_size):
     """ring_all_reduce sums in place over the ranks with point-to-point messages only: one chunk per step to
     one neighbour, every message waited for."""
-    results = world(ring_in_world, world_size, folder, expect=many((torch.Tensor, SUMMARY), len(CASES)))
+    observed = world(ring_in_world, world_size, folder, expect=many((torch.Tensor, SUMMARY), len(CASES)), observe=True)
+    results = observed.results
     sums = [sum(rank_tensor(i, rank) for rank in range(world_size)) for i in range(len(CASES))]
     for rank, per_case in enumerate(results):
         neighbours = {(rank + 1) % world_size, (rank - 1) % world_size} - {rank}
@@ -104,6 +105,17 @@ def check_ring(folder, world_size):
             " tensor): the sum went another way (a collective, torch's functional collectives); use dist.isend and"
             " dist.irecv",
         )
+    # The same bound on what the kernel counted (where grades are made: a world's network is its own), which no
+    # code in the workers can write: a sum the ranks computed without exchanging anything (their inputs made
+    # the checks' way) and a log written to match fail it.
+    least = sum(2 * (world_size - 1) * math.prod(shape) * dtype.itemsize for shape, dtype in CASES)
+    carried = observed.loopback_bytes
+    assert carried is None or carried >= least, said(
+        "a sum that no message carried",
+        f"with {world_size} ranks, the world's network carried {carried} bytes in all during the ring's cases, as"
+        f" the kernel counted them, where any all-reduce by messages sends at least {least} (2(W-1) times each"
+        " tensor): the ranks did not exchange their tensors; use dist.isend and dist.irecv",
+    )
 
 
 @pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.points(6)), 3, 4])

@@ -17,9 +17,19 @@ from course.flags import SCRIPT_TIME_LIMIT, add_launch_arguments, launch_options
 from course.runtime import env
 from course.runtime.cluster import choose, run_in_external_world
 from course.runtime.failure import Failure, RankFact
-from course.runtime.workers import Interrupted, WorldFailed, run
+from course.runtime.workers import Interrupted, Observed, WorldFailed, run
 
-__all__ = ["run", "launch", "bench", "WorldFailed", "Failure", "RankFact", "add_launch_arguments", "launch_options"]
+__all__ = [
+    "run",
+    "launch",
+    "bench",
+    "WorldFailed",
+    "Observed",
+    "Failure",
+    "RankFact",
+    "add_launch_arguments",
+    "launch_options",
+]
 
 
 def launch(

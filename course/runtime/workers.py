@@ -77,6 +77,18 @@ from course.runtime.processes import (
 from course.runtime.worker import ANSWERED, ENDED, GONE, WorkerSettings, board_path, worker
 
 
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """A call's results, and what the kernel counted of it, read by the process that started the world,
+    not by a worker: a fact no code under test can write (run's ``observe``)."""
+
+    results: list
+    # The bytes its ranks sent one another during the call over the world's own network (a sandbox's,
+    # course/runtime/sandbox.py), headers included: at least what they sent. None without a sandbox,
+    # whose ranks share the machine's loopback with every other process.
+    loopback_bytes: int | None
+
+
 class WorldFailed(RuntimeError):
     """A world that did not finish; ``failure`` says how (course.runtime.failure.Failure)."""
 
@@ -181,7 +193,8 @@ def run(
     sandbox: bool = False,
     reference: bool = False,
     fresh: bool | None = None,
-) -> list:
+    observe: bool = False,
+) -> list | Observed:
     """Run ``fn(*args)`` on every rank of a new world; return the results by rank.
 
     Raises WorldFailed when any rank fails, when the world runs past ``timeout`` seconds, or when
@@ -192,6 +205,7 @@ def run(
     Results must be data: tensors, numbers, strings, None, and lists, tuples and dicts of those.
     With ``keep``, a world kept by an earlier call with the same settings runs it (module docstring);
     with ``fresh`` too (default: for_credit()), in a process of the call's own.
+    With ``observe``, an Observed: the results and what the kernel counted of the call.
     With ``sandbox`` (the checks), the workers are confined before they run anything (course/runtime/sandbox.py);
     after sandbox_every_world() (the grader, the notebooks' checks process) every world is.
     With ``reference`` (what a judge compares with: torch's own DDP, ZeroRedundancyOptimizer, ...), the
@@ -245,7 +259,8 @@ def run(
             world.call(call)
         world.timeout = timeout
         try:
-            return world.collect()
+            results = world.collect()
+            return Observed(results, world.loopback_sent()) if observe else results
         finally:
             if keep and world.reusable and (not fresh or world.ended_call()):
                 _kept.put(key, world)
@@ -324,6 +339,7 @@ class _World:
         self.needed: set = set()  # of env.CALL_MODULES: what its calls have imported
         self.stacks_before: dict = {}  # the size of each rank's stack file when the call began
         self.clock: OwnTime | None = None  # the call's own time, from collect() on
+        self.loopback: int | None = None  # the world's loopback bytes (sandbox.Guard's) as its call began
 
     @classmethod
     def start(cls, method: str, settings: WorkerSettings) -> _World:
@@ -368,6 +384,7 @@ class _World:
     def call(self, call: bytes) -> None:
         """Hand every rank the pickled (fn, args), and this process's stdout and stderr as they are now."""
         self.results, self.reports, self.ended, self.reusable = {}, [], [], False
+        self.loopback = self.guard.loopback_bytes() if self.guard is not None else None
         self.stacks_before = {r: self._stack_size(r) for r in range(self.world_size)}
         for proc, conn in zip(self.procs, self.conns):
             conn.send_bytes(call)
@@ -407,6 +424,10 @@ class _World:
         if self.pending:
             raise WorldFailed(failure.timed_out(self._where_running(), self.world_size, self.timeout))
         return [self.results[r] for r in range(self.world_size)]
+
+    def loopback_sent(self) -> int | None:
+        """What the world's loopback carried since its call began (Observed's loopback_bytes)."""
+        return None if self.loopback is None else self.guard.loopback_bytes() - self.loopback
 
     def ended_call(self) -> bool:
         """Every rank answered: tell the workers to end what the call started (the call's process, and

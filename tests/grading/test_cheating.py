@@ -1039,7 +1039,7 @@ def _instructors_repository(base, cheats):
     return grader, submission
 
 
-def _grade_in_repository(base, who, cheats):
+def _grade_in_repository(base, who, cheats, ex=2):
     python, user, mode, packages = who
     grader, _ = _instructors_repository(base, cheats)
     _as_user(base, who)
@@ -1047,7 +1047,12 @@ def _grade_in_repository(base, who, cheats):
     if packages:
         env["PYTHONPATH"] = packages
     done = warm.run(
-        ["-m", "course", "grade", "--ex", "2", "--", "-s"], cwd=grader, env=env, python=python, user=user, timeout=240
+        ["-m", "course", "grade", "--ex", str(ex), "--", "-s"],
+        cwd=grader,
+        env=env,
+        python=python,
+        user=user,
+        timeout=240,
     )
     said = "\n".join(line for line in done.stderr.splitlines() if line.startswith("CHEAT")) or "(nothing)"
     return done, grader / "results.json", said
@@ -1164,6 +1169,47 @@ def test_a_worker_sees_the_graders_environment_without_a_sandbox(tmp_path, monke
     cheat = {"dist.py": READ_THE_GRADERS_ENVIRONMENT}
     _, _, said = _grade_in_repository(tmp_path, (sys.executable, None, "off", ""), cheat)
     assert "read the grader's environment: done" in said, said
+
+
+# Issue 47: evidence written in the worker. Exercise 5's inputs are made the check's way (rank_tensor, which
+# the workers can import): each rank computes the sum of every rank's tensor by itself, exchanges nothing,
+# and makes the communication log say what a ring sends. Every bound the log gave holds; the bytes the
+# world's own network carried, which the grader reads from the kernel, are far below what any all-reduce
+# sends.
+FORGED_RING = """
+import checks.comm_log as _log
+import checks.test_ex05_ring as _check
+
+_said = {}
+_summary = _log.CommLog.summary
+_log.CommLog.summary = lambda self: {**_summary(self), **_said}
+
+
+def ring_all_reduce(tensor):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    case = next(i for i in range(len(_check.CASES)) if torch.equal(tensor, _check.rank_tensor(i, rank)))
+    tensor.copy_(sum(_check.rank_tensor(case, r) for r in range(size)))
+    chunk = -(-tensor.numel() // size) * tensor.element_size()
+    peers = [(rank + 1) % size] if size > 1 else []
+    _said.update(sent_bytes=2 * (size - 1) * chunk, send_peers=peers, receive_peers=[(rank - 1) % size] * (size > 1))
+"""
+
+
+@pytest.mark.parametrize("attacked", ATTACKERS, indirect=True)
+def test_a_ring_that_exchanges_nothing_gains_nothing(attacked):
+    base, who = attacked
+    done, path, _ = _grade_in_repository(base, who, {"dist.py": FORGED_RING}, ex=5)
+    found = results(path)
+    assert found["score"] == 0 and {t["status"] for t in found["tests"]} == {"failed"}, found
+    for check in found["tests"]:
+        assert "the world's network carried" in check["output"] and "as the kernel counted them" in check["output"]
+
+
+def test_a_ring_that_exchanges_nothing_passes_without_a_sandbox(tmp_path):
+    """The control: with COURSE_SANDBOX=off no network is the world's own, and the forged log passes every check."""
+    os.chmod(tmp_path, 0o755)
+    _, path, _ = _grade_in_repository(tmp_path, (sys.executable, None, "off", ""), {"dist.py": FORGED_RING}, ex=5)
+    assert results(path)["score"] == 20, results(path)
 
 
 # Issue 47: a world without limits. Its folder took 1 GiB of the grader's disk, a rank could take the machine's
