@@ -11,6 +11,7 @@ workers, and a verdict is still decided only by code of this repository and torc
 
 import dataclasses
 import math
+import os
 from contextlib import redirect_stdout
 from io import StringIO
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from course import impl
 from course.grading.points import said
 from course.launch import Observed, run
+from course.runtime.workers import for_credit
 
 # Small enough that a multi-rank check takes a fraction of a second; 144 training rows divide
 # into batches of 8 and of 16 alike, so one epoch of W ranks matches one epoch of one process.
@@ -274,6 +276,14 @@ def validated(results, shape, world_size):
             )
         )
     return results
+
+
+def drawn(seed):
+    """The generator of a check's inputs: seeded with seed, so that a student sees the same feedback at each
+    run; where the grade counts (for_credit()), seeded by the operating system as the check runs, so that
+    no submission knows the inputs before it is given them (the probe receives them: world's per_rank)."""
+    chosen = int.from_bytes(os.urandom(8), "little") if for_credit() else seed
+    return torch.Generator().manual_seed(chosen)
 
 
 def world(fn, world_size, *args, expect, keep=True, debug=True, **options):

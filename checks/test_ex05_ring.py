@@ -4,10 +4,9 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from checks.comm_log import SUMMARY, CommLog
-from checks.helpers import load, many, world
+from checks.helpers import drawn, load, many, world
 from course.grading.points import said
 
 # No world of these checks builds an optimizer: grading them alone need not import torch._dynamo
@@ -28,19 +27,17 @@ CASES = [
 
 
 def rank_tensor(i, rank):
-    """Rank rank's input of case i."""
+    """Rank rank's input of case i: drawn as the check runs where the grade counts (drawn())."""
     shape, dtype = CASES[i]
-    g = torch.Generator().manual_seed(10 * i + rank)
-    return (torch.randn(shape, generator=g) * 100).to(dtype)
+    return (torch.randn(shape, generator=drawn(10 * i + rank)) * 100).to(dtype)
 
 
-def ring_in_world(folder):
-    """Probe, on every rank: ring_all_reduce each case, and note what it sent to whom."""
+def ring_in_world(folder, tensors):
+    """Probe, on every rank: ring_all_reduce each case's tensor (this rank's own, given by the judge), and
+    note what it sent to whom."""
     d = load(folder).dist
-    rank = dist.get_rank()
     out = []
-    for i in range(len(CASES)):
-        tensor = rank_tensor(i, rank)
+    for tensor in tensors:
         with CommLog() as log:
             d.ring_all_reduce(tensor)
         out.append((tensor, log.summary()))
@@ -50,9 +47,13 @@ def ring_in_world(folder):
 def check_ring(folder, world_size):
     """ring_all_reduce sums in place over the ranks with point-to-point messages only: one chunk per step to
     one neighbour, every message waited for."""
-    observed = world(ring_in_world, world_size, folder, expect=many((torch.Tensor, SUMMARY), len(CASES)), observe=True)
+    # Each rank is given its own tensors only: no rank can know the sum without the others' messages.
+    tensors = [[rank_tensor(i, rank) for i in range(len(CASES))] for rank in range(world_size)]
+    shape = many((torch.Tensor, SUMMARY), len(CASES))
+    per_rank = [(own,) for own in tensors]
+    observed = world(ring_in_world, world_size, folder, expect=shape, observe=True, per_rank=per_rank)
     results = observed.results
-    sums = [sum(rank_tensor(i, rank) for rank in range(world_size)) for i in range(len(CASES))]
+    sums = [sum(own[i] for own in tensors) for i in range(len(CASES))]
     for rank, per_case in enumerate(results):
         neighbours = {(rank + 1) % world_size, (rank - 1) % world_size} - {rank}
         for (shape, dtype), expected, (got, log) in zip(CASES, sums, per_case):

@@ -194,6 +194,7 @@ def run(
     reference: bool = False,
     fresh: bool | None = None,
     observe: bool = False,
+    per_rank: list | None = None,
 ) -> list | Observed:
     """Run ``fn(*args)`` on every rank of a new world; return the results by rank.
 
@@ -206,6 +207,8 @@ def run(
     With ``keep``, a world kept by an earlier call with the same settings runs it (module docstring);
     with ``fresh`` too (default: for_credit()), in a process of the call's own.
     With ``observe``, an Observed: the results and what the kernel counted of the call.
+    ``per_rank``: arguments for each rank alone, after ``args`` (rank r calls ``fn(*args,
+    *per_rank[r])``): what one rank is given, no other rank's process ever holds.
     With ``sandbox`` (the checks), the workers are confined before they run anything (course/runtime/sandbox.py);
     after sandbox_every_world() (the grader, the notebooks' checks process) every world is.
     With ``reference`` (what a judge compares with: torch's own DDP, ZeroRedundancyOptimizer, ...), the
@@ -215,6 +218,8 @@ def run(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if per_rank is not None and len(per_rank) != world_size:
+        raise ValueError(f"per_rank holds {len(per_rank)} ranks' arguments for a world of {world_size}")
     env.choose_backend(backend, device)  # refuses nccl for CPU tensors before any worker starts
     timeout = timeout if timeout is not None else _seconds_from_env("COURSE_TIMEOUT", 600)
     if collective_timeout is None:
@@ -225,7 +230,7 @@ def run(
     # Pickled here, whatever the start method: every method then accepts the same functions, ones
     # defined at the top level of an importable module (not in a notebook cell).
     try:
-        call = pickle.dumps((fn, args))
+        calls = [pickle.dumps((fn, (*args, *own))) for own in (per_rank or [()] * world_size)]
     except Exception as exc:
         raise TypeError(
             f"{fn!r} and its arguments must be picklable by reference: define it at the top level of a .py file ({exc})"
@@ -244,7 +249,7 @@ def run(
     try:
         if world is not None:
             try:
-                world.call(call)
+                world.call(calls)
             except OSError:  # a kept worker ended while it waited (killed from outside)
                 world.stop()
                 world = None
@@ -256,7 +261,7 @@ def run(
             compare = debug and backend == "gloo"
             settings = dataclasses.replace(settings, view=view, reference=reference, compare=compare, fresh=fresh)
             world = _World.start(method, settings)
-            world.call(call)
+            world.call(calls)
         world.timeout = timeout
         try:
             results = world.collect()
@@ -381,12 +386,12 @@ class _World:
             raise
         return world
 
-    def call(self, call: bytes) -> None:
-        """Hand every rank the pickled (fn, args), and this process's stdout and stderr as they are now."""
+    def call(self, calls: list) -> None:
+        """Hand each rank its pickled (fn, args), and this process's stdout and stderr as they are now."""
         self.results, self.reports, self.ended, self.reusable = {}, [], [], False
         self.loopback = self.guard.loopback_bytes() if self.guard is not None else None
         self.stacks_before = {r: self._stack_size(r) for r in range(self.world_size)}
-        for proc, conn in zip(self.procs, self.conns):
+        for proc, conn, call in zip(self.procs, self.conns, calls):
             conn.send_bytes(call)
             conn.send_bytes(" ".join(sorted(self.needed)).encode())
             send_streams(conn, proc.pid)

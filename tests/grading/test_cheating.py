@@ -1195,6 +1195,48 @@ def ring_all_reduce(tensor):
 """
 
 
+# And one that sends the bytes a ring would, of junk, and forges the log of its collectives too: the kernel's
+# count holds; what it lacks is the inputs, which the grade for credit draws as it runs and gives each rank
+# its own only.
+JUNK = """
+_said.update(collectives=[], collective_dtypes=[], collective_bytes=[], collective_groups=[])
+_forged = ring_all_reduce
+
+
+def ring_all_reduce(tensor):
+    _forged(tensor)
+    for _ in range(2):
+        dist.all_reduce(torch.zeros_like(tensor))
+"""
+
+
+def _as_this_user():
+    """The grader's settings as this process's user, sandboxed (a reason to skip where none can be)."""
+    who = _who("root" if os.geteuid() == 0 else "a normal user")
+    if isinstance(who, str):
+        pytest.skip(who)
+    return who
+
+
+def test_a_forged_ring_with_its_bytes_gains_nothing_for_credit(tmp_path, monkeypatch):
+    os.chmod(tmp_path, 0o755)
+    monkeypatch.setenv("COURSE_FOR_CREDIT", "1")
+    who = _as_this_user()
+    _, path, _ = _grade_in_repository(tmp_path, who, {"dist.py": FORGED_RING + JUNK}, ex=5)
+    found = results(path)
+    assert found["score"] == 0 and {t["status"] for t in found["tests"]} == {"failed"}, found
+    assert all("StopIteration" in t["output"] for t in found["tests"]), found  # no input of the checks' seeds
+
+
+def test_a_forged_ring_with_its_bytes_passes_where_its_inputs_are_known(tmp_path):
+    """The control: sandboxed, not for credit (a student's own grade, feedback on their own machine), the inputs
+    are the checks' seeded ones and the forgery earns every point."""
+    os.chmod(tmp_path, 0o755)
+    who = _as_this_user()
+    _, path, _ = _grade_in_repository(tmp_path, who, {"dist.py": FORGED_RING + JUNK}, ex=5)
+    assert results(path)["score"] == 20, results(path)
+
+
 @pytest.mark.parametrize("attacked", ATTACKERS, indirect=True)
 def test_a_ring_that_exchanges_nothing_gains_nothing(attacked):
     base, who = attacked
