@@ -4,11 +4,10 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from checks.comm_log import ProductFlops
 from checks.contracts import check_contracts
-from checks.helpers import load, many, world
+from checks.helpers import drawn, load, many, world
 from course.grading.points import said
 
 # No world of these checks builds an optimizer: grading them alone need not import torch._dynamo
@@ -20,23 +19,31 @@ SHAPES = [(8, 8, 8), (12, 6, 5), (7, 5, 3), (5, 11, 2), (2, 3, 4), (1, 1, 1)]
 
 
 def operands(i):
+    """Shape i's A and B: drawn as the check runs where the grade counts (drawn())."""
     m, k, n = SHAPES[i]
-    g = torch.Generator().manual_seed(i)
+    g = drawn(i)
     return torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
 
 
-def multiply_everything(folder, method):
-    """Probe, on every rank: dist.py's `method` on every shape; A and B exist on rank 0 only. With
-    each result, the floating-point operations of the products this rank computed (counted at
-    torch's dispatcher, whatever function or operator the code used)."""
+def multiply_everything(folder, method, given):
+    """Probe, on every rank: dist.py's `method` on every shape; A and B are given to rank 0 only (``given``,
+    None on the other ranks, whose processes never hold them). With each result, the floating-point
+    operations of the products this rank computed (counted at torch's dispatcher, whatever function or
+    operator the code used)."""
     multiply = getattr(load(folder).dist, method)
-    rank = dist.get_rank()
     out = []
     for i in range(len(SHAPES)):
         with ProductFlops() as counted:
-            result = multiply(*(operands(i) if rank == 0 else (None, None)))
+            result = multiply(*(given[i] if given is not None else (None, None)))
         out.append((result, counted.flops))
     return out
+
+
+def multiplied(folder, world_size, method):
+    """The shapes' operands, and what each rank returned for each with its flops (multiply_everything)."""
+    cases = [operands(i) for i in range(len(SHAPES))]
+    given = [(cases,)] + [(None,)] * (world_size - 1)
+    return cases, world(multiply_everything, world_size, folder, method, expect=PRODUCTS, per_rank=given)
 
 
 # Per shape, what the method returned (the judge tells a product from anything else) and the products' flops.
@@ -143,9 +150,9 @@ def _work_split(what, method, flops, m, k, n, world_size, rank):
 
 def check_by_row(folder, world_size):
     """par_matmul_by_row: A @ B on rank 0, None elsewhere, each rank multiplying its rows only."""
-    results = world(multiply_everything, world_size, folder, "par_matmul_by_row", expect=PRODUCTS)
+    cases, results = multiplied(folder, world_size, "par_matmul_by_row")
     for i, (m, k, n) in enumerate(SHAPES):
-        A, B = operands(i)
+        A, B = cases[i]
         expected = A @ B
         what = f"with {world_size} ranks, A {m}x{k} @ B {k}x{n}"
         for rank, per_shape in enumerate(results):
@@ -168,9 +175,9 @@ def check_by_row(folder, world_size):
 
 def check_by_reduction(folder, world_size):
     """par_matmul_by_reduction: A @ B on every rank, each rank multiplying its slice of k only."""
-    results = world(multiply_everything, world_size, folder, "par_matmul_by_reduction", expect=PRODUCTS)
+    cases, results = multiplied(folder, world_size, "par_matmul_by_reduction")
     for i, (m, k, n) in enumerate(SHAPES):
-        A, B = operands(i)
+        A, B = cases[i]
         expected = A @ B
         what = f"with {world_size} ranks, A {m}x{k} @ B {k}x{n}"
         on_rank0 = results[0][i][0]

@@ -53,7 +53,8 @@ def mistake(error: BaseException) -> dict:
     """What a failed check diagnosed, as facts: the same mistake gives the same dict, whatever its sentence.
 
     - a world of workers that failed: course.runtime.failure.Failure's kind, and for the rank that went
-      wrong first (every waiting rank, for a hang) the collective and the place (file, func);
+      wrong first (every waiting rank, for a hang) the collective, the place (file, func) and the limit
+      of its sandboxed world that it reached (disk, file, memory);
       a stub names its function, a file that does not import the file and the error;
     - the check's own assertion: the file, line and function of the `assert` that failed, in
       checks/ (one statement judges one thing);
@@ -77,6 +78,7 @@ def mistake(error: BaseException) -> dict:
                 | ({"collective": f.op or f.collective} if f.op or f.collective else {})
                 | ({"file": f.file, "func": f.func} if f.file else {})
                 | ({"line": f.line} if f.file and f.file not in STUDENT_FILES else {})
+                | ({"limit": f.limit} if f.limit and failure.limits else {})  # of its sandboxed world's
                 for f in ranks
             ],
         }

@@ -89,6 +89,7 @@ def title(mistake: dict) -> str:
             (f" {fact['error']}" if kind == "error" and fact.get("error") else "")
             + (f" in {fact['collective']}" if fact.get("collective") else "")
             + (f" at {fact['file']}, {fact['func']}" if fact.get("file") else "")
+            + (f", past the world's {fact['limit']} limit" if fact.get("limit") else "")
             for fact in mistake.get("ranks", [])
         ]
         label = KINDS[kind].label

@@ -21,7 +21,7 @@ from course.grading.points import said
 from course.grading.results import Check
 from course.instructors import report
 from course.layout import ROOT
-from course.runtime.failure import Failure, RankFact
+from course.runtime.failure import Failure, RankFact, diagnose
 from course.runtime.workers import WorldFailed
 
 MESSAGE = "rank 1's gradient of layers.0.weight is 2.0x the expected average: did you divide by the world size?"
@@ -315,6 +315,17 @@ def test_a_row_is_titled_by_what_the_check_diagnosed():
     two, three = mistake(raised(diagnosed, 2)), mistake(raised(diagnosed, 3))
     assert two["concept"] == "a value of two" and "concept" not in three and two != three
     assert report.title(two) == "a value of two"
+
+
+def test_a_limit_reached_is_its_own_row():
+    """Issue 47: a rank that reached a limit of its sandboxed world (its folder full, say) is a mistake of its
+    own in the class report, titled with the limit, not one with the same error on the machine's own disk."""
+    said = "[Errno 28] No space left on device"
+    report_ = dict(rank=0, when=1.0, error="OSError", message=said, full_message=said, frames=[("/s/dist.py", 3, "f")])
+    limited = mistake(WorldFailed(diagnose([report_], [], 2, {"disk": 256, "file": 16, "memory": 4096})))
+    unlimited = mistake(WorldFailed(diagnose([report_], [], 2)))
+    assert limited != unlimited and report.title(limited).endswith("past the world's disk limit"), limited
+    assert "limit" not in report.title(unlimited)
 
 
 def _own_nodes(function):
