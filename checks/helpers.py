@@ -298,12 +298,14 @@ def world(fn, world_size, *args, expect, keep=True, debug=True, **options):
     return validated(run(fn, world_size, *args, keep=keep, sandbox=True, debug=debug, **options), expect, world_size)
 
 
-def reference_world(fn, world_size, *args, expect):
+def reference_world(fn, world_size, *args, expect, per_rank=None):
     """Run the probe fn, which loads no code under test (it computes what a judge compares with: torch's own
     DDP, ZeroRedundancyOptimizer, ...), on every rank of a world that never loaded any (course/runtime/workers.py's
     reference worlds): a submission that patched torch or these checks in its own worlds cannot forge it. What
     it returned, by rank, checked against the shape expect (validated)."""
-    return validated(run(fn, world_size, *args, keep=True, debug=True, reference=True), expect, world_size)
+    return validated(
+        run(fn, world_size, *args, keep=True, debug=True, reference=True, per_rank=per_rank), expect, world_size
+    )
 
 
 def _without_process_group(fn, args):
@@ -351,9 +353,10 @@ def describe_ratio(name, got, expected, rank, before="", after="", close=float32
     )
 
 
-def global_batch(config, step, world_size):
-    """The rows every rank agrees on for one step: world_size * batch_size of them."""
-    g = torch.Generator().manual_seed(1000 + step)
+def global_batch(config, step, world_size, g=None):
+    """The rows every rank agrees on for one step: world_size * batch_size of them, drawn from g (by default
+    seeded with the step)."""
+    g = g or torch.Generator().manual_seed(1000 + step)
     rows = world_size * config.batch_size
     return torch.randn(rows, config.d_in, generator=g), torch.randint(0, config.n_classes, (rows,), generator=g)
 
@@ -373,22 +376,20 @@ def wrapper(folder, name):
     }[name]
 
 
-def parallel_steps(folder, wrap_name, steps):
-    """Probe, on every rank: wrap the same model, and train on this rank's share of each step.
+def parallel_steps(folder, wrap_name, shares):
+    """Probe, on every rank: wrap the same model, and train on this rank's share of each step (``shares``: the
+    judge gives each rank its own rows only, so no rank knows the batch whose gradient it must average).
 
     Every rank starts from rank 0's weights: the wrapper's broadcast has a check of its own
     (check_start_sync), so that a wrapper that forgets it loses that check, not this one too."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(100)
     model = SmallMLP()
     wrapped = wrapper(folder, wrap_name)(model)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=CONFIG.lr)
     grads, history = None, []
-    for step in range(steps):
-        x, y = global_batch(CONFIG, step, world_size)
-        mine = slice(rank * CONFIG.batch_size, (rank + 1) * CONFIG.batch_size)
+    for step, (x, y) in enumerate(shares):
         optimizer.zero_grad()
-        _, loss = wrapped(x[mine], y[mine])
+        _, loss = wrapped(x, y)
         loss.backward()
         if step == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -459,16 +460,25 @@ def one_process(model, optimizer, steps, world_size):
     return local, history
 
 
-def check_equivalence(folder, wrap_name, world_size, steps=3):
+def drawn_batches(world_size, steps):
+    """Each step's batch, drawn as the check runs where the grade counts (drawn()), and each rank's share of
+    them, as world()'s per_rank gives a rank its own: (batches, shares)."""
+    batches = [global_batch(CONFIG, step, world_size, drawn(1000 + step)) for step in range(steps)]
+    rows = CONFIG.batch_size
+    shares = [([tuple(t[r * rows : (r + 1) * rows] for t in batch) for batch in batches],) for r in range(world_size)]
+    return batches, shares
+
+
+def check_equivalence(folder, wrap_name, world_size, steps=3, drawn=None):
     """k parallel steps equal k steps of one process on the concatenated batch, on every rank; what the ranks
-    returned (parallel_steps)."""
+    returned (parallel_steps). ``drawn``: the steps' batches and shares (drawn_batches()), new ones if not given."""
     torch.manual_seed(100)  # rank 0's start
     model = SmallMLP()
     expect = {"grads": parameters_of(model), "history": many(parameters_of(model), steps)}
-    results = world(parallel_steps, world_size, folder, wrap_name, steps, expect=expect)
+    batches, shares = drawn or drawn_batches(world_size, steps)
+    results = world(parallel_steps, world_size, folder, wrap_name, expect=expect, per_rank=shares)
     optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
-    for step in range(steps):
-        x, y = global_batch(CONFIG, step, world_size)
+    for step, (x, y) in enumerate(batches):
         if step == 0:
             local = []
             for r in range(world_size):

@@ -1254,6 +1254,70 @@ def test_a_ring_that_exchanges_nothing_passes_without_a_sandbox(tmp_path):
     assert results(path)["score"] == 20, results(path)
 
 
+# Issue 47: a probe that held the whole batch on every rank. The checks of exercises 3, 4 and 6 once made each
+# step's batch on every rank and handed the wrapper its own rows: a MyDP that averages nothing, whose forward
+# finds the whole batch in its caller's frame and returns the loss on it, had the average gradient without a
+# message. Each rank is given its own rows only now.
+BROADCAST_ONLY_MYDP = """
+class MyDP(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.module = model
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor, src=0)
+
+    def forward(self, x, y):
+        return self.module(*self._batch(x, y))
+
+    def _batch(self, x, y):
+        return x, y
+"""
+WHOLE_BATCH_FROM_THE_FRAMES = """
+import sys as _sys
+
+
+def _whole(self, x, y):
+    frame = _sys._getframe(2)
+    while frame is not None:
+        found = [v for v in frame.f_locals.values() if isinstance(v, torch.Tensor) and v.dim() == 2]
+        found = [v for v in found if v.shape[1] == x.shape[1] and v.shape[0] > x.shape[0]]
+        labels = [v for v in frame.f_locals.values() if isinstance(v, torch.Tensor) and v.dim() == 1]
+        labels = [v for v in labels if found and v.shape[0] == found[0].shape[0]]
+        if found and labels:
+            return found[0], labels[0]
+        frame = frame.f_back
+    return x, y
+
+
+MyDP._batch = _whole
+"""
+
+
+def _graded_mydp(base, cheats, leak=False):
+    """Exercise 4's score of the stubs with cheats appended to mydp.py; with leak, in a grader whose probe makes
+    the whole batch on every rank, as it once did."""
+    grader, submission = _copy_grader(base, {"mydp.py": cheats})
+    if leak:
+        helpers = grader / "checks" / "helpers.py"
+        line = "        _, loss = wrapped(x, y)\n"
+        planted = "        whole_x, whole_y = global_batch(CONFIG, step, dist.get_world_size())\n" + line
+        assert line in helpers.read_text()
+        helpers.write_text(helpers.read_text().replace(line, planted))
+    environ = dict(os.environ, COURSE_IMPL=str(submission))
+    warm.run(["-m", "course", "grade", "--ex", "4"], cwd=grader, env=environ)
+    return results(grader / "results.json")
+
+
+def test_a_mydp_that_reads_the_whole_batch_gains_nothing(tmp_path):
+    honest = _graded_mydp(tmp_path / "honest", BROADCAST_ONLY_MYDP)
+    cheat = _graded_mydp(tmp_path / "cheat", BROADCAST_ONLY_MYDP + WHOLE_BATCH_FROM_THE_FRAMES)
+    assert cheat["score"] <= honest["score"] < 30, (honest["score"], cheat["score"])
+    # The control: where a probe holds the whole batch, the same MyDP earns the steps checks it never earned.
+    leaked = _graded_mydp(tmp_path / "leaked", BROADCAST_ONLY_MYDP + WHOLE_BATCH_FROM_THE_FRAMES, leak=True)
+    assert leaked["score"] > honest["score"], (honest["score"], leaked["score"])
+
+
 # Issue 47: a world without limits. Its folder took 1 GiB of the grader's disk, a rank could take the machine's
 # memory, a notebook's worker output (a file) grew to 108 MB; and the grader's own files for the world (the
 # public copy of the course, each rank's stack file and board) were in that folder, the ranks' to write. Now a
