@@ -278,6 +278,20 @@ def validated(results, shape, world_size):
     return results
 
 
+class Given:
+    """What a judge gives each rank its own part of (world()'s per_rank): made by ``make`` only once the
+    world's processes run, so that none of them was forked while the grader held every rank's part (each
+    would hold them all, in memory its submission can search); ``split`` makes each rank's arguments of it.
+    ``value``: what make made, for the judge."""
+
+    def __init__(self, make, split):
+        self.make, self.split, self.value = make, split, None
+
+    def __call__(self) -> list:
+        self.value = self.make()
+        return self.split(self.value)
+
+
 def drawn(seed):
     """The generator of a check's inputs: seeded with seed, so that a student sees the same feedback at each
     run; where the grade counts (for_credit()), seeded by the operating system as the check runs, so that
@@ -460,23 +474,29 @@ def one_process(model, optimizer, steps, world_size):
     return local, history
 
 
-def drawn_batches(world_size, steps):
-    """Each step's batch, drawn as the check runs where the grade counts (drawn()), and each rank's share of
-    them, as world()'s per_rank gives a rank its own: (batches, shares)."""
-    batches = [global_batch(CONFIG, step, world_size, drawn(1000 + step)) for step in range(steps)]
+def shares(batches, world_size):
+    """Each rank's rows of each step's batch, as world()'s per_rank gives a rank its own."""
     rows = CONFIG.batch_size
-    shares = [([tuple(t[r * rows : (r + 1) * rows] for t in batch) for batch in batches],) for r in range(world_size)]
-    return batches, shares
+    return [([tuple(t[r * rows : (r + 1) * rows] for t in batch) for batch in batches],) for r in range(world_size)]
 
 
-def check_equivalence(folder, wrap_name, world_size, steps=3, drawn=None):
+def drawn_batches(world_size, steps):
+    """Each step's batch, drawn as the check runs where the grade counts (drawn()), each rank given its rows."""
+    return Given(
+        lambda: [global_batch(CONFIG, step, world_size, drawn(1000 + step)) for step in range(steps)],
+        lambda batches: shares(batches, world_size),
+    )
+
+
+def check_equivalence(folder, wrap_name, world_size, steps=3, given=None):
     """k parallel steps equal k steps of one process on the concatenated batch, on every rank; what the ranks
-    returned (parallel_steps). ``drawn``: the steps' batches and shares (drawn_batches()), new ones if not given."""
+    returned (parallel_steps). ``given``: the steps' batches (drawn_batches()), new ones if not given."""
     torch.manual_seed(100)  # rank 0's start
     model = SmallMLP()
     expect = {"grads": parameters_of(model), "history": many(parameters_of(model), steps)}
-    batches, shares = drawn or drawn_batches(world_size, steps)
-    results = world(parallel_steps, world_size, folder, wrap_name, expect=expect, per_rank=shares)
+    given = given or drawn_batches(world_size, steps)
+    results = world(parallel_steps, world_size, folder, wrap_name, expect=expect, per_rank=given)
+    batches = given.value
     optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
     for step, (x, y) in enumerate(batches):
         if step == 0:

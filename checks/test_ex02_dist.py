@@ -7,7 +7,7 @@ import torch
 
 from checks.comm_log import ProductFlops
 from checks.contracts import check_contracts
-from checks.helpers import drawn, load, many, world
+from checks.helpers import Given, drawn, load, many, world
 from course.grading.points import said
 
 # No world of these checks builds an optimizer: grading them alone need not import torch._dynamo
@@ -41,9 +41,11 @@ def multiply_everything(folder, method, given):
 
 def multiplied(folder, world_size, method):
     """The shapes' operands, and what each rank returned for each with its flops (multiply_everything)."""
-    cases = [operands(i) for i in range(len(SHAPES))]
-    given = [(cases,)] + [(None,)] * (world_size - 1)
-    return cases, world(multiply_everything, world_size, folder, method, expect=PRODUCTS, per_rank=given)
+    given = Given(
+        lambda: [operands(i) for i in range(len(SHAPES))], lambda cases: [(cases,)] + [(None,)] * (world_size - 1)
+    )
+    results = world(multiply_everything, world_size, folder, method, expect=PRODUCTS, per_rank=given)
+    return given.value, results
 
 
 # Per shape, what the method returned (the judge tells a product from anything else) and the products' flops.

@@ -17,6 +17,7 @@ from checks.helpers import (
     maybe,
     parallel_steps,
     reference_world,
+    shares,
     world,
 )
 from course.grading.points import said
@@ -85,10 +86,11 @@ def check_hook_leaves_its_argument(folder):
 
 def check_mydp_steps(folder, world_size, steps=3):
     """MyDP's steps equal one process's on the whole batch, and torch's DDP's from the same start."""
-    batches = drawn_batches(world_size, steps)  # both runs on the same rows
-    results = check_equivalence(folder, "mydp", world_size, steps, batches)
+    given = drawn_batches(world_size, steps)  # both runs on the same rows
+    results = check_equivalence(folder, "mydp", world_size, steps, given)
     expect = {"history": many(SMALL_PARAMETERS, steps)}
-    theirs = reference_world(parallel_steps, world_size, None, "torch_ddp", expect=expect, per_rank=batches[1])
+    mine = shares(given.value, world_size)
+    theirs = reference_world(parallel_steps, world_size, None, "torch_ddp", expect=expect, per_rank=mine)
     for rank, (got, builtin) in enumerate(zip(results, theirs)):
         mine, builtin = got["history"][-1], builtin["history"][-1]
         gap = max((mine[k] - builtin[k]).abs().max().item() for k in mine)

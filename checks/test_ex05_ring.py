@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from checks.comm_log import SUMMARY, CommLog
-from checks.helpers import drawn, load, many, world
+from checks.helpers import Given, drawn, load, many, world
 from course.grading.points import said
 
 # No world of these checks builds an optimizer: grading them alone need not import torch._dynamo
@@ -48,11 +48,13 @@ def check_ring(folder, world_size):
     """ring_all_reduce sums in place over the ranks with point-to-point messages only: one chunk per step to
     one neighbour, every message waited for."""
     # Each rank is given its own tensors only: no rank can know the sum without the others' messages.
-    tensors = [[rank_tensor(i, rank) for i in range(len(CASES))] for rank in range(world_size)]
+    given = Given(
+        lambda: [[rank_tensor(i, rank) for i in range(len(CASES))] for rank in range(world_size)],
+        lambda tensors: [(own,) for own in tensors],
+    )
     shape = many((torch.Tensor, SUMMARY), len(CASES))
-    per_rank = [(own,) for own in tensors]
-    observed = world(ring_in_world, world_size, folder, expect=shape, observe=True, per_rank=per_rank)
-    results = observed.results
+    observed = world(ring_in_world, world_size, folder, expect=shape, observe=True, per_rank=given)
+    results, tensors = observed.results, given.value
     sums = [sum(own[i] for own in tensors) for i in range(len(CASES))]
     for rank, per_case in enumerate(results):
         neighbours = {(rank + 1) % world_size, (rank - 1) % world_size} - {rank}

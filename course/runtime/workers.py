@@ -208,7 +208,9 @@ def run(
     with ``fresh`` too (default: for_credit()), in a process of the call's own.
     With ``observe``, an Observed: the results and what the kernel counted of the call.
     ``per_rank``: arguments for each rank alone, after ``args`` (rank r calls ``fn(*args,
-    *per_rank[r])``): what one rank is given, no other rank's process ever holds.
+    *per_rank[r])``): what one rank is given, no other rank's process ever holds. Where it is a
+    callable, it is called for that list once the world's processes run (a world forked while this
+    process held every rank's arguments would hold them all, in memory a submission can search).
     With ``sandbox`` (the checks), the workers are confined before they run anything (course/runtime/sandbox.py);
     after sandbox_every_world() (the grader, the notebooks' checks process) every world is.
     With ``reference`` (what a judge compares with: torch's own DDP, ZeroRedundancyOptimizer, ...), the
@@ -218,8 +220,6 @@ def run(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    if per_rank is not None and len(per_rank) != world_size:
-        raise ValueError(f"per_rank holds {len(per_rank)} ranks' arguments for a world of {world_size}")
     env.choose_backend(backend, device)  # refuses nccl for CPU tensors before any worker starts
     timeout = timeout if timeout is not None else _seconds_from_env("COURSE_TIMEOUT", 600)
     if collective_timeout is None:
@@ -230,11 +230,20 @@ def run(
     # Pickled here, whatever the start method: every method then accepts the same functions, ones
     # defined at the top level of an importable module (not in a notebook cell).
     try:
-        calls = [pickle.dumps((fn, (*args, *own))) for own in (per_rank or [()] * world_size)]
+        pickle.dumps((fn, args))
     except Exception as exc:
         raise TypeError(
             f"{fn!r} and its arguments must be picklable by reference: define it at the top level of a .py file ({exc})"
         ) from exc
+
+    def calls() -> list:
+        """Each rank's pickled call. A callable per_rank is called here, once the world's processes run: no
+        process of the world was forked while this one held what it gives them."""
+        own = per_rank() if callable(per_rank) else per_rank
+        if own is not None and len(own) != world_size:
+            raise ValueError(f"per_rank holds {len(own)} ranks' arguments for a world of {world_size}")
+        return [pickle.dumps((fn, (*args, *mine))) for mine in (own or [()] * world_size)]
+
     child_env = env.loopback_settings(sys.platform)
     level = sandbox_level() if (sandbox or _every_world_sandboxed) and not reference else None
     confinement = level.name if level else "none"
@@ -249,7 +258,7 @@ def run(
     try:
         if world is not None:
             try:
-                world.call(calls)
+                world.call(calls())
             except OSError:  # a kept worker ended while it waited (killed from outside)
                 world.stop()
                 world = None
@@ -261,7 +270,7 @@ def run(
             compare = debug and backend == "gloo"
             settings = dataclasses.replace(settings, view=view, reference=reference, compare=compare, fresh=fresh)
             world = _World.start(method, settings)
-            world.call(calls)
+            world.call(calls())
         world.timeout = timeout
         try:
             results = world.collect()

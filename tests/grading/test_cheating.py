@@ -1254,6 +1254,59 @@ def test_a_ring_that_exchanges_nothing_passes_without_a_sandbox(tmp_path):
     assert results(path)["score"] == 20, results(path)
 
 
+# Issue 47: the grader's memory, forked. A world's processes are forked from the grader; one forked while the
+# judge held every rank's inputs holds them all too. This ring searches its process's objects for the list of
+# every rank's tensors and sums them; with a ring's bytes of junk and its log forged, it earned everything
+# where a check's call started its world. Each rank's inputs are made once its world runs (checks/helpers.py's
+# Given), so it finds none.
+FOUND_IN_MEMORY = """
+import gc as _gc
+
+import checks.comm_log as _log
+
+_said = {}
+_summary = _log.CommLog.summary
+_log.CommLog.summary = lambda self: {**_summary(self), **_said}
+
+
+def ring_all_reduce(tensor):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    peers = [(rank + 1) % size] * (size > 1)
+    chunk = -(-tensor.numel() // size) * tensor.element_size()
+    _said.update(sent_bytes=2 * (size - 1) * chunk, send_peers=peers, receive_peers=[(rank - 1) % size] * (size > 1))
+    _said.update(collectives=[], collective_dtypes=[], collective_bytes=[], collective_groups=[])
+    for _ in range(2):
+        dist.all_reduce(torch.zeros_like(tensor))
+    for found in _gc.get_objects():
+        if isinstance(found, list) and len(found) == size and all(isinstance(o, list) for o in found):
+            mine = found[rank]
+            for i, t in enumerate(mine):
+                same = isinstance(t, torch.Tensor) and t.dtype == tensor.dtype and t.shape == tensor.shape
+                if same and torch.equal(t, tensor) and all(len(other) == len(mine) for other in found):
+                    tensor.copy_(sum(other[i] for other in found))
+                    return
+"""
+
+
+def _graded_ring(base, cheats, leak=False):
+    """Exercise 5's score of the stubs with cheats appended to dist.py; with leak, in a grader whose judge makes
+    every rank's inputs before the world that receives them starts, as it once did."""
+    grader, submission = _copy_grader(base, {"dist.py": cheats})
+    if leak:
+        check = grader / "checks" / "test_ex05_ring.py"
+        assert "per_rank=given)" in check.read_text()
+        check.write_text(check.read_text().replace("per_rank=given)", "per_rank=given())"))
+    environ = dict(os.environ, COURSE_IMPL=str(submission))
+    warm.run(["-m", "course", "grade", "--ex", "5"], cwd=grader, env=environ)
+    return results(grader / "results.json")
+
+
+def test_a_ring_that_finds_the_other_ranks_inputs_in_its_memory_gains_nothing(tmp_path):
+    assert _graded_ring(tmp_path / "cheat", FOUND_IN_MEMORY)["score"] == 0
+    # The control: where the world is forked after every rank's inputs were made, the search pays.
+    assert _graded_ring(tmp_path / "leaked", FOUND_IN_MEMORY, leak=True)["score"] == 20
+
+
 # Issue 47: a probe that held the whole batch on every rank. The checks of exercises 3, 4 and 6 once made each
 # step's batch on every rank and handed the wrapper its own rows: a MyDP that averages nothing, whose forward
 # finds the whole batch in its caller's frame and returns the loss on it, had the average gradient without a
