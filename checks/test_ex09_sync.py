@@ -18,7 +18,9 @@ from checks.helpers import (
     CONFIG,
     SMALL_PARAMETERS,
     WIDTHS,
+    Given,
     SmallMLP,
+    drawn,
     forward_from,
     global_batch,
     keyed,
@@ -38,16 +40,28 @@ MOMENTUM, EPS = 0.1, 1e-5
 TRAIN_STEPS = 2  # training forward passes before the one in eval mode
 
 
-def rank_rows(step, rows, rank):
-    """Rank rank's rows of one step: a slice of one batch that every rank draws alike."""
-    g = torch.Generator().manual_seed(900 + step)
-    everything = torch.randn(sum(rows), FEATURES, generator=g) * torch.tensor([1.0, 2.0, 0.5, 3.0]) + 1.5
-    start = sum(rows[:rank])
-    return everything[start : start + rows[rank]]
+class Batches:
+    """The rows of each step of a check, every rank's, drawn once (drawn()) as the check runs: the judge's,
+    and each rank's slice of them, the only rows a rank is given (rows_given())."""
+
+    def __init__(self, rows, steps=TRAIN_STEPS + 1):
+        self.rows = rows
+        scale = torch.tensor([1.0, 2.0, 0.5, 3.0])
+        self.steps = [torch.randn(sum(rows), FEATURES, generator=drawn(900 + s)) * scale + 1.5 for s in range(steps)]
+
+    def all(self, step):
+        return self.steps[step]
+
+    def rank(self, step, rank):
+        start = sum(self.rows[:rank])
+        return self.steps[step][start : start + self.rows[rank]]
 
 
-def all_rows(step, rows):
-    return torch.cat([rank_rows(step, rows, r) for r in range(len(rows))])
+def rows_given(rows):
+    """What world() gives each rank of the batches of a check on ``rows`` per rank: its own rows of each step."""
+    return Given(
+        lambda: Batches(rows), lambda b: [([b.rank(s, r) for s in range(len(b.steps))],) for r in range(len(rows))]
+    )
 
 
 def affine():
@@ -82,17 +96,18 @@ def _layer(folder):
     return layer
 
 
-def forward_in_world(folder, rows, steps=TRAIN_STEPS):
-    """Probe, on every rank: two training forward passes, then one in eval mode."""
-    layer, rank = _layer(folder), dist.get_rank()
+def forward_in_world(folder, mine, steps=TRAIN_STEPS):
+    """Probe, on every rank: two training forward passes on this rank's rows of each step (``mine``), then one
+    in eval mode."""
+    layer = _layer(folder)
     out = {"train": []}
     for step in range(steps):
-        y = layer(rank_rows(step, rows, rank))
+        y = layer(mine[step])
         out["train"].append(
             {"y": y.detach(), "running_mean": layer.running_mean.clone(), "running_var": layer.running_var.clone()}
         )
     layer.eval()
-    out["eval"] = layer(rank_rows(steps, rows, rank)).detach()
+    out["eval"] = layer(mine[steps]).detach()
     out["after_eval"] = {"running_mean": layer.running_mean.clone(), "running_var": layer.running_var.clone()}
     out["state"] = {k: v.clone() for k, v in layer.state_dict().items()}
     return out
@@ -216,7 +231,7 @@ def _update_mistake(sentence, name, got, previous, x):
 def check_running_stats(folder):
     """update_running_stats moves running_mean towards the mean and running_var towards the unbiased
     variance by momentum, as nn.BatchNorm1d does."""
-    batches = [all_rows(step, [16]) for step in range(TRAIN_STEPS)]
+    batches = Batches([16], TRAIN_STEPS).steps
     (got,) = world(running_stats_in_world, 1, folder, [moments(x) for x in batches], expect=many(RUNNING, TRAIN_STEPS))
     reference = torch_layer()
     for step, (x, found) in enumerate(zip(batches, got)):
@@ -242,21 +257,23 @@ def check_forward(folder, world_size):
     the ranks' rows, step after step; eval mode: normalised with the running statistics. The layer
     updates them with the tests' update_running_stats (sync_module)."""
     rows = ROWS[world_size]
-    results = world(forward_in_world, world_size, folder, rows, expect=FORWARD)
+    given = rows_given(rows)
+    results = world(forward_in_world, world_size, folder, expect=FORWARD, per_rank=given)
+    batches = given.value
     reference = torch_layer()
     expected = []
     for step in range(len(results[0]["train"])):
         previous = {"running_mean": reference.running_mean.clone(), "running_var": reference.running_var.clone()}
-        y = reference(all_rows(step, rows)).detach()
+        y = reference(batches.all(step)).detach()
         expected.append((previous, y, reference.running_mean.clone(), reference.running_var.clone()))
     reference.eval()
-    eval_expected = reference(all_rows(len(expected), rows)).detach()
+    eval_expected = reference(batches.all(len(expected))).detach()
     for rank, got in enumerate(results):
         start = sum(rows[:rank])
         mine = slice(start, start + rows[rank])
         for step, (previous, y, running_mean, running_var) in enumerate(expected):
             what = f"with {world_size} ranks of {rows} rows, step {step + 1}, rank {rank}"
-            everything, x = all_rows(step, rows), rank_rows(step, rows, rank)
+            everything, x = batches.all(step), batches.rank(step, rank)
             output = got["train"][step]["y"]
             assert close(output, y[mine]), _output_mistake(
                 f"{what}: the training output is not BatchNorm's over the rows of all ranks",
@@ -283,7 +300,7 @@ def check_forward(folder, world_size):
                 f"{what}: the output is not the rows normalised with running_mean and running_var: it normalised"
                 " with the batch's statistics",
             )
-            if _batch_stats_fit(got["eval"], rows, rank)
+            if _batch_stats_fit(got["eval"], batches, rank)
             else said(
                 "eval mode not normalised with the running statistics",
                 f"{what}: the output is not the rows normalised with running_mean and running_var",
@@ -300,22 +317,22 @@ def check_forward(folder, world_size):
             ) from None
 
 
-def _batch_stats_fit(got, rows, rank):
-    everything, x = all_rows(TRAIN_STEPS, rows), rank_rows(TRAIN_STEPS, rows, rank)
+def _batch_stats_fit(got, batches, rank):
+    everything, x = batches.all(TRAIN_STEPS), batches.rank(TRAIN_STEPS, rank)
     return close(got, normalised(x, everything.mean(0), everything.var(0, unbiased=False))) or close(
         got, normalised(x, x.mean(0), x.var(0, unbiased=False))
     )
 
 
-def eval_alone_in_world(folder, rows):
+def eval_alone_in_world(folder, mine):
     """Probe, on every rank: a training forward pass, then only rank 0 runs one in eval mode, as a script that
     evaluates on rank 0 does; the other ranks return."""
-    layer, rank = _layer(folder), dist.get_rank()
-    layer(rank_rows(0, rows, rank))
-    if rank != 0:
+    layer = _layer(folder)
+    layer(mine[0])
+    if dist.get_rank() != 0:
         return None
     layer.eval()
-    return layer(rank_rows(1, rows, rank)).detach()
+    return layer(mine[1]).detach()
 
 
 def check_eval_alone(folder, world_size=2):
@@ -327,7 +344,7 @@ def check_eval_alone(folder, world_size=2):
             eval_alone_in_world,
             world_size,
             folder,
-            ROWS[world_size],
+            per_rank=rows_given(ROWS[world_size]),
             expect=maybe(torch.Tensor),
             keep=False,
             timeout=30,
@@ -362,19 +379,21 @@ def coefficients(rows, rank):
     return torch.randn(rows[rank], FEATURES, generator=torch.Generator().manual_seed(50 + rank))
 
 
-def backward_in_world(folder, rows):
-    """Probe, on every rank: the gradients of this rank's loss, (y * c).sum(), after one backward pass."""
+def backward_in_world(folder, rows, mine):
+    """Probe, on every rank: the gradients of this rank's loss, (y * c).sum(), after one backward pass on its
+    rows of the first step (``mine``)."""
     layer, rank = _layer(folder), dist.get_rank()
-    x = rank_rows(0, rows, rank).requires_grad_()
+    x = mine[0].clone().requires_grad_()
     (layer(x) * coefficients(rows, rank)).sum().backward()
     return {"x": x.grad, "weight": layer.weight.grad, "bias": layer.bias.grad}
 
 
-def _input_gradient_mistake(sentence, got, rows, rank):
+def _input_gradient_mistake(sentence, got, batches, rank):
     """sentence, about a wrong input gradient (None: missing), with the mistake it fits in the student's terms."""
     if got is None:
         return said("no gradient for the rank's rows", sentence)
-    parts = [rank_rows(0, rows, r) for r in range(len(rows))]
+    rows = batches.rows
+    parts = [batches.rank(0, r) for r in range(len(rows))]
     x = parts[rank].clone().requires_grad_()
     everything = torch.cat(parts[:rank] + [x] + parts[rank + 1 :])
     mean, var = everything.mean(0), everything.var(0, unbiased=False)
@@ -400,11 +419,12 @@ def _input_gradient_mistake(sentence, got, rows, rank):
 def check_backward(folder, world_size):
     """The gradients of the rows of every rank are those of one process on all rows, loss summed."""
     rows = ROWS[world_size]
-    results = world(
-        backward_in_world, world_size, folder, rows, expect=dict.fromkeys(("x", "weight", "bias"), maybe(torch.Tensor))
-    )
+    given = rows_given(rows)
+    expect = dict.fromkeys(("x", "weight", "bias"), maybe(torch.Tensor))
+    results = world(backward_in_world, world_size, folder, rows, expect=expect, per_rank=given)
+    batches = given.value
     reference = torch_layer()
-    everything = all_rows(0, rows).requires_grad_()
+    everything = batches.all(0).clone().requires_grad_()
     c = torch.cat([coefficients(rows, r) for r in range(world_size)])
     (reference(everything) * c).sum().backward()
     rows_all = everything.detach()
@@ -415,7 +435,7 @@ def check_backward(folder, world_size):
         assert got["x"] is not None and close(got["x"], everything.grad[mine]), _input_gradient_mistake(
             f"{what}: the gradient of the rank's rows is not that of the loss of all ranks together",
             got["x"],
-            rows,
+            batches,
             rank,
         )
         for name, share in (("weight", (c[mine] * x_hat[mine]).sum(0)), ("bias", c[mine].sum(0))):
