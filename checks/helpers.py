@@ -454,13 +454,12 @@ def model_with_buffers(seed):
     return model
 
 
-def one_process(model, optimizer, steps, world_size):
-    """The judge's run: `steps` steps of one process on each step's whole batch (global_batch). Returns
+def one_process(model, optimizer, batches, world_size):
+    """The judge's run: a step of one process on each whole batch of ``batches`` (drawn_batches()'s). Returns
     each rank's own gradients of the first step's batch, before any step, and the parameters after
     each step."""
     local, history = [], []
-    for step in range(steps):
-        x, y = global_batch(CONFIG, step, world_size)
+    for step, (x, y) in enumerate(batches):
         if step == 0:
             for r in range(world_size):
                 model.zero_grad()

@@ -13,6 +13,7 @@ from checks.helpers import (
     SMALL_PARAMETERS,
     SmallMLP,
     describe_ratio,
+    drawn_batches,
     global_batch,
     keyed,
     load,
@@ -20,6 +21,7 @@ from checks.helpers import (
     model_with_buffers,
     one_process,
     reference_world,
+    shares,
     world,
 )
 from course.grading.points import said
@@ -132,22 +134,19 @@ def check_optimizer_state(folder, world_size, kind="adamw"):
         )
 
 
-def parallel_steps(folder, kind, steps, builtin):
-    """Probe: `steps` steps of DistributedOptimizer (or built-in DDP, with folder None) on each rank's share. Every
-    rank resumes from rank 0's checkpoint itself, so that the check judges the optimizer's averaging, whatever the
-    broadcasts do (their own checks judge them)."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+def parallel_steps(folder, kind, builtin, mine):
+    """Probe: steps of DistributedOptimizer (or built-in DDP, with folder None) on this rank's rows of each step
+    (``mine``, the only ones it is given). Every rank resumes from rank 0's checkpoint itself, so that the check
+    judges the optimizer's averaging, whatever the broadcasts do (their own checks judge them)."""
     model, optimizer = resumed(kind, 0)
     if builtin:  # torch's own DDP averages
         stepper, forward = optimizer, DDP(model)
     else:
         stepper, forward = load(folder).hvd.DistributedOptimizer(optimizer), model
     history, grads, all_reduces = [], None, []
-    for step in range(steps):
-        x, y = global_batch(CONFIG, step, world_size)
-        mine = slice(rank * CONFIG.batch_size, (rank + 1) * CONFIG.batch_size)
+    for step, (x, y) in enumerate(mine):
         stepper.zero_grad()
-        forward(x[mine], y[mine])[1].backward()
+        forward(x, y)[1].backward()
         with CommLog() as log:
             if not builtin and step == 0:
                 stepper.synchronize()  # as before clipping: the step that follows must not average again
@@ -162,8 +161,9 @@ def check_steps(folder, world_size, kind, steps=3):
     """k steps on W ranks equal k steps of one process on the whole batch, and built-in DDP's."""
     history = many(SMALL_PARAMETERS, steps)
     expect = {"history": history, "grads": SMALL_PARAMETERS, "collectives": many(many(str), steps)}
-    got = world(parallel_steps, world_size, folder, kind, steps, False, expect=expect)
-    local, expected = one_process(*resumed(kind, 0), steps, world_size)  # rank 0's checkpoint, whole batches
+    given = drawn_batches(world_size, steps)
+    got = world(parallel_steps, world_size, folder, kind, False, expect=expect, per_rank=given)
+    local, expected = one_process(*resumed(kind, 0), given.value, world_size)  # rank 0's checkpoint, whole batches
     for rank, result in enumerate(got):
         for name, grad in result["grads"].items():
             mean = sum(g[name] for g in local) / world_size
@@ -193,9 +193,9 @@ def check_steps(folder, world_size, kind, steps=3):
                     f"after step {step} with {kind}, rank {rank}'s {name} differs from one process that resumed"
                     " from rank 0's checkpoint and trained on the whole batch"
                 )
-    builtin = reference_world(parallel_steps, world_size, None, kind, steps, True, expect={"history": history})[0][
-        "history"
-    ][-1]
+    mine = shares(given.value, world_size)
+    builtin = reference_world(parallel_steps, world_size, None, kind, True, expect={"history": history}, per_rank=mine)
+    builtin = builtin[0]["history"][-1]
     for name, p in builtin.items():
         assert torch.allclose(got[0]["history"][-1][name], p, rtol=1e-4, atol=1e-5), said(
             "steps not built-in DDP's with the same optimizer",

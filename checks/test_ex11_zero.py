@@ -17,6 +17,7 @@ from checks.helpers import (
     SMALL_PARAMETERS,
     SmallMLP,
     describe_ratio,
+    drawn_batches,
     global_batch,
     keyed,
     load,
@@ -24,6 +25,7 @@ from checks.helpers import (
     one_process,
     parameters_of,
     reference_world,
+    shares,
     world,
 )
 from course.grading.points import said
@@ -121,21 +123,18 @@ def zero_module(folder):
 # k steps of the sharded optimizer.
 
 
-def sharded_steps(folder, steps, optimizer="adam"):
+def sharded_steps(folder, optimizer, mine):
     """Probe: the same Ragged on every rank, ShardedOptimizer of one of OPTIMIZERS; each rank steps on its share
-    of each batch."""
+    of each batch (``mine``, the only rows it is given)."""
     zero = zero_module(folder)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Ragged()
     _, kind, defaults = OPTIMIZERS[optimizer]
     optimizer = zero.ShardedOptimizer(model.parameters(), kind, **defaults)
     history, grads = [], None
-    for step in range(steps):
-        x, y = global_batch(CONFIG, step, world_size)
-        mine = slice(rank * CONFIG.batch_size, (rank + 1) * CONFIG.batch_size)
+    for step, (x, y) in enumerate(mine):
         optimizer.zero_grad()
-        model(x[mine], y[mine])[1].backward()
+        model(x, y)[1].backward()
         optimizer.step()
         if step == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -149,23 +148,24 @@ def stepped(steps):
     return {"history": many(parameters, steps), "grads": parameters, "state_bytes": int}
 
 
-def unsharded(steps, world_size, optimizer):
-    """The judge's run: one process, the plain optimizer on the whole batch; the ranks' gradients of step 0; its
+def unsharded(batches, world_size, optimizer):
+    """The judge's run: one process, the plain optimizer on each whole batch; the ranks' gradients of step 0; its
     history."""
     torch.manual_seed(0)
     model = Ragged()
     _, kind, defaults = OPTIMIZERS[optimizer]
     optimizer = kind(model.parameters(), **defaults)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    local, history = one_process(model, optimizer, steps, world_size)
+    local, history = one_process(model, optimizer, batches, world_size)
     return local, [start, *history]
 
 
 def check_steps(folder, world_size, optimizer="adam", steps=3):
     """k steps of the sharded optimizer (Adam, SGD with momentum) on W ranks equal k steps of it in one process
     on the whole batch."""
-    got = world(sharded_steps, world_size, folder, steps, optimizer, expect=stepped(steps))
-    local, expected = unsharded(steps, world_size, optimizer)
+    given = drawn_batches(world_size, steps)
+    got = world(sharded_steps, world_size, folder, optimizer, expect=stepped(steps), per_rank=given)
+    local, expected = unsharded(given.value, world_size, optimizer)
     plain = OPTIMIZERS[optimizer][0]
     names = list(expected[0])
     owner = dict(zip(names, owners_by_rule([expected[0][n].numel() for n in names], world_size)))
@@ -241,20 +241,17 @@ def check_state_bytes(folder, world_size):
 # The same steps as torch's ZeroRedundancyOptimizer.
 
 
-def zero_redundancy_steps(steps):
+def zero_redundancy_steps(mine):
     """Probe, no student code: built-in DDP and torch's ZeroRedundancyOptimizer(Adam) on the same model and batches as sharded_steps."""
     from torch.distributed.optim import ZeroRedundancyOptimizer  # here: its import scripts optimizers (~1 s)
 
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Ragged()
     ddp = DDP(model)
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=LR)
-    for step in range(steps):
-        x, y = global_batch(CONFIG, step, world_size)
-        mine = slice(rank * CONFIG.batch_size, (rank + 1) * CONFIG.batch_size)
+    for x, y in mine:
         optimizer.zero_grad()
-        ddp(x[mine], y[mine])[1].backward()
+        ddp(x, y)[1].backward()
         optimizer.step()
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"final": final, "state_bytes": state_bytes(optimizer.optim.state)}
@@ -263,9 +260,11 @@ def zero_redundancy_steps(steps):
 def check_matches_zero_redundancy(folder, world_size, steps=3):
     """ShardedOptimizer, with the rule's owners, keeps the state ZeroRedundancyOptimizer keeps on each rank, and
     trains as DDP with it does."""
-    got = world(sharded_steps, world_size, folder, steps, expect=stepped(steps))
+    given = drawn_batches(world_size, steps)
+    got = world(sharded_steps, world_size, folder, "adam", expect=stepped(steps), per_rank=given)
     theirs = {"final": parameters_of(Ragged()), "state_bytes": int}
-    torch_zero = reference_world(zero_redundancy_steps, world_size, steps, expect=theirs)
+    mine = shares(given.value, world_size)
+    torch_zero = reference_world(zero_redundancy_steps, world_size, expect=theirs, per_rank=mine)
     for rank, (mine, theirs) in enumerate(zip(got, torch_zero)):
         assert mine["state_bytes"] == theirs["state_bytes"], said(
             "optimizer state not ZeroRedundancyOptimizer's on a rank",
