@@ -6,7 +6,18 @@ import torch.distributed as dist
 
 from checks.comm_log import CommLog
 from checks.contracts import check_contracts
-from checks.helpers import CONFIG, SMALL_BUCKET_MB, SMALL_PARAMETERS, SmallMLP, global_batch, load, many, world
+from checks.helpers import (
+    CONFIG,
+    SMALL_BUCKET_MB,
+    SMALL_PARAMETERS,
+    Given,
+    SmallMLP,
+    drawn,
+    global_batch,
+    load,
+    many,
+    world,
+)
 from course.grading.points import said
 
 BUCKETS = 2  # SMALL's three gradients in buckets of SMALL_BUCKET_MB (checks/helpers.py)
@@ -21,6 +32,20 @@ def rank_rows(config, step, world_size, micro_batches):
     return x[mine], y[mine]
 
 
+def micro_batches_given(world_size, micro_batches, steps):
+    """What world() gives each rank (its per_rank): its k micro-batches of each step, k * batch_size consecutive rows
+    of the step's batch, drawn as the check runs where the grade counts; the judge keeps the whole batches."""
+    rows = micro_batches * CONFIG.batch_size
+
+    def mine(batches, rank):
+        return [tuple(t[rank * rows : (rank + 1) * rows] for t in batch) for batch in batches]
+
+    return Given(
+        lambda: [global_batch(CONFIG, step, world_size * micro_batches, drawn(1000 + step)) for step in range(steps)],
+        lambda batches: [(mine(batches, rank),) for rank in range(world_size)],
+    )
+
+
 def _start(folder):
     """Every rank starts from the reference's weights (seed 100): OverlappedDP's broadcast has a check
     of its own (exercise 6)."""
@@ -30,12 +55,12 @@ def _start(folder):
     return mydp, model, torch.optim.SGD(model.parameters(), lr=LR)
 
 
-def by_hand_in_world(folder, micro_batches, steps):
-    """Probe, on every rank: `steps` steps of micro-batches, all but the last backward inside no_sync()."""
+def by_hand_in_world(folder, micro_batches, mine):
+    """Probe, on every rank: a step of micro-batches for each of this rank's rows (``mine``), all but the last
+    backward inside no_sync()."""
     _, model, optimizer = _start(folder)
     out = []
-    for step in range(steps):
-        x, y = rank_rows(CONFIG, step, dist.get_world_size(), micro_batches)
+    for x, y in mine:
         optimizer.zero_grad()
         inside = 0
         for x_piece, y_piece in list(zip(x.chunk(micro_batches), y.chunk(micro_batches)))[:-1]:
@@ -52,27 +77,25 @@ def by_hand_in_world(folder, micro_batches, steps):
     return out
 
 
-def accumulation_step_in_world(folder, micro_batches, steps):
-    """Probe, on every rank: `steps` calls of accumulation_step."""
+def accumulation_step_in_world(folder, micro_batches, mine):
+    """Probe, on every rank: a call of accumulation_step for each of this rank's rows (``mine``)."""
     mydp, model, optimizer = _start(folder)
     out = []
-    for step in range(steps):
-        x, y = rank_rows(CONFIG, step, dist.get_world_size(), micro_batches)
+    for x, y in mine:
         with CommLog() as log:
             loss = float(mydp.accumulation_step(model, optimizer, x, y, micro_batches))
         out.append({"step_collectives": len(log.collectives()), "loss": loss, "params": _params_of(model.module)})
     return out
 
 
-def reference_steps(world_size, micro_batches, steps):
+def reference_steps(world_size, batches):
     """One process on the whole batch of every step: per step, each rank's batch loss, the gradients
     and the parameters after the step."""
     torch.manual_seed(100)  # rank 0's start
     model = SmallMLP()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     out = []
-    for step in range(steps):
-        x, y = global_batch(CONFIG, step, world_size * micro_batches)
+    for x, y in batches:
         rank_losses = [model(xr, yr)[1].item() for xr, yr in zip(x.chunk(world_size), y.chunk(world_size))]
         optimizer.zero_grad()
         model(x, y)[1].backward()
@@ -98,8 +121,9 @@ def _same_parameters(what, got, expected):
 def check_no_sync_accumulates(folder, world_size=2, micro_batches=3, steps=2):
     """k micro-batches, all but the last inside no_sync(), equal one step on the whole batch."""
     by_hand = {"inside": int, "after": int, "grads": SMALL_PARAMETERS, "params": SMALL_PARAMETERS}
-    results = world(by_hand_in_world, world_size, folder, micro_batches, steps, expect=many(by_hand, steps))
-    for step, expected in enumerate(reference_steps(world_size, micro_batches, steps)):
+    given = micro_batches_given(world_size, micro_batches, steps)
+    results = world(by_hand_in_world, world_size, folder, micro_batches, expect=many(by_hand, steps), per_rank=given)
+    for step, expected in enumerate(reference_steps(world_size, given.value)):
         for rank, per_step in enumerate(results):
             got = per_step[step]
             what = f"rank {rank}, step {step + 1}, {micro_batches} micro-batches"
@@ -129,8 +153,10 @@ def check_no_sync_accumulates(folder, world_size=2, micro_batches=3, steps=2):
 def check_accumulation_step(folder, world_size=2, micro_batches=3, steps=2):
     """accumulation_step: one step on the whole batch, one all-reduce per bucket, the batch's mean loss."""
     stepped = {"step_collectives": int, "loss": float, "params": SMALL_PARAMETERS}
-    results = world(accumulation_step_in_world, world_size, folder, micro_batches, steps, expect=many(stepped, steps))
-    for step, expected in enumerate(reference_steps(world_size, micro_batches, steps)):
+    given = micro_batches_given(world_size, micro_batches, steps)
+    expect = many(stepped, steps)
+    results = world(accumulation_step_in_world, world_size, folder, micro_batches, expect=expect, per_rank=given)
+    for step, expected in enumerate(reference_steps(world_size, given.value)):
         for rank, per_step in enumerate(results):
             got = per_step[step]
             what = f"rank {rank}, step {step + 1}, {micro_batches} micro-batches"
