@@ -1176,30 +1176,41 @@ def test_a_worker_sees_the_graders_environment_without_a_sandbox(tmp_path, monke
 # and makes the communication log say what a ring sends. Every bound the log gave holds; the bytes the
 # world's own network carried, which the grader reads from the kernel, are far below what any all-reduce
 # sends.
-FORGED_RING = """
+# What a ring's communication log says, forged: a ring's sends to one neighbour, and no collective.
+FORGED_LOG = """
 import checks.comm_log as _log
-import checks.test_ex05_ring as _check
 
 _said = {}
 _summary = _log.CommLog.summary
 _log.CommLog.summary = lambda self: {**_summary(self), **_said}
 
 
+def _as_a_ring_sends(tensor):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    chunk = -(-tensor.numel() // size) * tensor.element_size()
+    peers = [(rank + 1) % size] * (size > 1)
+    _said.update(sent_bytes=2 * (size - 1) * chunk, send_peers=peers, receive_peers=[(rank - 1) % size] * (size > 1))
+    _said.update(collectives=[], collective_dtypes=[], collective_bytes=[], collective_groups=[])
+"""
+FORGED_RING = (
+    FORGED_LOG
+    + """
+import checks.test_ex05_ring as _check
+
+
 def ring_all_reduce(tensor):
     rank, size = dist.get_rank(), dist.get_world_size()
     case = next(i for i in range(len(_check.CASES)) if torch.equal(tensor, _check.rank_tensor(i, rank)))
     tensor.copy_(sum(_check.rank_tensor(case, r) for r in range(size)))
-    chunk = -(-tensor.numel() // size) * tensor.element_size()
-    peers = [(rank + 1) % size] if size > 1 else []
-    _said.update(sent_bytes=2 * (size - 1) * chunk, send_peers=peers, receive_peers=[(rank - 1) % size] * (size > 1))
+    _as_a_ring_sends(tensor)
 """
+)
 
 
 # And one that sends the bytes a ring would, of junk, and forges the log of its collectives too: the kernel's
 # count holds; what it lacks is the inputs, which the grade for credit draws as it runs and gives each rank
 # its own only.
 JUNK = """
-_said.update(collectives=[], collective_dtypes=[], collective_bytes=[], collective_groups=[])
 _forged = ring_all_reduce
 
 
@@ -1259,22 +1270,15 @@ def test_a_ring_that_exchanges_nothing_passes_without_a_sandbox(tmp_path):
 # every rank's tensors and sums them; with a ring's bytes of junk and its log forged, it earned everything
 # where a check's call started its world. Each rank's inputs are made once its world runs (checks/helpers.py's
 # Given), so it finds none.
-FOUND_IN_MEMORY = """
+FOUND_IN_MEMORY = (
+    FORGED_LOG
+    + """
 import gc as _gc
-
-import checks.comm_log as _log
-
-_said = {}
-_summary = _log.CommLog.summary
-_log.CommLog.summary = lambda self: {**_summary(self), **_said}
 
 
 def ring_all_reduce(tensor):
     rank, size = dist.get_rank(), dist.get_world_size()
-    peers = [(rank + 1) % size] * (size > 1)
-    chunk = -(-tensor.numel() // size) * tensor.element_size()
-    _said.update(sent_bytes=2 * (size - 1) * chunk, send_peers=peers, receive_peers=[(rank - 1) % size] * (size > 1))
-    _said.update(collectives=[], collective_dtypes=[], collective_bytes=[], collective_groups=[])
+    _as_a_ring_sends(tensor)
     for _ in range(2):
         dist.all_reduce(torch.zeros_like(tensor))
     for found in _gc.get_objects():
@@ -1286,6 +1290,7 @@ def ring_all_reduce(tensor):
                     tensor.copy_(sum(other[i] for other in found))
                     return
 """
+)
 
 
 def _graded_ring(base, cheats, leak=False):
