@@ -21,6 +21,7 @@ from checks.helpers import (
     Given,
     SmallMLP,
     drawn,
+    drawn_batches,
     forward_from,
     global_batch,
     keyed,
@@ -473,18 +474,17 @@ def _state(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train_in_world(folder, steps):
-    """Probe, on every rank: steps of data-parallel SGD (the test averages the gradients), then eval."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+def train_in_world(folder, mine):
+    """Probe, on every rank: a step of data-parallel SGD on each of this rank's rows (``mine``; the test averages
+    the gradients), then eval."""
+    world_size = dist.get_world_size()
     torch.manual_seed(100)
     model = NormMLP(sync_module(folder).SyncBatchNorm1d(WIDTHS[1]))
     optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
     out = {"grads": [], "states": []}
-    for step in range(steps):
-        x, y = global_batch(CONFIG, step, world_size)
-        mine = slice(rank * CONFIG.batch_size, (rank + 1) * CONFIG.batch_size)
+    for x, y in mine:
         optimizer.zero_grad()
-        model(x[mine], y[mine])[1].backward()
+        model(x, y)[1].backward()
         out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
         for p in model.parameters():  # the test's own gradient averaging, as DDP's
             dist.all_reduce(p.grad)
@@ -492,7 +492,7 @@ def train_in_world(folder, steps):
         optimizer.step()
         out["states"].append(_state(model))
     model.eval()
-    out["eval"] = model(global_batch(CONFIG, steps, 1)[0])[0].detach()
+    out["eval"] = model(global_batch(CONFIG, len(mine), 1)[0])[0].detach()
     return out
 
 
@@ -501,12 +501,12 @@ def check_train_steps(folder, world_size, steps=3):
     the averaged gradients, the parameters and running statistics after each step, eval outputs."""
     state = keyed(torch.Tensor)
     expect = {"grads": many(state, steps), "states": many(state, steps), "eval": torch.Tensor}
-    results = world(train_in_world, world_size, folder, steps, expect=expect)
+    given = drawn_batches(world_size, steps)
+    results = world(train_in_world, world_size, folder, expect=expect, per_rank=given)
     torch.manual_seed(100)
     model = NormMLP(nn.SyncBatchNorm(WIDTHS[1], eps=EPS, momentum=MOMENTUM))
     optimizer = torch.optim.SGD(model.parameters(), lr=CONFIG.lr)
-    for step in range(steps):
-        x, y = global_batch(CONFIG, step, world_size)
+    for step, (x, y) in enumerate(given.value):
         optimizer.zero_grad()
         model(x, y)[1].backward()
         for name, p in model.named_parameters():

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -18,7 +17,6 @@ from checks.helpers import (
     SmallMLP,
     describe_ratio,
     drawn_batches,
-    global_batch,
     keyed,
     load,
     many,
@@ -296,10 +294,9 @@ def torch_bf16_hook(group, bucket) -> torch.futures.Future[torch.Tensor]:
     return default_hooks._compress_hook(torch.bfloat16, group, bucket)
 
 
-def hooked_steps(folder, hook_name):
+def hooked_steps(folder, hook_name, mine):
     """Probe: built-in DDP on the tests' MLP (two buckets), the named comm hook (the student's loads folder, which
-    is None for torch's); each step's collectives."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    is None for torch's), a step on each of this rank's rows (``mine``); each step's collectives."""
     torch.manual_seed(0)
     model = SmallMLP()
     ddp = DDP(model, bucket_cap_mb=SMALL_BUCKET_MB)
@@ -313,12 +310,10 @@ def hooked_steps(folder, hook_name):
         ddp.register_comm_hook(ddp.process_group, hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=HOOK_LR)
     history, logs, grads = [], [], []
-    for step in range(HOOK_STEPS):
-        x, y = global_batch(CONFIG, step, world_size)
-        mine = slice(rank * CONFIG.batch_size, (rank + 1) * CONFIG.batch_size)
+    for x, y in mine:
         optimizer.zero_grad()
         with CommLog() as log:
-            ddp(x[mine], y[mine])[1].backward()
+            ddp(x, y)[1].backward()
         logs.append(log.summary())
         grads.append({n: (p.grad.clone(), str(p.grad.dtype)) for n, p in model.named_parameters()})
         optimizer.step()
@@ -339,10 +334,12 @@ def check_hook(folder, world_size=2):
         "logs": many(SUMMARY, HOOK_STEPS),
         "grads": many(keyed((torch.Tensor, str), SMALL_NAMES), HOOK_STEPS),
     }
-    got = world(hooked_steps, world_size, folder, "student", expect=expect)
-    fp32 = reference_world(hooked_steps, world_size, None, "torch_fp32", expect=expect)
-    plain = reference_world(hooked_steps, world_size, None, "none", expect=expect)[0]["history"]
-    torchs = reference_world(hooked_steps, world_size, None, "torch_bf16", expect=expect)[0]["history"]
+    given = drawn_batches(world_size, HOOK_STEPS)
+    got = world(hooked_steps, world_size, folder, "student", expect=expect, per_rank=given)
+    mine = shares(given.value, world_size)  # the reference worlds' rows: the same
+    fp32 = reference_world(hooked_steps, world_size, None, "torch_fp32", expect=expect, per_rank=mine)
+    plain = reference_world(hooked_steps, world_size, None, "none", expect=expect, per_rank=mine)[0]["history"]
+    torchs = reference_world(hooked_steps, world_size, None, "torch_bf16", expect=expect, per_rank=mine)[0]["history"]
     buckets = len(fp32[0]["logs"][0]["collectives"])
     for rank, result in enumerate(got):
         for step, log in enumerate(result["logs"]):
