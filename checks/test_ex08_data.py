@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from checks.comm_log import CommLog
-from checks.helpers import CONFIG, SMALL_PARAMETERS, PlainSGD, SmallMLP, load, many, maybe, world
+from checks.helpers import CONFIG, SMALL_PARAMETERS, Given, PlainSGD, SmallMLP, drawn, load, many, maybe, world
 from course.grading.points import said
 from course.launch import WorldFailed
 
@@ -63,8 +63,8 @@ def shards_of(world_size):
     return list(torch.randperm(N, generator=torch.Generator().manual_seed(SHARD_SEED)).split(sizes))
 
 
-def dataset():
-    g = torch.Generator().manual_seed(5)
+def dataset(g=None):
+    g = g or torch.Generator().manual_seed(5)
     return torch.randn(N, CONFIG.d_in, generator=g), torch.randint(0, CONFIG.n_classes, (N,), generator=g)
 
 
@@ -224,32 +224,38 @@ def check_against_sampler(folder):
 
 
 def union_batch(world_size):
-    """Ten rows, cut by the ranks' fractions: 7 and 3 rows on 2 ranks, 5, 3 and 2 on 3."""
-    X, Y = dataset()
+    """Ten rows, drawn as the check runs where the grade counts, cut by the ranks' fractions: 7 and 3 rows on 2
+    ranks, 5, 3 and 2 on 3."""
+    X, Y = dataset(drawn(5))
     sizes = [round(10 * f) for f in UNEVEN[world_size]]
     return X[:10], Y[:10], sizes
 
 
-def weighted_step(folder):
-    """Probe, on every rank: one step on this rank's rows with average_gradients_weighted."""
+def each_ranks_rows(union):
+    """What world() gives each rank of a union batch: its own rows only."""
+    X, Y, sizes = union
+    starts = [sum(sizes[:rank]) for rank in range(len(sizes))]
+    return [((X[a : a + m], Y[a : a + m]),) for a, m in zip(starts, sizes)]
+
+
+def weighted_step(folder, mine):
+    """Probe, on every rank: one step on this rank's rows (``mine``) with average_gradients_weighted."""
     data = load(folder).data
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    X, Y, sizes = union_batch(world_size)
-    start = sum(sizes[:rank])
+    x, y = mine
     model = fresh_model()
     optimizer = PlainSGD(model.parameters(), lr=CONFIG.lr)
     optimizer.zero_grad()
-    _, loss = model(X[start : start + sizes[rank]], Y[start : start + sizes[rank]])
+    _, loss = model(x, y)
     loss.backward()
-    data.average_gradients_weighted(model, sizes[rank])
+    data.average_gradients_weighted(model, len(x))
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     optimizer.step()
     # The same on a model whose first layer is frozen (requires_grad=False, no .grad): every rank alike.
     frozen = fresh_model()
     frozen.layers[0].weight.requires_grad_(False)
-    frozen(X[start : start + sizes[rank]], Y[start : start + sizes[rank]])[1].backward()
+    frozen(x, y)[1].backward()
     try:
-        data.average_gradients_weighted(frozen, sizes[rank])
+        data.average_gradients_weighted(frozen, len(x))
         refused = None
     except (AttributeError, TypeError, RuntimeError) as error:
         refused = f"{type(error).__name__}: {str(error)[:120]}"
@@ -259,8 +265,9 @@ def weighted_step(folder):
 def check_weighted_average(folder, world_size):
     """average_gradients_weighted gives every rank the gradient of the union batch, the sum of (m_k / n) g_k."""
     expect = {"grads": SMALL_PARAMETERS, "state": SMALL_PARAMETERS, "frozen": maybe(str)}
-    results = world(weighted_step, world_size, folder, expect=expect)
-    X, Y, sizes = union_batch(world_size)
+    given = Given(lambda: union_batch(world_size), each_ranks_rows)
+    results = world(weighted_step, world_size, folder, expect=expect, per_rank=given)
+    X, Y, sizes = given.value
     model = fresh_model()
     local, start = [], 0
     for m in sizes:
