@@ -194,7 +194,7 @@ def run(
     reference: bool = False,
     fresh: bool | None = None,
     observe: bool = False,
-    per_rank: list | None = None,
+    per_rank: list | Callable | None = None,
 ) -> list | Observed:
     """Run ``fn(*args)`` on every rank of a new world; return the results by rank.
 
