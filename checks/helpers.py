@@ -282,14 +282,15 @@ class Given:
     """What a judge gives each rank its own part of (world()'s per_rank): made by ``make`` only once the
     world's processes run, so that none of them was forked while the grader held every rank's part (each
     would hold them all, in memory its submission can search); ``split`` makes each rank's arguments of it.
-    ``value``: what make made, for the judge."""
+    ``value``: what make made, for the judge; ``parts``: each rank's arguments (a reference world's too)."""
 
     def __init__(self, make, split):
-        self.make, self.split, self.value = make, split, None
+        self.make, self.split, self.value, self.parts = make, split, None, None
 
     def __call__(self) -> list:
         self.value = self.make()
-        return self.split(self.value)
+        self.parts = self.split(self.value)
+        return self.parts
 
 
 def drawn(seed):
@@ -473,17 +474,17 @@ def one_process(model, optimizer, batches, world_size):
     return local, history
 
 
-def shares(batches, world_size):
-    """Each rank's rows of each step's batch, as world()'s per_rank gives a rank its own."""
-    rows = CONFIG.batch_size
-    return [([tuple(t[r * rows : (r + 1) * rows] for t in batch) for batch in batches],) for r in range(world_size)]
+def drawn_batches(world_size, steps, micro_batches=1):
+    """Each step's batch, drawn as the check runs where the grade counts (drawn()), each rank given its rows:
+    micro_batches * batch_size consecutive ones of each step, in rank order."""
+    rows = micro_batches * CONFIG.batch_size
 
+    def mine(batches, rank):
+        return [tuple(t[rank * rows : (rank + 1) * rows] for t in batch) for batch in batches]
 
-def drawn_batches(world_size, steps):
-    """Each step's batch, drawn as the check runs where the grade counts (drawn()), each rank given its rows."""
     return Given(
-        lambda: [global_batch(CONFIG, step, world_size, drawn(1000 + step)) for step in range(steps)],
-        lambda batches: shares(batches, world_size),
+        lambda: [global_batch(CONFIG, step, world_size * micro_batches, drawn(1000 + step)) for step in range(steps)],
+        lambda batches: [(mine(batches, rank),) for rank in range(world_size)],
     )
 
 

@@ -10,9 +10,8 @@ from checks.helpers import (
     CONFIG,
     SMALL_BUCKET_MB,
     SMALL_PARAMETERS,
-    Given,
     SmallMLP,
-    drawn,
+    drawn_batches,
     global_batch,
     load,
     many,
@@ -30,20 +29,6 @@ def rank_rows(config, step, world_size, micro_batches):
     rank = dist.get_rank()
     mine = slice(rank * micro_batches * config.batch_size, (rank + 1) * micro_batches * config.batch_size)
     return x[mine], y[mine]
-
-
-def micro_batches_given(world_size, micro_batches, steps):
-    """What world() gives each rank (its per_rank): its k micro-batches of each step, k * batch_size consecutive rows
-    of the step's batch, drawn as the check runs where the grade counts; the judge keeps the whole batches."""
-    rows = micro_batches * CONFIG.batch_size
-
-    def mine(batches, rank):
-        return [tuple(t[rank * rows : (rank + 1) * rows] for t in batch) for batch in batches]
-
-    return Given(
-        lambda: [global_batch(CONFIG, step, world_size * micro_batches, drawn(1000 + step)) for step in range(steps)],
-        lambda batches: [(mine(batches, rank),) for rank in range(world_size)],
-    )
 
 
 def _start(folder):
@@ -121,7 +106,7 @@ def _same_parameters(what, got, expected):
 def check_no_sync_accumulates(folder, world_size=2, micro_batches=3, steps=2):
     """k micro-batches, all but the last inside no_sync(), equal one step on the whole batch."""
     by_hand = {"inside": int, "after": int, "grads": SMALL_PARAMETERS, "params": SMALL_PARAMETERS}
-    given = micro_batches_given(world_size, micro_batches, steps)
+    given = drawn_batches(world_size, steps, micro_batches)
     results = world(by_hand_in_world, world_size, folder, micro_batches, expect=many(by_hand, steps), per_rank=given)
     for step, expected in enumerate(reference_steps(world_size, given.value)):
         for rank, per_step in enumerate(results):
@@ -153,7 +138,7 @@ def check_no_sync_accumulates(folder, world_size=2, micro_batches=3, steps=2):
 def check_accumulation_step(folder, world_size=2, micro_batches=3, steps=2):
     """accumulation_step: one step on the whole batch, one all-reduce per bucket, the batch's mean loss."""
     stepped = {"step_collectives": int, "loss": float, "params": SMALL_PARAMETERS}
-    given = micro_batches_given(world_size, micro_batches, steps)
+    given = drawn_batches(world_size, steps, micro_batches)
     expect = many(stepped, steps)
     results = world(accumulation_step_in_world, world_size, folder, micro_batches, expect=expect, per_rank=given)
     for step, expected in enumerate(reference_steps(world_size, given.value)):

@@ -23,7 +23,6 @@ from checks.helpers import (
     one_process,
     parameters_of,
     reference_world,
-    shares,
     world,
 )
 from course.grading.points import said
@@ -261,8 +260,7 @@ def check_matches_zero_redundancy(folder, world_size, steps=3):
     given = drawn_batches(world_size, steps)
     got = world(sharded_steps, world_size, folder, "adam", expect=stepped(steps), per_rank=given)
     theirs = {"final": parameters_of(Ragged()), "state_bytes": int}
-    mine = shares(given.value, world_size)
-    torch_zero = reference_world(zero_redundancy_steps, world_size, expect=theirs, per_rank=mine)
+    torch_zero = reference_world(zero_redundancy_steps, world_size, expect=theirs, per_rank=given.parts)
     for rank, (mine, theirs) in enumerate(zip(got, torch_zero)):
         assert mine["state_bytes"] == theirs["state_bytes"], said(
             "optimizer state not ZeroRedundancyOptimizer's on a rank",
@@ -336,7 +334,7 @@ def check_hook(folder, world_size=2):
     }
     given = drawn_batches(world_size, HOOK_STEPS)
     got = world(hooked_steps, world_size, folder, "student", expect=expect, per_rank=given)
-    mine = shares(given.value, world_size)  # the reference worlds' rows: the same
+    mine = given.parts  # the reference worlds' rows: the same
     fp32 = reference_world(hooked_steps, world_size, None, "torch_fp32", expect=expect, per_rank=mine)
     plain = reference_world(hooked_steps, world_size, None, "none", expect=expect, per_rank=mine)[0]["history"]
     torchs = reference_world(hooked_steps, world_size, None, "torch_bf16", expect=expect, per_rank=mine)[0]["history"]

@@ -230,7 +230,7 @@ def run(
     # Pickled here, whatever the start method: every method then accepts the same functions, ones
     # defined at the top level of an importable module (not in a notebook cell).
     try:
-        pickle.dumps((fn, args))
+        call = pickle.dumps((fn, args))
     except Exception as exc:
         raise TypeError(
             f"{fn!r} and its arguments must be picklable by reference: define it at the top level of a .py file ({exc})"
@@ -240,9 +240,11 @@ def run(
         """Each rank's pickled call. A callable per_rank is called here, once the world's processes run: no
         process of the world was forked while this one held what it gives them."""
         own = per_rank() if callable(per_rank) else per_rank
-        if own is not None and len(own) != world_size:
+        if own is None:
+            return [call] * world_size
+        if len(own) != world_size:
             raise ValueError(f"per_rank holds {len(own)} ranks' arguments for a world of {world_size}")
-        return [pickle.dumps((fn, (*args, *mine))) for mine in (own or [()] * world_size)]
+        return [pickle.dumps((fn, (*args, *mine))) for mine in own]
 
     child_env = env.loopback_settings(sys.platform)
     level = sandbox_level() if (sandbox or _every_world_sandboxed) and not reference else None
@@ -258,7 +260,7 @@ def run(
     try:
         if world is not None:
             try:
-                world.call(calls())
+                world.call(calls(), observe)
             except OSError:  # a kept worker ended while it waited (killed from outside)
                 world.stop()
                 world = None
@@ -270,7 +272,7 @@ def run(
             compare = debug and backend == "gloo"
             settings = dataclasses.replace(settings, view=view, reference=reference, compare=compare, fresh=fresh)
             world = _World.start(method, settings)
-            world.call(calls())
+            world.call(calls(), observe)
         world.timeout = timeout
         try:
             results = world.collect()
@@ -353,7 +355,7 @@ class _World:
         self.needed: set = set()  # of env.CALL_MODULES: what its calls have imported
         self.stacks_before: dict = {}  # the size of each rank's stack file when the call began
         self.clock: OwnTime | None = None  # the call's own time, from collect() on
-        self.loopback: int | None = None  # the world's loopback bytes (sandbox.Guard's) as its call began
+        self.loopback: int | None = None  # the world's loopback bytes (sandbox.Guard's) as an observed call began
 
     @classmethod
     def start(cls, method: str, settings: WorkerSettings) -> _World:
@@ -395,10 +397,11 @@ class _World:
             raise
         return world
 
-    def call(self, calls: list) -> None:
-        """Hand each rank its pickled (fn, args), and this process's stdout and stderr as they are now."""
+    def call(self, calls: list, observe: bool = False) -> None:
+        """Hand each rank its pickled (fn, args), and this process's stdout and stderr as they are now; with
+        observe, read first what the world's loopback has carried (loopback_sent())."""
         self.results, self.reports, self.ended, self.reusable = {}, [], [], False
-        self.loopback = self.guard.loopback_bytes() if self.guard is not None else None
+        self.loopback = self.guard.loopback_bytes() if observe and self.guard is not None else None
         self.stacks_before = {r: self._stack_size(r) for r in range(self.world_size)}
         for proc, conn, call in zip(self.procs, self.conns, calls):
             conn.send_bytes(call)
