@@ -282,7 +282,7 @@ class Given:
     """What a judge gives each rank its own part of (world()'s per_rank): made by ``make`` only once the
     world's processes run, so that none of them was forked while the grader held every rank's part (each
     would hold them all, in memory its submission can search); ``split`` makes each rank's arguments of it.
-    ``value``: what make made, for the judge; ``parts``: each rank's arguments (a reference world's too)."""
+    ``value``: the whole input that ``make`` built, for the judge; ``parts``: each rank's arguments (a reference world's too)."""
 
     def __init__(self, make, split):
         self.make, self.split, self.value, self.parts = make, split, None, None
