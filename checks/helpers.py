@@ -323,6 +323,29 @@ def reference_world(fn, world_size, *args, expect, per_rank=None):
     )
 
 
+def judged() -> bool:
+    """Whether a check also runs cases drawn as it grades (drawn()), judged by the reference solutions
+    (judge_world()): where the grade counts. The cases that the checks' own tables hold, a student's copy
+    holds too, answers and all; these none could know. Raises where the grade counts but the judge's
+    folder is missing (course/impl.py's judge()): a grade for credit without it would rest on public answers."""
+    if not for_credit():
+        return False
+    if impl.judge() is None:
+        raise RuntimeError(
+            "grading for credit needs the reference solutions to judge the drawn cases: run it in the instructors'"
+            " repository, or set COURSE_JUDGE to a folder that holds them (docs/instructors.md)"
+        )
+    return True
+
+
+def judge_world(fn, *args, expect):
+    """fn(folder, *args) with folder the reference solutions (course/impl.py's judge()), on one rank of a
+    reference world, where no submission ran: the answers a judge compares drawn cases with, computed where
+    no submission can read them. A probe of the check's own serves, given the judge's folder for the
+    submission's. What it returned, checked against the shape expect (validated)."""
+    return reference_world(fn, 1, impl.judge(), *args, expect=expect)[0]
+
+
 def _without_process_group(fn, args):
     dist.destroy_process_group()
     try:

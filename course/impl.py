@@ -21,6 +21,16 @@ from course.layout import ROOT, SOLUTIONS
 
 _loaded: dict = {}
 _refused = False
+_judging = False  # a reference world imports the judge's reference code: its own names, allowed
+
+
+def judge() -> str | None:
+    """The reference solutions that a judge computes its answers with where the grade counts, on cases drawn
+    as it grades (checks/helpers.py's judged()): the folder COURSE_JUDGE names (Gradescope's autograder
+    keeps them there, out of every submission's reach), else solutions/ in the instructors' repository;
+    None in the students' copy, which holds none. Only a reference world loads them."""
+    folder = os.path.abspath(os.environ.get("COURSE_JUDGE") or SOLUTIONS)
+    return folder if os.path.isfile(os.path.join(folder, "mlp.py")) else None
 
 
 def selected(default: str | None = None) -> str:
@@ -105,12 +115,15 @@ class Modules:
         saved_modules = {other: sys.modules.pop(other) for other in MODULES if other in sys.modules}
         sys.modules.update({other: m for other, m in self._modules.items() if not isinstance(m, Unimportable)})
         sys.path.insert(0, self._folder)
+        global _judging
+        _judging = _refused  # a refusing process loads the judge's folder only (load())
         try:
             self._modules[name] = _import(self._folder, name)
             for other in MODULES:  # what it imported of this folder's files: the same modules from now on
                 if other not in self._modules and other in sys.modules:
                     self._modules[other] = sys.modules[other]
         finally:
+            _judging = False
             for other in MODULES:
                 sys.modules.pop(other, None)
             sys.modules.update(saved_modules)
@@ -118,10 +131,11 @@ class Modules:
 
 
 def load(folder: str) -> Modules:
-    """The student modules of one folder (Modules: each imported when first used)."""
-    if _refused:
-        raise RuntimeError("a reference world runs no code under test: its probe may not load() a folder")
+    """The student modules of one folder (Modules: each imported when first used). A reference world loads
+    the judge's reference solutions only (judge())."""
     folder = os.path.abspath(folder)
+    if _refused and folder != judge():
+        raise RuntimeError("a reference world runs no code under test: its probe may load() the judge's folder only")
     if folder not in _loaded:
         _loaded[folder] = Modules(folder)
     return _loaded[folder]
@@ -132,14 +146,14 @@ class _Refused:
 
     @staticmethod
     def find_spec(name, path=None, target=None):
-        if name.partition(".")[0] in MODULES:
+        if name.partition(".")[0] in MODULES and not _judging:
             raise ImportError(f"a reference world runs no code under test: {name} may not be imported")
         return None
 
 
 def refuse() -> None:
-    """From now on this process loads no code under test: load() raises, and so does importing a module named
-    as a student file (a reference world's workers, course/runtime/workers.py: what a judge compares with is computed
+    """From now on this process loads no code under test: load() raises for any folder but the judge's, and so
+    does importing a module named as a student file outside it (a reference world's workers, course/runtime/workers.py: what a judge compares with is computed
     where no submission ran, so no submission's patch of torch or of the checks can forge it)."""
     global _refused
     _refused = True

@@ -3,6 +3,11 @@
 The zip holds the students' copy of the course (course/instructors/release.py: the checks, the course
 package, the stub files) and Gradescope's two scripts:
 
+The zip also holds the reference solutions, in judge/: where the grade counts, a check draws cases as it
+grades and the reference answers them (checks/helpers.py's judged()). setup.sh moves them out of the
+course, to /autograder/judge, readable by root only: no submission's world sees them, at any sandbox
+level, and the zip is the instructors' to keep, never the students'.
+
 - ``setup.sh``, run once as root when Gradescope builds its image: a virtual environment in
   /autograder/venv with torch's CPU wheel (PyPI's Linux wheel brings several GB of CUDA), numpy
   and pytest, every file readable by every user (the uid sandbox runs submission code as users of
@@ -29,7 +34,7 @@ import tempfile
 import zipfile
 
 from course.exercises import STUDENT_FILES
-from course.layout import ROOT
+from course.layout import ROOT, SOLUTIONS
 
 SETUP = """#!/usr/bin/env bash
 # Gradescope runs this once, as root, when it builds the autograder's image (course/instructors/gradescope.py).
@@ -40,6 +45,9 @@ python3 -m venv /autograder/venv
 # torch's CPU wheel: PyPI's Linux wheel would bring several GB of CUDA libraries.
 /autograder/venv/bin/pip install --quiet --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 /autograder/venv/bin/pip install --quiet -r requirements.txt
+# The reference solutions that judge the drawn cases: out of the course, root's only.
+mv /autograder/source/judge /autograder/judge
+chmod -R go-rwx /autograder/judge
 # The uid sandbox runs submission code as users of its own: they must read Python and the course.
 chmod -R a+rX /autograder/source /autograder/venv
 chmod a+x /autograder
@@ -79,6 +87,8 @@ def build(out: str, exercises: list | None = None) -> str:
                 for name in sorted(files):
                     path = os.path.join(top, name)
                     archive.write(path, os.path.relpath(path, source))
+            for name in STUDENT_FILES:
+                archive.write(os.path.join(SOLUTIONS, name), os.path.join("judge", name))
             for name, text in scripts.items():
                 entry = zipfile.ZipInfo(name)
                 entry.external_attr = (stat.S_IFREG | 0o755) << 16
@@ -134,6 +144,7 @@ def run(root: str, exercises: list | None = None) -> int:
     command = [sys.executable, "-m", "course", "grade", *[f"--ex={n}" for n in exercises or []], "--results", results]
     env = dict(os.environ, COURSE_IMPL=graded, COURSE_SANDBOX=os.environ.get("COURSE_SANDBOX", "required"))
     env["COURSE_FOR_CREDIT"] = "1"  # each call of a check in a process of its own (course/runtime/workers.py)
+    env["COURSE_JUDGE"] = os.path.join(root, "judge")  # where setup.sh put the reference solutions
     done = subprocess.run(command, cwd=ROOT, env=env)
     shutil.rmtree(graded, ignore_errors=True)
     from course.grading.results import not_graded, write_json

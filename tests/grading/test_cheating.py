@@ -1312,6 +1312,51 @@ def test_a_ring_that_finds_the_other_ranks_inputs_in_its_memory_gains_nothing(tm
     assert _graded_ring(tmp_path / "leaked", FOUND_IN_MEMORY, leak=True)["score"] == 20
 
 
+# Issue 47: a cost.py with no formula, whose every answer is looked up in the tables of exercise 12's checks (a
+# student's copy holds them, answers and all). Where the grade counts, each check also runs cases drawn as it
+# grades, answered by the reference solutions in a world no submission runs in.
+LOOKED_UP = """
+import checks.test_ex12_cost as _judge
+
+
+def fit_alpha_beta(sizes, seconds):
+    return _judge.ALPHA, _judge.BETA
+
+
+def ring_allreduce_seconds(n, world_size, alpha, beta):
+    return _judge.RINGS.get((n, world_size), 0.0)
+
+
+def exposed_seconds(ready, sizes, backward_end, world_size, alpha, beta):
+    return next((seconds for (at, _, _), seconds in _judge.SCHEDULES if at == ready), 0.0)
+
+
+def speedup(t_comp, t_sync, world_size):
+    return _judge.SPEEDUPS.get((t_sync, world_size), 1.0)
+
+
+def _same(one, other):
+    return one is other or (type(one) is type(other) is _judge.Power and vars(one) == vars(other))
+
+
+def largest_world(t_comp, t_sync_of, most=None):
+    found = (e for (t, sync, m), e, _ in _judge.LARGEST if (t, m) == (t_comp, most) and _same(sync, t_sync_of))
+    return next(found, 1)
+"""
+
+
+@pytest.mark.parametrize("for_credit", [True, False], ids=["for credit", "the control, a student's own grade"])
+def test_answers_looked_up_in_the_checks_tables_gain_nothing_for_credit(tmp_path, for_credit):
+    grader, submission = _instructors_repository(tmp_path, {"cost.py": LOOKED_UP})
+    environ = dict(os.environ, COURSE_IMPL=str(submission), COURSE_FOR_CREDIT="1" if for_credit else "")
+    warm.run(["-m", "course", "grade", "--ex", "12"], cwd=grader, env=environ)
+    found = results(grader / "results.json")
+    assert found["score"] == (0 if for_credit else 20), found  # the untouched stubs score 0
+    if for_credit:
+        drawn = [t for t in found["tests"] if "on a case drawn as the grade ran" in t["output"]]
+        assert len(drawn) == 4, found  # every check but the fit's, whose sentence names the line it was given
+
+
 # Issue 47: a probe that held the whole batch on every rank. The checks of exercises 3, 4 and 6 once made each
 # step's batch on every rank and handed the wrapper its own rows: a MyDP that averages nothing, whose forward
 # finds the whole batch in its caller's frame and returns the loss on it, had the average gradient without a

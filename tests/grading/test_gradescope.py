@@ -27,9 +27,10 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Gr
 
 @pytest.fixture(scope="module")
 def autograder(tmp_path_factory):
-    """Gradescope's /autograder after setup.sh: the zip of `make gradescope EX=2` unpacked, a venv."""
+    """Gradescope's /autograder after setup.sh: the zip of `make gradescope EX="2 12"` unpacked, its judge moved
+    out of the course (exercise 12's checks draw cases that the reference answers), a venv."""
     root = tmp_path_factory.mktemp("autograder")
-    archive = build(str(root / "autograder.zip"), [2])
+    archive = build(str(root / "autograder.zip"), [2, 12])
     with zipfile.ZipFile(archive) as opened:
         opened.extractall(root / "source")
         modes = {info.filename: info.external_attr >> 16 for info in opened.infolist()}
@@ -38,6 +39,9 @@ def autograder(tmp_path_factory):
     )
     assert modes["run_autograder"] & 0o111 and modes["setup.sh"] & 0o111, "Gradescope runs them as programs"
     assert "download.pytorch.org/whl/cpu" in (root / "source" / "setup.sh").read_text(), "torch's CPU wheel"
+    assert {f"judge/{name}" for name in STUDENT_FILES} <= set(modes)
+    assert "mv /autograder/source/judge /autograder/judge" in (root / "source" / "setup.sh").read_text()
+    shutil.move(root / "source" / "judge", root / "judge")
     os.symlink(sys.prefix, root / "venv")
     return root
 
@@ -69,7 +73,8 @@ def test_a_nested_upload_of_the_reference_scores_full_marks(autograder):
             upload[f"hw2/code/{name}"] = f.read()
     upload["hw2/dist.py"] = "raise SystemExit('a stray copy: the folder with every file is graded')\n"
     found = run_autograder(autograder, upload)
-    assert found["score"] == 25 and all(t["status"] == "passed" for t in found["tests"]), found["output"]
+    # Exercise 12's 20 included: its cases drawn as it grades are answered by the zip's judge.
+    assert found["score"] == 25 + 20 and all(t["status"] == "passed" for t in found["tests"]), found["output"]
     assert (
         "mlp.py: graded from hw2/code/mlp.py" in found["output"]
         and "dist.py: graded from hw2/code/dist.py" in found["output"]
@@ -85,9 +90,8 @@ def test_stubs_with_a_conftest_and_checks_of_their_own_score_0(autograder):
         "course/grading/plugin.py": "raise SystemExit(0)\n",
     }
     found = run_autograder(autograder, upload)
-    assert found["score"] == 0 and len(found["tests"]) == len(checks.of_module("checks.test_ex02_dist")), found[
-        "output"
-    ]
+    graded = [*checks.of_module("checks.test_ex02_dist"), *checks.of_module("checks.test_ex12_cost")]
+    assert found["score"] == 0 and len(found["tests"]) == len(graded), found["output"]
     assert any("par_matmul_by_row is not written yet" in t["output"] for t in found["tests"])
     assert "mlp.py: not in the submission, graded as the untouched file" in found["output"]
     assert "Submission code ran sandboxed" in found["output"], "COURSE_SANDBOX=required"

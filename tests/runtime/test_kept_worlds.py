@@ -145,6 +145,10 @@ def mark_of(folder):
     return impl.load(folder).mlp.MARK
 
 
+def mark_through_mydp(folder):
+    return impl.load(folder).mydp.MARK
+
+
 def imports_mlp():
     import mlp  # noqa: F401 - what a reference world refuses, wherever mlp.py is
 
@@ -188,6 +192,22 @@ def test_a_reference_world_loads_no_code_under_test_and_shares_no_world(tmp_path
     assert set(reference).isdisjoint(run(pid, 2, keep=True, sandbox=True)), "a world of its own"
     assert run(pid, 2, keep=True, sandbox=True, reference=True) == reference, "kept for the next reference"
     for probe, args in ((mark_of, (str(tmp_path),)), (imports_mlp, ())):
+        with pytest.raises(WorldFailed, match="a reference world runs no code under test"):
+            run(probe, 2, *args, keep=True, reference=True)
+
+
+def test_a_reference_world_loads_the_judges_reference_solutions_and_nothing_else(tmp_path, monkeypatch):
+    """Issue 47: where the grade counts, the reference solutions answer the cases a check draws (checks/helpers.py's
+    judge_world()), in a reference world: it loads the judge's folder (course/impl.py's judge()), its files
+    importing one another, and no other folder."""
+    judge, other = tmp_path / "judge", tmp_path / "other"
+    for folder, mark in ((judge, 2), (other, 1)):
+        folder.mkdir()
+        (folder / "mlp.py").write_text(f"MARK = {mark}\n")
+        (folder / "mydp.py").write_text("from mlp import MARK\n")
+    monkeypatch.setenv("COURSE_JUDGE", str(judge))
+    assert run(mark_through_mydp, 2, str(judge), keep=True, reference=True) == [2, 2]
+    for probe, args in ((mark_of, (str(other),)), (imports_mlp, ())):
         with pytest.raises(WorldFailed, match="a reference world runs no code under test"):
             run(probe, 2, *args, keep=True, reference=True)
 
