@@ -346,6 +346,19 @@ def judge_world(fn, *args, expect):
     return reference_world(fn, 1, impl.judge(), *args, expect=expect)[0]
 
 
+def against_the_judge(got, probe, *cases, expect, what, same=lambda a, b: a == b, shown=str):
+    """Judge got, a submission's answers to cases drawn as the grade runs (probe(folder, *cases) in its world),
+    against the reference's to the same cases (judge_world(), called after the submission's world gave its
+    answers, so that no world of it is forked while the grader holds the reference's): an AssertionError at the
+    first that differs, what(k) naming case k, shown(answer) writing an answer."""
+    for k, (value, expected) in enumerate(zip(got, judge_world(probe, *cases, expect=expect))):
+        assert same(value, expected), said(
+            "right on the checks' own cases, not on cases drawn as the grade ran",
+            f"{what(k)} is {shown(value)}, not {shown(expected)}, on a case drawn as the grade ran: the checks' own"
+            " cases have answers in tables that the students' copy holds too; the rule must hold for any case",
+        )
+
+
 def _without_process_group(fn, args):
     dist.destroy_process_group()
     try:

@@ -8,7 +8,20 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from checks.comm_log import CommLog
-from checks.helpers import CONFIG, SMALL_PARAMETERS, Given, PlainSGD, SmallMLP, drawn, load, many, maybe, world
+from checks.helpers import (
+    CONFIG,
+    SMALL_PARAMETERS,
+    Given,
+    PlainSGD,
+    SmallMLP,
+    against_the_judge,
+    drawn,
+    judged,
+    load,
+    many,
+    maybe,
+    world,
+)
 from course.grading.points import said
 from course.launch import WorldFailed
 
@@ -80,15 +93,16 @@ def state(model):
 # --- the partitioner ---------------------------------------------------------------------------
 
 
-def sizes_in_world(folder):
-    """Probe: shard_sizes of every case."""
+def sizes_in_world(folder, cases):
+    """Probe: shard_sizes of every case, (n, fractions)."""
     data = load(folder).data
-    return [data.shard_sizes(n, fractions) for n, fractions, _ in SIZES]
+    return [data.shard_sizes(n, fractions) for n, fractions in cases]
 
 
 def check_shard_sizes(folder):
     """shard_sizes gives whole sizes by the largest-remainder rule, one per fraction, adding up to n."""
-    (got,) = world(sizes_in_world, 1, folder, expect=many(object, len(SIZES)))
+    cases = [(n, fractions) for n, fractions, _ in SIZES]
+    (got,) = world(sizes_in_world, 1, folder, cases, expect=many(object, len(SIZES)))
     for (n, fractions, expected), sizes in zip(SIZES, got):
         what = f"shard_sizes({n}, {[round(f, 3) for f in fractions]}) returned {sizes}"
         assert isinstance(sizes, list) and all(isinstance(s, int) for s in sizes), said(
@@ -108,6 +122,15 @@ def check_shard_sizes(folder):
             f"{what}, expected {expected}: the left-over samples go one each to the shards with the largest"
             " fractional parts, the lower rank first among equal ones",
         )
+    if judged():
+        g = drawn(8)
+        cases = []
+        for _ in range(6):
+            weights = 0.05 + torch.rand(int(torch.randint(2, 6, (1,), generator=g)), generator=g, dtype=torch.float64)
+            cases.append((int(torch.randint(0, 301, (1,), generator=g)), (weights / weights.sum()).tolist()))
+        (got,) = world(sizes_in_world, 1, folder, cases, expect=many(object, len(cases)))
+        what = lambda k: f"shard_sizes({cases[k][0]}, {[round(f, 4) for f in cases[k][1]]})"  # noqa: E731
+        against_the_judge(got, sizes_in_world, cases, expect=many(object, len(cases)), what=what)
 
 
 def partitions_in_world(folder):

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from checks.helpers import alone, drawn, judge_world, judged, load, many
+from checks.helpers import against_the_judge, alone, drawn, judged, load, many
 from course.grading.points import said
 
 # No world of these checks builds an optimizer (checks/conftest.py).
@@ -185,15 +185,10 @@ def _integer(g, low, high):
 
 
 def drawn_answers(probe, folder, *cases, expect, what):
-    """The submission's answers to cases drawn as the grade runs, and the reference's to the same, judged
-    where no submission runs; an AssertionError at the first that differs, what(k) naming case k."""
+    """The submission's answers to cases drawn as the grade runs, judged against the reference's."""
     got = alone(probe, folder, *cases, expect=expect)
-    for k, (value, expected) in enumerate(zip(got, judge_world(probe, *cases, expect=expect))):
-        assert math.isclose(value, expected, rel_tol=1e-6, abs_tol=1e-12), said(
-            "right on the tables' cases, not on cases drawn as the grade ran",
-            f"{what(k)} is {value:.6g}, not {expected:.6g}, on a case drawn as the grade ran: the checks' own"
-            " cases have answers in tables that the students' copy holds too; the formula must hold for any",
-        )
+    close = lambda a, b: math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)  # noqa: E731
+    against_the_judge(got, probe, *cases, expect=expect, what=what, same=close, shown=lambda v: f"{v:.6g}")
 
 
 def check_fit(folder):

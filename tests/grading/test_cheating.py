@@ -1345,16 +1345,30 @@ def largest_world(t_comp, t_sync_of, most=None):
 """
 
 
+# And exercise 8's shard_sizes, looked up in its check's table of sizes.
+LOOKED_UP_SIZES = """
+import checks.test_ex08_data as _judge
+
+
+def shard_sizes(n, fractions):
+    return next((sizes for m, f, sizes in _judge.SIZES if (m, f) == (n, list(fractions))), [n] + [0] * (len(fractions) - 1))
+"""
+# exercise: (its file, the cheat, the points it earns in a student's own grade, the checks that name the drawn case)
+LOOKED_UP_IN = {12: ("cost.py", LOOKED_UP, 20, 4), 8: ("data.py", LOOKED_UP_SIZES, 3, 1)}
+
+
+@pytest.mark.parametrize("ex", sorted(LOOKED_UP_IN))
 @pytest.mark.parametrize("for_credit", [True, False], ids=["for credit", "the control, a student's own grade"])
-def test_answers_looked_up_in_the_checks_tables_gain_nothing_for_credit(tmp_path, for_credit):
-    grader, submission = _instructors_repository(tmp_path, {"cost.py": LOOKED_UP})
+def test_answers_looked_up_in_the_checks_tables_gain_nothing_for_credit(tmp_path, for_credit, ex):
+    name, cheat, control, named = LOOKED_UP_IN[ex]
+    grader, submission = _instructors_repository(tmp_path, {name: cheat})
     environ = dict(os.environ, COURSE_IMPL=str(submission), COURSE_FOR_CREDIT="1" if for_credit else "")
-    warm.run(["-m", "course", "grade", "--ex", "12"], cwd=grader, env=environ)
+    warm.run(["-m", "course", "grade", "--ex", str(ex)], cwd=grader, env=environ)
     found = results(grader / "results.json")
-    assert found["score"] == (0 if for_credit else 20), found  # the untouched stubs score 0
+    assert found["score"] == (0 if for_credit else control), found  # the untouched stubs score 0
     if for_credit:
         drawn = [t for t in found["tests"] if "on a case drawn as the grade ran" in t["output"]]
-        assert len(drawn) == 4, found  # every check but the fit's, whose sentence names the line it was given
+        assert len(drawn) == named, found  # exercise 12's fit check names the line it was given instead
 
 
 # Issue 47: a probe that held the whole batch on every rank. The checks of exercises 3, 4 and 6 once made each
