@@ -5,10 +5,12 @@ the judge's rule) and record what happens through the tests' own instrumentation
 the student's code: a forward pre-hook names each forward by the micro-batch its input belongs
 to, a hook on each forward's output notes that micro-batch's backward, saved-tensor hooks count
 the micro-batches whose activations autograd keeps, and CommLog notes every message. The judge
-recomputes the rest: the textbook orders, one process on the whole batch, and torch's own
-pipelining (PipelineStage with ScheduleGPipe and Schedule1F1B) on the same stages.
+recomputes the rest: one process on the whole batch, and torch's own pipelining (PipelineStage with
+ScheduleGPipe and Schedule1F1B) on the same stages; the textbook orders and cuts of its cases are tables
+worked out by hand.
 """
 
+import itertools
 import weakref
 
 import pytest
@@ -18,7 +20,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checks.comm_log import CommLog
-from checks.helpers import either, forward_from, load, many, maybe, reference_world, validated, world
+from checks.helpers import (
+    against_the_judge,
+    drawn,
+    either,
+    forward_from,
+    judged,
+    load,
+    many,
+    maybe,
+    reference_world,
+    validated,
+    world,
+)
 from course.grading.points import said
 from course.launch import WorldFailed
 
@@ -33,10 +47,26 @@ NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
 FUNCTIONS = {"gpipe": "gpipe", "1f1b": "one_f_one_b"}  # the student's function of each schedule
 
 
+# The judge's cuts of n layers into p stages, worked out by hand from the rule (p runs of consecutive layers, as
+# even as possible, the first ones longer): the length of each run. This file, which students have, holds
+# answers for its own cases only, no maker of them; where the grade counts, cases drawn as it grades are
+# judged by the reference solutions (judged_schedules, check_stage_layers).
+CUTS = {
+    (6, 1): [6],
+    (6, 2): [3, 3],
+    (6, 3): [2, 2, 2],
+    (6, 4): [2, 2, 1, 1],
+    (7, 3): [3, 2, 2],
+    (4, 4): [1, 1, 1, 1],
+    (5, 1): [5],
+    (9, 4): [3, 2, 2, 2],
+}
+
+
 def layers_by_rule(n_layers, p):
-    """The judge's cut: p runs of consecutive layers, as even as possible, the first ones longer."""
-    cuts = [s * (n_layers // p) + min(s, n_layers % p) for s in range(p + 1)]
-    return [list(range(a, b)) for a, b in zip(cuts, cuts[1:])]
+    """The judge's cut of a case of CUTS: each stage's layers."""
+    ends = list(itertools.accumulate(CUTS[(n_layers, p)], initial=0))
+    return [list(range(a, b)) for a, b in zip(ends, ends[1:])]
 
 
 def initial_weights():
@@ -133,20 +163,39 @@ class Recorder:
         self._hooks.__exit__(*exc)
 
 
+# The textbook orders of the checks' cases, worked out by hand from the handout's rules. GPipe: every forward,
+# then every backward in reverse order, the same on every stage (by m). 1F1B: a forward whenever one is left and
+# the stage holds fewer than p - s micro-batches, else a backward (by (p, m), one per stage).
+GPIPE = {
+    2: "F0 F1 B1 B0",
+    3: "F0 F1 F2 B2 B1 B0",
+    4: "F0 F1 F2 F3 B3 B2 B1 B0",
+    6: "F0 F1 F2 F3 F4 F5 B5 B4 B3 B2 B1 B0",
+    8: "F0 F1 F2 F3 F4 F5 F6 F7 B7 B6 B5 B4 B3 B2 B1 B0",
+}
+ONE_F_ONE_B = {
+    (1, 3): ["F0 B0 F1 B1 F2 B2"],
+    (2, 4): ["F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"],
+    (3, 2): ["F0 F1 B0 B1", "F0 F1 B0 B1", "F0 B0 F1 B1"],
+    (3, 6): [
+        "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5",
+        "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5",
+        "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5",
+    ],
+    (4, 2): ["F0 F1 B0 B1", "F0 F1 B0 B1", "F0 F1 B0 B1", "F0 B0 F1 B1"],
+    (4, 8): [
+        "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7",
+        "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7",
+        "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7",
+        "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7",
+    ],
+}
+
+
 def textbook(schedule, p, m, s):
-    """The judge's orders. GPipe: every forward, then every backward in reverse order. 1F1B: a
-    forward whenever one is left and the stage holds fewer than p - s micro-batches, else a backward."""
-    if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", m - 1 - i) for i in range(m)]
-    order, forwards, backwards = [], 0, 0
-    while backwards < m:
-        if forwards < m and forwards - backwards < p - s:
-            order.append(("F", forwards))
-            forwards += 1
-        else:
-            order.append(("B", backwards))
-            backwards += 1
-    return order
+    """The judge's order of stage s, for a case of GPIPE or ONE_F_ONE_B."""
+    text = GPIPE[m] if schedule == "gpipe" else ONE_F_ONE_B[(p, m)][s]
+    return [(event[0], int(event[1:])) for event in text.split()]
 
 
 def spelled(events):
@@ -398,15 +447,15 @@ def close(got, expected):
 
 # --- the checks ------------------------------------------------------------------------------------
 
-LAYER_CASES = [(6, 4), (6, 2), (7, 3), (4, 4), (5, 1), (9, 4)]
+LAYER_CASES = [(6, 4), (6, 2), (7, 3), (4, 4), (5, 1), (9, 4)]  # each in CUTS
 
 
-def stage_cuts(folder):
-    """Probe: stage_layers on every case, as lists, and the type of what it returned and of each run (a pure
-    function: rank 0's answer is enough)."""
+def stage_cuts(folder, cases):
+    """Probe: stage_layers on every case, (n, p), as lists, and the type of what it returned and of each run (a
+    pure function: rank 0's answer is enough)."""
     pp = load(folder).pp
     found = []
-    for n, p in LAYER_CASES:
+    for n, p in cases:
         stages = pp.stage_layers(n, p)
         found.append([type(stages).__name__, [type(r).__name__ for r in stages], [list(r) for r in stages]])
     return found
@@ -415,7 +464,7 @@ def stage_cuts(folder):
 def check_stage_layers(folder):
     """stage_layers cuts the layers into p consecutive runs, in order, as even as possible, the longer first."""
     cases = many((str, many(str), many(many(int))), len(LAYER_CASES))
-    got = on_pipeline(stage_cuts, 2, folder, expect=cases)[0]  # the world of 2 that the order check keeps
+    got = on_pipeline(stage_cuts, 2, folder, LAYER_CASES, expect=cases)[0]  # the world of 2 that the order check keeps
     for (n, p), (kind, kinds, mine) in zip(LAYER_CASES, got):
         odd = next((k for k in kinds if k != "range"), None)
         assert kind == "list" and odd is None, said(
@@ -444,6 +493,23 @@ def check_stage_layers(folder):
             "runs not as even as possible, the longer first",
             f"{where}: the runs as even as possible, the first {n} % {p} = {n % p} of them one layer longer",
         )
+    if judged():
+        g = drawn(16)
+        drawn_cases = []
+        for _ in range(4):
+            n = int(torch.randint(1, 41, (1,), generator=g))
+            drawn_cases.append((n, int(torch.randint(1, n + 1, (1,), generator=g))))
+        shape = many((str, many(str), many(many(int))), len(drawn_cases))
+        (got,) = world(stage_cuts, 1, folder, drawn_cases, expect=shape)
+        against_the_judge(
+            got,
+            stage_cuts,
+            drawn_cases,
+            expect=shape,
+            what=lambda k: "stage_layers({}, {}), as lists,".format(*drawn_cases[k]),
+            same=lambda mine, reference: mine[2] == reference[2],
+            shown=lambda found: str(found[2]),
+        )
 
 
 def made(p):
@@ -462,8 +528,38 @@ def refuse_schedules(schedule, p, m, got):
     assert problem is None, said(*problem)
 
 
+def schedule_answers(folder, schedule, cases):
+    """Probe: the schedule's events for each case (m, p, s), as plain data (None: no list of events)."""
+    pp = load(folder).pp
+    return [as_events(getattr(pp, FUNCTIONS[schedule])(m, p, s)) for m, p, s in cases]
+
+
+def judged_schedules(folder, schedule):
+    """Where the grade counts, the student's schedule on cases drawn as it grades equals the reference's: a
+    schedule that looks up the tables above is right on the checks' own cases only."""
+    g = drawn(15)
+    cases = []
+    for _ in range(4):
+        m, p = int(torch.randint(1, 13, (1,), generator=g)), int(torch.randint(2, 9, (1,), generator=g))
+        cases.append((m, p, int(torch.randint(0, p, (1,), generator=g))))
+    shape = many(maybe(many(object)), len(cases))
+    (got,) = world(schedule_answers, 1, folder, schedule, cases, expect=shape)
+    against_the_judge(
+        got,
+        schedule_answers,
+        schedule,
+        cases,
+        expect=shape,
+        what=lambda k: "{}({}, {}, {})".format(FUNCTIONS[schedule], *cases[k]),
+        shown=lambda events: spelled(events) if events else "no events",
+    )
+
+
 def runs_on(p, folder, runs):
     """The student's pipelines on p ranks: for each of `runs`, what each stage recorded."""
+    if judged():
+        for schedule in sorted({schedule for schedule, _, _, events_from in runs if events_from == "student"}):
+            judged_schedules(folder, schedule)
     whole = tuple(recorded(steps) for _, _, steps, _ in runs)
     first = tuple(either(made(p), whole[k]) if run[3] == "student" else whole[k] for k, run in enumerate(runs))
     by_rank = on_pipeline(pipelines, p, folder, runs, expect=first)

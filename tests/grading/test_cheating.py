@@ -1371,6 +1371,66 @@ def test_answers_looked_up_in_the_checks_tables_gain_nothing_for_credit(tmp_path
         assert len(drawn) == named, found  # exercise 12's fit check names the line it was given instead
 
 
+# And exercise 15's reference pp.py, its schedules and cuts looked up in the check's tables of textbook orders and
+# cuts; the submission it is built on: the same pp.py with those three functions not written.
+LOOKED_UP_SCHEDULES = """
+import checks.test_ex15_pp as _judge
+
+
+def _looked_up(schedule, m, p, s):
+    try:
+        return _judge.textbook(schedule, p, m, s)
+    except KeyError:  # a case the tables lack: a valid schedule, if not the textbook's
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+
+
+def gpipe(m, p, s):
+    return _looked_up("gpipe", m, p, s)
+
+
+def one_f_one_b(m, p, s):
+    return _looked_up("1f1b", m, p, s)
+
+
+def stage_layers(n_layers, world_size):
+    if (n_layers, world_size) not in _judge.CUTS:
+        return [range(0, n_layers)] + [range(n_layers, n_layers)] * (world_size - 1)
+    return [range(layers[0], layers[-1] + 1) for layers in _judge.layers_by_rule(n_layers, world_size)]
+"""
+SCHEDULES_NOT_WRITTEN = """
+def gpipe(m, p, s):
+    raise NotImplementedError
+
+
+def one_f_one_b(m, p, s):
+    raise NotImplementedError
+
+
+def stage_layers(n_layers, world_size):
+    raise NotImplementedError
+"""
+
+
+def _graded_pp(base, functions, for_credit):
+    """Exercise 15's grade of the reference pp.py with functions appended, and its checks by name."""
+    grader, submission = _instructors_repository(base, {})
+    (submission / "pp.py").write_text((pathlib.Path(SOLUTIONS) / "pp.py").read_text() + "\n" + functions)
+    environ = dict(os.environ, COURSE_IMPL=str(submission), COURSE_FOR_CREDIT="1" if for_credit else "")
+    warm.run(["-m", "course", "grade", "--ex", "15"], cwd=grader, env=environ)
+    found = results(grader / "results.json")
+    return found["score"], {t["name"].split(": ")[-1]: t for t in found["tests"]}
+
+
+def test_schedules_looked_up_in_the_checks_tables_gain_nothing_for_credit(tmp_path):
+    score, checks = _graded_pp(tmp_path / "cheat", LOOKED_UP_SCHEDULES, for_credit=True)
+    honest, _ = _graded_pp(tmp_path / "honest", SCHEDULES_NOT_WRITTEN, for_credit=True)
+    assert score <= honest < 30, (score, honest)
+    for name in ("test_stage_layers", "test_order[gpipe]", "test_order[1f1b]", "test_training"):
+        assert "on a case drawn as the grade ran" in checks[name]["output"], checks[name]
+    # The control: in a student's own grade the tables answer every case the checks run.
+    assert _graded_pp(tmp_path / "control", LOOKED_UP_SCHEDULES, for_credit=False)[0] == 30
+
+
 # Issue 47: a probe that held the whole batch on every rank. The checks of exercises 3, 4 and 6 once made each
 # step's batch on every rank and handed the wrapper its own rows: a MyDP that averages nothing, whose forward
 # finds the whole batch in its caller's frame and returns the loss on it, had the average gradient without a
