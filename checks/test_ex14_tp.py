@@ -752,8 +752,43 @@ def said_list(collectives):
     return ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in counted.items()) or "none"
 
 
+# A block wide enough that its exchanges dwarf what a world's network carries for nothing (its barriers and
+# checks, a few kB): the kernel's count of them bounds what no worker can write.
+WIDE, WIDE_ROWS = 128, 256
+
+
+def wide_block_in_world(folder, sequence_parallel):
+    """Probe: a column layer then a row layer of WIDE features, forward and backward on WIDE_ROWS rows (this
+    rank's block of them, sequence parallel)."""
+    tp = load(folder).tp
+    torch.manual_seed(1)
+    up, down = nn.Linear(WIDE, WIDE), nn.Linear(WIDE, WIDE)
+    rows = WIDE_ROWS // dist.get_world_size() if sequence_parallel else WIDE_ROWS
+    x = torch.randn(rows, WIDE, requires_grad=True)
+    out = tp.RowParallelLinear(down, sequence_parallel)(torch.tanh(tp.ColumnParallelLinear(up, sequence_parallel)(x)))
+    out.backward(torch.ones_like(out))
+    return out.shape[0]
+
+
+def check_kernel_count(folder, sequence_parallel, world_size):
+    """The kernel counted at least the bytes of the block's exchanges: a block that computes the whole layer on
+    every rank and sends nothing fails, whatever the communication log says."""
+    observed = world(wide_block_in_world, world_size, folder, sequence_parallel, expect=int, observe=True)
+    # In either way of splitting, the block's exchanges reach every rank with what the others hold of its input
+    # (rows x WIDE) and of its output (rows x WIDE): at least (W - 1) times each, in float32, over the world.
+    least = (world_size - 1) * WIDE_ROWS * 2 * WIDE * 4
+    carried = observed.loopback_bytes
+    assert carried is None or carried >= least, said(
+        "a parallel layer that exchanges nothing",
+        f"a column layer then a row layer of {WIDE} features on {WIDE_ROWS} rows, forward and backward, on"
+        f" {world_size} ranks: the world's network carried {carried} bytes in all, as the kernel counted them, where"
+        f" their collectives carry at least {least}: the layers computed their output without exchanging it",
+    )
+
+
 def check_collectives(folder, sequence_parallel, world_size=2):
-    """The column layer, the row layer and ParallelMLP start the collectives of their functions, each way."""
+    """The column layer, the row layer and ParallelMLP start the collectives of their functions, each way, and
+    the world's network carries them (check_kernel_count)."""
     ways = {"forward": many(str), "backward": many(str)}
     modules = ("ColumnParallelLinear", "RowParallelLinear", "ParallelMLP")
     results = world(collectives_in_world, world_size, folder, sequence_parallel, expect=dict.fromkeys(modules, ways))
@@ -773,6 +808,7 @@ def check_collectives(folder, sequence_parallel, world_size=2):
             for way in ("forward", "backward"):
                 where = f"{'sequence' if sequence_parallel else 'tensor'} parallel, rank {rank}: {what}"
                 judge_counts(where, way, found[what][way], expected[what][way])
+    check_kernel_count(folder, sequence_parallel, world_size)
 
 
 @pytest.mark.points(2)

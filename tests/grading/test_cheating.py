@@ -1027,10 +1027,10 @@ def _as_user(base, who):
                 os.lchown(name, *user)
 
 
-def _instructors_repository(base, cheats):
-    """A grader's copy with solutions/ (the instructors' repository), the stubs with cheats as the
-    submission, and a correct classmate beside it; (grader, submission)."""
-    grader, submission = _copy_grader(pathlib.Path(base), cheats)
+def _instructors_repository(base, cheats, solved=ROOT):
+    """A grader's copy with solutions/ (the instructors' repository), the files of solved (the stubs) with
+    cheats as the submission, and a correct classmate beside it; (grader, submission)."""
+    grader, submission = _copy_grader(pathlib.Path(base), cheats, solved)
     shutil.copytree(SOLUTIONS, grader / "solutions", ignore=shutil.ignore_patterns("__pycache__"))
     classmate = pathlib.Path(base) / "classmate"
     classmate.mkdir()
@@ -1039,15 +1039,15 @@ def _instructors_repository(base, cheats):
     return grader, submission
 
 
-def _grade_in_repository(base, who, cheats, ex=2):
+def _grade_in_repository(base, who, cheats, ex=2, solved=ROOT, checks=()):
     python, user, mode, packages = who
-    grader, _ = _instructors_repository(base, cheats)
+    grader, _ = _instructors_repository(base, cheats, solved)
     _as_user(base, who)
     env = dict(os.environ, COURSE_IMPL=str(pathlib.Path(base) / "submission"), COURSE_SANDBOX=mode)
     if packages:
         env["PYTHONPATH"] = packages
     done = warm.run(
-        ["-m", "course", "grade", "--ex", str(ex), "--", "-s"],
+        ["-m", "course", "grade", "--ex", str(ex), "--", "-s", *checks],
         cwd=grader,
         env=env,
         python=python,
@@ -1429,6 +1429,80 @@ def test_schedules_looked_up_in_the_checks_tables_gain_nothing_for_credit(tmp_pa
         assert "on a case drawn as the grade ran" in checks[name]["output"], checks[name]
     # The control: in a student's own grade the tables answer every case the checks run.
     assert _graded_pp(tmp_path / "control", LOOKED_UP_SCHEDULES, for_credit=False)[0] == 30
+
+
+# Issue 47: tensor parallelism that exchanges nothing (its four functions pass tensors through, each way) and makes
+# the communication log of each module say what the check expects. Every rank holds the whole layers and its
+# input by the exercise's design; what no worker can write is the kernel's count of the world's traffic.
+SILENT_TP = """
+import sys as _sys
+
+import checks.comm_log as _log
+import checks.test_ex14_tp as _check
+
+_FIRST = {}
+for _name, _kind in _log.KINDS.items():
+    _FIRST.setdefault(_kind, _name)
+_WAYS = [(what, way) for what in ("ColumnParallelLinear", "RowParallelLinear", "ParallelMLP") for way in ("forward", "backward")]
+_summary = _log.CommLog.summary
+_logs = [0]
+
+
+def _forged(self):
+    found, frame = _summary(self), _sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "collectives_in_world":
+        frame = frame.f_back
+    if frame is None:
+        return found
+    if not hasattr(self, "_forged_at"):
+        self._forged_at, _logs[0] = _logs[0] % len(_WAYS), _logs[0] + 1
+    what, way = _WAYS[self._forged_at]
+    kinds = _check.expected_collectives(frame.f_locals["sequence_parallel"])[what][way]
+    return {**found, "collectives": [_FIRST[kind] for kind in kinds]}
+
+
+_log.CommLog.summary = _forged
+
+
+class _Through(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+Copy = AllReduce = _Through
+"""
+
+
+def test_tensor_parallelism_that_exchanges_nothing_gains_nothing(tmp_path):
+    """Its forged log passes the count of collectives; the kernel's count of the world's traffic fails it."""
+    os.chmod(tmp_path, 0o755)
+    who = _as_this_user()
+    _, path, _ = _grade_in_repository(
+        tmp_path, who, {"tp.py": SILENT_TP}, ex=14, solved=SOLUTIONS, checks=("-k", "test_collectives")
+    )
+    found = {t["name"].split(": ")[-1]: t for t in results(path)["tests"]}
+    assert found["test_collectives[sequence]"]["status"] == "passed", found  # the reference's, untouched
+    silent = found["test_collectives[tensor]"]
+    assert silent["status"] == "failed" and "as the kernel counted them" in silent["output"], silent
+
+
+def test_tensor_parallelism_that_exchanges_nothing_passes_its_count_without_a_sandbox(tmp_path):
+    """The control: without a sandbox there is no world's network to count, and the forged log passes."""
+    os.chmod(tmp_path, 0o755)
+    _, path, _ = _grade_in_repository(
+        tmp_path,
+        (sys.executable, None, "off", None),
+        {"tp.py": SILENT_TP},
+        ex=14,
+        solved=SOLUTIONS,
+        checks=("-k", "test_collectives"),
+    )
+    assert all(t["status"] == "passed" for t in results(path)["tests"]), results(path)
 
 
 # Issue 47: a probe that held the whole batch on every rank. The checks of exercises 3, 4 and 6 once made each
