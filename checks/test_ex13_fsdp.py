@@ -771,8 +771,41 @@ def check_seen(results, step, bf16=False, sizes=SIZES):
             )
 
 
+# A unit wide enough that its exchanges dwarf what a world's network carries for nothing (its barriers and
+# checks, a few kB): the kernel's count of them bounds what no worker can write.
+WIDE = 256
+
+
+def wide_step_in_world(folder):
+    """Probe: one ZeRO-3 step's forward and backward of a model whose first unit has WIDE x WIDE weights."""
+    fsdp = load(folder).fsdp
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(WIDE, WIDE), nn.Tanh(), nn.Linear(WIDE, N_CLASSES))
+    fsdp.shard_layers(model, reshard_after_forward=True)
+    x, y = torch.randn(CONFIG.batch_size, WIDE), torch.randint(0, N_CLASSES, (CONFIG.batch_size,))
+    F.cross_entropy(model(x), y).backward()
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_kernel_count(folder, world_size):
+    """The kernel counted at least one all-gather of the wide model's parameters: units that keep the whole model
+    on every rank and exchange nothing fail, whatever the communication log says."""
+    observed = world(wide_step_in_world, world_size, folder, expect=int, observe=True)
+    parameters = WIDE * WIDE + WIDE + WIDE * N_CLASSES + N_CLASSES
+    # Every rank gathers the W - 1 pieces it does not hold, in float32, before the forward at least.
+    least = (world_size - 1) * parameters * 4
+    carried = observed.loopback_bytes
+    assert carried is None or carried >= least, said(
+        "units that exchange nothing",
+        f"one ZeRO-3 step of a model of {parameters} parameters on {world_size} ranks: the world's network carried"
+        f" {carried} bytes in all, as the kernel counted them, where gathering its parameters alone carries at"
+        f" least {least}: the units computed without gathering the pieces they do not hold",
+    )
+
+
 def check_steps(folder, world_size, zero3, steps=None):
-    """The STEPS of Adam on W ranks equal one process on the union batch: exactly on 1 rank, within ATOL on more."""
+    """The STEPS of Adam on W ranks equal one process on the union batch: exactly on 1 rank, within ATOL on more;
+    ZeRO-3's units gather what the kernel sees them gather (check_kernel_count)."""
     steps = steps or STEPS
     results = world(sharded_steps, world_size, folder, zero3, steps, expect=stepped(steps))
     refuse_unsharded(results)
@@ -819,6 +852,8 @@ def check_steps(folder, world_size, zero3, steps=None):
                 f"after step {step} on {world_size} ranks, {unit_name(k)} differs from Adam in one process on the"
                 f" union batch by {(got - expected).abs().max().item():.1e} (tolerance {ATOL:.0e})"
             )
+    if zero3 and world_size > 1:  # last: a mistake that the steps show is said as the steps say it
+        check_kernel_count(folder, world_size)
 
 
 def piece(flat, world_size, rank):

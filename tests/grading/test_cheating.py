@@ -1505,6 +1505,26 @@ def test_tensor_parallelism_that_exchanges_nothing_passes_its_count_without_a_sa
     assert all(t["status"] == "passed" for t in results(path)["tests"]), results(path)
 
 
+# Issue 47: FSDP whose units keep the whole model on every rank (each is given it, by the exercise's design) and
+# exchange nothing: what the kernel counts of a ZeRO-3 step is below one gather of the parameters.
+SILENT_FSDP = """
+def shard_layers(container, reshard_after_forward=True, param_dtype=None):
+    pass
+"""
+
+
+def test_units_that_exchange_nothing_fail_the_kernels_count(tmp_path):
+    from checks.helpers import world
+    from checks.test_ex13_fsdp import check_kernel_count, wide_step_in_world
+
+    if world(wide_step_in_world, 2, SOLUTIONS, expect=int, observe=True).loopback_bytes is None:
+        pytest.skip("no sandbox level with a network of its own here: the kernel counts nothing per world")
+    _, silent = _copy_grader(tmp_path, {"fsdp.py": SILENT_FSDP}, SOLUTIONS)
+    check_kernel_count(SOLUTIONS, 2)
+    with pytest.raises(AssertionError, match="as the kernel counted them"):
+        check_kernel_count(str(silent), 2)
+
+
 # Issue 47: a probe that held the whole batch on every rank. The checks of exercises 3, 4 and 6 once made each
 # step's batch on every rank and handed the wrapper its own rows: a MyDP that averages nothing, whose forward
 # finds the whole batch in its caller's frame and returns the loss on it, had the average gradient without a
