@@ -331,9 +331,39 @@ def said_list(collectives):
     return ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in counted.items()) or "none"
 
 
+# A block wide enough that its exchanges dwarf what a world's network carries for nothing (its barriers, its
+# groups' rendezvous, its checks): the kernel's count of them bounds what no worker can write.
+WIDE = 256
+
+
+def wide_block_in_world(folder, dp, tp):
+    """Probe: a mesh block of two WIDE x WIDE layers, forward and backward on this rank's rows."""
+    nd = load(folder).nd
+    torch.manual_seed(3)
+    model = nd.MeshMLP([nn.Linear(WIDE, WIDE), nn.Linear(WIDE, WIDE)], judge_mesh(nd, dp, tp))
+    model(torch.randn(ROWS // dp, WIDE)).sum().backward()
+    return 0
+
+
+def check_kernel_count(folder, dp, tp):
+    """The kernel counted at least the dp groups' gathers of a wide block's shards: layers that keep the whole
+    block on every rank and exchange nothing fail, whatever the communication log says."""
+    observed = world(wide_block_in_world, dp * tp, folder, dp, tp, expect=int, observe=True)
+    parameters = 2 * (WIDE * WIDE + WIDE)
+    # Each rank gathers the dp - 1 shards of its block (1/tp of the parameters) that it does not hold, in float32.
+    least = (dp - 1) * parameters * 4
+    carried = observed.loopback_bytes
+    assert carried is None or carried >= least, said(
+        "layers that exchange nothing",
+        f"{the_mesh(dp, tp)}: a block of two {WIDE} x {WIDE} layers, forward and backward: the world's network"
+        f" carried {carried} bytes in all, as the kernel counted them, where the dp groups' gathers of its shards"
+        f" alone carry at least {least}: the layers computed without gathering the shards they do not hold",
+    )
+
+
 def check_collectives(folder, dp=2, tp=2):
     """The layers' all-reduces go to the rank's tp group, the all-gathers and reduce-scatters of their shards
-    to its dp group, and none to the world."""
+    to its dp group, and none to the world; the world's network carries them (check_kernel_count)."""
     results = world(collectives_in_world, dp * tp, folder, dp, tp, expect=dict.fromkeys(("forward", "backward"), list))
     blocks = (len(WIDTHS) - 1) // 2
     expected = {
@@ -404,6 +434,7 @@ def check_collectives(folder, dp=2, tp=2):
                     else "a reduce-scatter of each layer's gradient and the column layer's input gradient's all-reduce"
                 ),
             )
+    check_kernel_count(folder, dp, tp)
 
 
 @pytest.mark.points(3)

@@ -1505,24 +1505,43 @@ def test_tensor_parallelism_that_exchanges_nothing_passes_its_count_without_a_sa
     assert all(t["status"] == "passed" for t in results(path)["tests"]), results(path)
 
 
-# Issue 47: FSDP whose units keep the whole model on every rank (each is given it, by the exercise's design) and
-# exchange nothing: what the kernel counts of a ZeRO-3 step is below one gather of the parameters.
+# Issue 47: FSDP whose units keep the whole model on every rank, and a mesh whose layers keep the whole block
+# (each is given it, by the exercise's design), exchanging nothing: what the kernel counts of a step is below
+# one gather of the parameters.
 SILENT_FSDP = """
 def shard_layers(container, reshard_after_forward=True, param_dtype=None):
     pass
 """
+SILENT_MESH = """
+class MeshMLP(nn.Module):
+    def __init__(self, layers, mesh):
+        super().__init__()
+        self.mesh, self.layers = mesh, nn.ModuleList(layers)
+
+    def forward(self, x):
+        return self.layers[1](torch.tanh(self.layers[0](x)))
+"""
+# exercise: (its file, the silent code, its check module, the kernel check's arguments after the folder)
+SILENT = {
+    13: ("fsdp.py", SILENT_FSDP, "checks.test_ex13_fsdp", (2,)),
+    16: ("nd.py", SILENT_MESH, "checks.test_ex16_nd", (2, 2)),
+}
 
 
-def test_units_that_exchange_nothing_fail_the_kernels_count(tmp_path):
+@pytest.mark.parametrize("ex", sorted(SILENT))
+def test_layers_that_exchange_nothing_fail_the_kernels_count(tmp_path, ex):
+    import importlib
+
     from checks.helpers import world
-    from checks.test_ex13_fsdp import check_kernel_count, wide_step_in_world
 
-    if world(wide_step_in_world, 2, SOLUTIONS, expect=int, observe=True).loopback_bytes is None:
+    name, code, module, args = SILENT[ex]
+    check = importlib.import_module(module).check_kernel_count
+    if world(os.getpid, 2, expect=int, observe=True).loopback_bytes is None:
         pytest.skip("no sandbox level with a network of its own here: the kernel counts nothing per world")
-    _, silent = _copy_grader(tmp_path, {"fsdp.py": SILENT_FSDP}, SOLUTIONS)
-    check_kernel_count(SOLUTIONS, 2)
+    _, silent = _copy_grader(tmp_path, {name: code}, SOLUTIONS)
+    check(SOLUTIONS, *args)
     with pytest.raises(AssertionError, match="as the kernel counted them"):
-        check_kernel_count(str(silent), 2)
+        check(str(silent), *args)
 
 
 # Issue 47: a probe that held the whole batch on every rank. The checks of exercises 3, 4 and 6 once made each
