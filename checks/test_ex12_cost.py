@@ -302,7 +302,11 @@ def check_exposed(folder):
         for _ in range(4):
             ready = [0.01 * float(torch.rand(1, generator=g)) for _ in range(_integer(g, 2, 5))]
             buckets = [sizes[_integer(g, 0, 2)] for _ in ready]
-            schedules.append((ready, buckets, max(ready) + 0.005 * float(torch.rand(1, generator=g))))
+            # Before the end of the bucket ready last, so that every drawn wait is more than 0: an answer that is
+            # 0 whatever the buckets never passes them.
+            shortest = min(rings.seconds[(n, 2)] for n in buckets)
+            end = max(ready) + 0.9 * shortest * float(torch.rand(1, generator=g))
+            schedules.append((ready, buckets, end))
         drawn_answers(
             exposed_answers,
             folder,
@@ -364,9 +368,11 @@ def check_largest_world(folder):
         g = drawn(4)
         cases = []
         for _ in range(5):
-            t_comp = _log_uniform(g, -3, -1)
-            power = 0.5 + 2.5 * float(torch.rand(1, generator=g))
-            cases.append((t_comp, Power(t_comp * _log_uniform(g, -2.5, 0), power), _integer(g, 8, 300)))
+            # T_sync / T_comp = (R - 1)^power / crossing^(power - 1) is below R - 1 exactly while R - 1 < crossing,
+            # a half-integer below most: the answer is neither 1 nor most, and no R is a tie.
+            t_comp, most = _log_uniform(g, -3, -1), _integer(g, 8, 300)
+            power, crossing = 1.5 + 1.5 * float(torch.rand(1, generator=g)), _integer(g, 2, most - 3) + 0.5
+            cases.append((t_comp, Power(t_comp * crossing ** (1 - power), power), most))
         drawn_answers(
             largest_answers,
             folder,

