@@ -359,6 +359,18 @@ def against_the_judge(got, probe, *cases, expect, what, same=lambda a, b: a == b
         )
 
 
+def kernel_counted(observed, least, concept, what, carrying):
+    """Judge what the kernel counted of an observed call (world(..., observe=True)): at least `least` bytes over the
+    world's own network, what `carrying` (words: "its collectives carry") carries at the least. None (no sandbox
+    with a network of its own) judges nothing."""
+    carried = observed.loopback_bytes
+    assert carried is None or carried >= least, said(
+        concept,
+        f"{what}: the world's network carried {carried} bytes in all, as the kernel counted them, where {carrying}"
+        f" at least {least}",
+    )
+
+
 def _without_process_group(fn, args):
     dist.destroy_process_group()
     try:
