@@ -184,11 +184,13 @@ def _integer(g, low, high):
     return int(torch.randint(low, high + 1, (1,), generator=g))
 
 
-def drawn_answers(probe, folder, *cases, expect, what):
-    """The submission's answers to cases drawn as the grade runs, judged against the reference's."""
-    got = alone(probe, folder, *cases, expect=expect)
+def drawn_answers(probe, folder, cases, *more, what):
+    """The submission's answers to cases drawn as the grade runs (one number each; probe(folder, cases, *more)),
+    judged against the reference's."""
+    expect = many(float, len(cases))
+    got = alone(probe, folder, cases, *more, expect=expect)
     close = lambda a, b: math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)  # noqa: E731
-    against_the_judge(got, probe, *cases, expect=expect, what=what, same=close, shown=lambda v: f"{v:.6g}")
+    against_the_judge(got, probe, cases, *more, expect=expect, what=what, same=close, shown=lambda v: f"{v:.6g}")
 
 
 def check_fit(folder):
@@ -262,7 +264,6 @@ def check_ring(folder):
             ring_answers,
             folder,
             cases,
-            expect=many(float, len(cases)),
             what=lambda k: "ring_allreduce_seconds({:.6g} bytes, {} ranks, alpha {:.3g} s, beta {:.3g} B/s)".format(
                 *cases[k]
             ),
@@ -312,7 +313,6 @@ def check_exposed(folder):
             folder,
             schedules,
             rings,
-            expect=many(float, len(schedules)),
             what=lambda k: (
                 f"exposed_seconds for buckets ready at {[f'{t:.4g}' for t in schedules[k][0]]} s of"
                 f" {schedules[k][1]} bytes on 2 ranks (all-reduces of {_rings_of(rings, schedules[k][1])}),"
@@ -342,7 +342,6 @@ def check_speedup(folder):
             speedup_answers,
             folder,
             cases,
-            expect=many(float, len(cases)),
             what=lambda k: "speedup(t_comp={:.4g}, t_sync={:.4g}, {} ranks)".format(*cases[k]),
         )
 
@@ -377,7 +376,6 @@ def check_largest_world(folder):
             largest_answers,
             folder,
             cases,
-            expect=many(float, len(cases)),
             what=lambda k: (
                 f"largest_world(t_comp={cases[k][0]:.4g}, T_sync(R) = {cases[k][1].scale:.4g} (R - 1)^"
                 f"{cases[k][1].power:.3g}, most={cases[k][2]})"

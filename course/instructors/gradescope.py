@@ -3,11 +3,6 @@
 The zip holds the students' copy of the course (course/instructors/release.py: the checks, the course
 package, the stub files) and Gradescope's two scripts:
 
-The zip also holds the reference solutions, in judge/: where the grade counts, a check draws cases as it
-grades and the reference answers them (checks/helpers.py's judged()). setup.sh moves them out of the
-course, to /autograder/judge, readable by root only: no submission's world sees them, at any sandbox
-level, and the zip is the instructors' to keep, never the students'.
-
 - ``setup.sh``, run once as root when Gradescope builds its image: a virtual environment in
   /autograder/venv with torch's CPU wheel (PyPI's Linux wheel brings several GB of CUDA), numpy
   and pytest, every file readable by every user (the uid sandbox runs submission code as users of
@@ -17,6 +12,11 @@ level, and the zip is the instructors' to keep, never the students'.
   anything else in the upload is ignored), fills in a file that is missing with its stub, grades them in the
   sandbox (COURSE_SANDBOX=required: without one, no grade), and writes
   /autograder/results/results.json, with a note saying which file came from where.
+
+The zip also holds the reference solutions, in judge/: where the grade counts, a check draws cases as it
+grades and the reference answers them (checks/helpers.py's judged()). setup.sh moves them out of the
+course, to /autograder/judge, readable by root only: no submission's world sees them, at any sandbox
+level, and the zip is the instructors' to keep, never the students'.
 
 GRADESCOPE_ROOT stands for /autograder (tests/grading/test_gradescope.py runs a stand-in of its folders).
 """
