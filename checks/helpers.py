@@ -12,6 +12,7 @@ workers, and a verdict is still decided only by code of this repository and torc
 import dataclasses
 import math
 import os
+import sys
 from contextlib import redirect_stdout
 from io import StringIO
 from types import SimpleNamespace
@@ -21,9 +22,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course import impl
+from course import exercises, impl
 from course.grading.points import said
 from course.launch import Observed, run
+from course.runtime.uprobes import ENTRIES
 from course.runtime.workers import for_credit
 
 # Small enough that a multi-rank check takes a fraction of a second; 144 training rows divide
@@ -301,7 +303,7 @@ def drawn(seed):
     return torch.Generator().manual_seed(chosen)
 
 
-def world(fn, world_size, *args, expect, keep=True, debug=True, **options):
+def world(fn, world_size, *args, expect, keep=True, debug=True, observe=False, **options):
     """Run the probe fn on every rank of a gloo world; what it returned, by rank, each checked against
     the shape expect (validated: what the judge reads is what it asked for). Collectives are
     checked (debug: each is compared across the ranks before it starts, course/runtime/instrument.py), whatever
@@ -309,8 +311,40 @@ def world(fn, world_size, *args, expect, keep=True, debug=True, **options):
     check compared). The workers are sandboxed (course/runtime/sandbox.py): every world that runs submission
     code comes from here or alone(). The world is kept for the next probe of its size and options
     (course/runtime/workers.py says what each call gets afresh) unless keep is False; options go to run()
-    (timeout, ...). With observe=True, run's Observed: the validated results with what the kernel counted."""
-    return validated(run(fn, world_size, *args, keep=keep, sandbox=True, debug=debug, **options), expect, world_size)
+    (timeout, ...). With observe=True, run's Observed: the validated results with what the kernel counted.
+    Where the running check's exercise forbids a part of torch (forbidden()), the kernel's count of its calls
+    fails the check if any rank made one (not_called)."""
+    forbids = forbidden()
+    got = run(fn, world_size, *args, keep=keep, sandbox=True, debug=debug, observe=observe or bool(forbids), **options)
+    if forbids:
+        not_called(got.calls, forbids)
+        got = got if observe else got.results
+    return validated(got, expect, world_size)
+
+
+def forbidden() -> tuple:
+    """What the running check's exercise forbids (course/exercises.py's forbids): that of the checks module
+    nearest on the stack, whoever runs the check (the grader, a notebook's checks, a mutant test)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        exercise = exercises.of_checks_module(frame.f_globals.get("__name__", ""))
+        if exercise is not None:
+            return exercise.forbids
+        frame = frame.f_back
+    return ()
+
+
+def not_called(calls, forbids):
+    """Judge the kernel's count of a call's entries into torch (Observed's calls): no rank made any of forbids.
+    None (the kernel counts none here: no root, no uprobes) judges nothing."""
+    for (rank, name), count in sorted((calls or {}).items()):
+        entry = ENTRIES[name]
+        assert name not in forbids or count == 0, said(
+            f"{entry.called} used where the exercise writes it by hand",
+            f"rank {rank}'s processes used {entry.called}: the kernel counted {count} call{'s' * (count > 1)} of"
+            f" {entry.counted} while the check ran; this exercise is to write it by hand, so torch's own earns"
+            " nothing here",
+        )
 
 
 def reference_world(fn, world_size, *args, expect, per_rank=None):

@@ -27,6 +27,9 @@ class Exercise:
     written: int  # its notebook's written answers' points, graded by hand (a test compares)
     demo: tuple = ()  # the reference scripts that show it, with their flags (the instructors' demo runs them)
     gpu: tuple = ()  # its rows of the instructors' GPU check (course/instructors/gpu_check.py measures each)
+    # torch's own version of what the student writes here by hand (course/runtime/uprobes.py's ENTRIES): where the
+    # kernel counts calls, a check whose worlds called one fails, naming it (checks/helpers.py's world())
+    forbids: tuple = ()
 
     @property
     def slug(self) -> str:
@@ -63,13 +66,15 @@ EXERCISES = (
              demo=("mlp.py --world-size 2 --niters 300 --check",), gpu=("3 DDP", "3 DDP --amp")),
     Exercise(4, "mydp", "mydp.py", "`MyDP`, broadcast + gradient hooks",
              ("python mydp.py --world-size 2 --compare --check",), 30, 2,
-             demo=("mydp.py --world-size 2 --niters 300 --compare",), gpu=("4 MyDP", "4 MyDP --amp")),
+             demo=("mydp.py --world-size 2 --niters 300 --compare",), gpu=("4 MyDP", "4 MyDP --amp"),
+             forbids=("DistributedDataParallel",)),
     Exercise(5, "ring", "dist.py", "ring all-reduce from point-to-point messages",
-             ("python dist.py --world-size 3 --ring 10",), 20, 2, gpu=("5 ring all-reduce",)),
+             ("python dist.py --world-size 3 --ring 10",), 20, 2, gpu=("5 ring all-reduce",), forbids=("collective",)),
     Exercise(6, "overlap", "mydp.py", "`OverlappedDP`, asynchronous all-reduces in buckets",
-             ("python mydp.py --world-size 2 --bucket-cap-mb 1",), 25, 2, gpu=("6 OverlappedDP, 1 MiB buckets",)),
+             ("python mydp.py --world-size 2 --bucket-cap-mb 1",), 25, 2, gpu=("6 OverlappedDP, 1 MiB buckets",),
+             forbids=("DistributedDataParallel",)),
     Exercise(7, "accumulation", "mydp.py", "`no_sync()` and gradient accumulation", ("python -m course grade --ex 7",),
-             15, 2),
+             15, 2, forbids=("DistributedDataParallel",)),
     Exercise(8, "data", "data.py", "partitions by fractions, uneven shards, Join",
              ("python data.py --world-size 2 --uneven hang",), 25, 2,
              demo=("data.py --world-size 3", "data.py --world-size 2 --uneven join")),
@@ -119,6 +124,11 @@ def of_checks(path: str) -> Exercise | None:
     """The exercise whose checks module is at path (a file's path or a pytest node id), None for any other."""
     module = path.split("::")[0].replace("\\", "/")
     return next((e for e in EXERCISES if module == e.checks or module.endswith("/" + e.checks)), None)
+
+
+def of_checks_module(name: str) -> Exercise | None:
+    """The exercise whose checks module has that name ("checks.test_ex04_mydp"), None for any other."""
+    return next((e for e in EXERCISES if e.checks_module == name), None)
 
 
 # A stub, as course/instructors/student.py writes it into a student file: the sentence a student reads

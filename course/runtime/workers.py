@@ -60,7 +60,7 @@ import torch
 
 from course import impl
 from course.layout import ROOT
-from course.runtime import env, failure, sandbox
+from course.runtime import env, failure, sandbox, uprobes
 from course.runtime.instrument import (
     read_board,
 )
@@ -87,6 +87,9 @@ class Observed:
     # course/runtime/sandbox.py), headers included: at least what they sent. None without a sandbox,
     # whose ranks share the machine's loopback with every other process.
     loopback_bytes: int | None
+    # (rank, name) -> how many times that rank's processes entered that function of torch's during the call
+    # (course/runtime/uprobes.py's ENTRIES), as the kernel counted them. None where the kernel counts none.
+    calls: dict | None = None
 
 
 class WorldFailed(RuntimeError):
@@ -257,6 +260,7 @@ def run(
     key = (world_size, threads, backend, device, collective_timeout, method, tuple(sorted(child_env.items())))
     key += (confinement, view, reference, debug, fresh)
     world = _kept.take(key) if keep else None
+    ended = False
     try:
         if world is not None:
             try:
@@ -276,9 +280,12 @@ def run(
         world.timeout = timeout
         try:
             results = world.collect()
-            return Observed(results, world.loopback_sent()) if observe else results
+            if observe and fresh and world.reusable:
+                # The call's processes end first: the kernel adds what an ended process counted to its parent's.
+                world.reusable = ended = world.ended_call()
+            return Observed(results, world.loopback_sent(), world.calls_made()) if observe else results
         finally:
-            if keep and world.reusable and (not fresh or world.ended_call()):
+            if keep and world.reusable and (not fresh or ended or world.ended_call()):
                 _kept.put(key, world)
                 world = None
     except KeyboardInterrupt:
@@ -356,6 +363,10 @@ class _World:
         self.stacks_before: dict = {}  # the size of each rank's stack file when the call began
         self.clock: OwnTime | None = None  # the call's own time, from collect() on
         self.loopback: int | None = None  # the world's loopback bytes (sandbox.Guard's) as an observed call began
+        self.counter: uprobes.Counter | None = None  # the kernel counts torch's entries from the first observed call
+        self.counted: dict | None = None  # its counts as an observed call began
+        self.reference = False
+        self.asked_kernel = False  # whether the counter was asked for: once, the kernel gives it or not
 
     @classmethod
     def start(cls, method: str, settings: WorkerSettings) -> _World:
@@ -366,6 +377,7 @@ class _World:
         workdir = tempfile.mkdtemp(prefix="course-world-")
         children = {p for p, parent in processes().items() if parent == os.getpid()}
         world = cls(settings.world_size, workdir, children, None)
+        world.reference = settings.reference
         own = sandbox.own_folder(workdir)  # the one folder made for the workers to write
         try:
             settings = dataclasses.replace(settings, store_path=os.path.join(own, "store"), stack_dir=workdir)
@@ -402,6 +414,12 @@ class _World:
         observe, read first what the world's loopback has carried (loopback_sent())."""
         self.results, self.reports, self.ended, self.reusable = {}, [], [], False
         self.loopback = self.guard.loopback_bytes() if observe and self.guard is not None else None
+        if observe and not self.asked_kernel and not self.reference:
+            self.asked_kernel = True
+            # From the first observed call, before it runs: a call forked afresh for credit, or this one, is counted
+            # whole (an earlier call's processes are gone; a kept world's threads left by one are stopped with it).
+            self.counter = uprobes.Counter.attach([proc.pid for proc in self.procs])
+        self.counted = self.counter.counts() if observe and self.counter is not None else None
         self.stacks_before = {r: self._stack_size(r) for r in range(self.world_size)}
         for proc, conn, call in zip(self.procs, self.conns, calls):
             conn.send_bytes(call)
@@ -441,6 +459,12 @@ class _World:
         if self.pending:
             raise WorldFailed(failure.timed_out(self._where_running(), self.world_size, self.timeout))
         return [self.results[r] for r in range(self.world_size)]
+
+    def calls_made(self) -> dict | None:
+        """What each rank's processes called of uprobes.ENTRIES since the observed call began (Observed's calls)."""
+        if self.counted is None:
+            return None
+        return {key: count - self.counted[key] for key, count in self.counter.counts().items()}
 
     def loopback_sent(self) -> int | None:
         """What the world's loopback carried since its call began (Observed's loopback_bytes)."""
@@ -606,6 +630,8 @@ class _World:
         reap(set(started) | set(orphans))
         for conn in self.conns:
             conn.close()
+        if self.counter is not None:
+            self.counter.close()
         shutil.rmtree(self.stack_dir, ignore_errors=True)
 
 

@@ -41,7 +41,7 @@ import pytest
 from course.exercises import STUDENT_FILES
 from course.grading import points as course_checks
 from course.instructors.student import ROOT, SOLUTIONS
-from course.runtime import sandbox
+from course.runtime import sandbox, uprobes
 from tests import warm
 
 # One of exercise 2's checks, or two: two make two grading processes (course/grading/plugin.py), so that the
@@ -1191,6 +1191,16 @@ def _as_a_ring_sends(tensor):
     peers = [(rank + 1) % size] * (size > 1)
     _said.update(sent_bytes=2 * (size - 1) * chunk, send_peers=peers, receive_peers=[(rank - 1) % size] * (size > 1))
     _said.update(collectives=[], collective_dtypes=[], collective_bytes=[], collective_groups=[])
+
+
+def _junk(tensor):
+    # Bytes for the kernel's count of the world's traffic, by messages: torch's all-reduce is counted by the kernel
+    # too, where it counts calls (course/runtime/uprobes.py), and fails the ring.
+    rank, size = dist.get_rank(), dist.get_world_size()
+    for _ in range(2 * (size - 1)):
+        sent = dist.isend(torch.zeros_like(tensor), (rank + 1) % size)
+        dist.recv(torch.empty_like(tensor), (rank - 1) % size)
+        sent.wait()
 """
 FORGED_RING = (
     FORGED_LOG
@@ -1216,8 +1226,7 @@ _forged = ring_all_reduce
 
 def ring_all_reduce(tensor):
     _forged(tensor)
-    for _ in range(2):
-        dist.all_reduce(torch.zeros_like(tensor))
+    _junk(tensor)
 """
 
 
@@ -1279,8 +1288,7 @@ import gc as _gc
 def ring_all_reduce(tensor):
     rank, size = dist.get_rank(), dist.get_world_size()
     _as_a_ring_sends(tensor)
-    for _ in range(2):
-        dist.all_reduce(torch.zeros_like(tensor))
+    _junk(tensor)
     for found in _gc.get_objects():
         if isinstance(found, list) and len(found) == size and all(isinstance(o, list) for o in found):
             mine = found[rank]
@@ -1542,6 +1550,65 @@ def test_layers_that_exchange_nothing_fail_the_kernels_count(tmp_path, ex):
     check(SOLUTIONS, *args)
     with pytest.raises(AssertionError, match="as the kernel counted them"):
         check(str(silent), *args)
+
+
+# Issue 47: an exercise done by the part of torch it teaches to write. Each computes what the exercise must, so
+# nothing but the kernel's count of torch's entries tells (tests/mutants: each passes every check without it).
+TORCH_OWN_MYDP = """
+class MyDP(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.module = nn.parallel.DistributedDataParallel(model)
+
+    @staticmethod
+    def _average_across_ranks(grad):
+        mean = grad / dist.get_world_size()
+        dist.all_reduce(mean)
+        return mean
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+"""
+TORCH_OWN_OVERLAPPED = """
+class OverlappedDP(nn.Module):
+    def __init__(self, model, bucket_cap_mb=25):
+        super().__init__()
+        self.module = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        self.require_backward_grad_sync = True
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+"""
+TORCH_OWN_NO_SYNC = (
+    TORCH_OWN_OVERLAPPED
+    + """
+    def no_sync(self):
+        return self.module.no_sync()
+"""
+)
+TORCH_OWN_RING = """
+def ring_all_reduce(tensor):
+    funcol = __import__("torch.distributed._functional_collectives", fromlist=["all_reduce"])
+    tensor.copy_(funcol.wait_tensor(funcol.all_reduce(tensor, "sum", dist.group.WORLD)))
+"""
+# exercise: (its file, the code, the checks that run it, what the sentence names)
+TORCH_OWN = {
+    4: ("mydp.py", TORCH_OWN_MYDP, "test_", "torch's DistributedDataParallel"),
+    5: ("dist.py", TORCH_OWN_RING, "test_ring", "a collective of torch's"),
+    6: ("mydp.py", TORCH_OWN_OVERLAPPED, "test_overlapped_steps", "torch's DistributedDataParallel"),
+    7: ("mydp.py", TORCH_OWN_NO_SYNC, "test_no_sync_accumulates", "torch's DistributedDataParallel"),
+}
+
+
+@pytest.mark.parametrize("ex", sorted(TORCH_OWN))
+def test_an_exercise_done_by_torchs_own_fails_the_checks_it_would_pass(tmp_path, ex):
+    if not uprobes.available():
+        pytest.skip("the kernel counts no calls for this process here (no root, no uprobes)")
+    os.chmod(tmp_path, 0o755)
+    name, code, affected, used = TORCH_OWN[ex]
+    _, path, _ = _grade_in_repository(tmp_path, _as_this_user(), {name: code}, ex=ex, solved=SOLUTIONS)
+    ran = [t for t in results(path)["tests"] if t["name"].split(": ")[-1].startswith(affected)]
+    assert ran and all(t["status"] == "failed" and f"used {used}" in t["output"] for t in ran), ran
 
 
 # Issue 47: a probe that held the whole batch on every rank. The checks of exercises 3, 4 and 6 once made each

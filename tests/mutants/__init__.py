@@ -46,6 +46,31 @@ def assert_caught(dest, mistake, file, old, new, check, hint):
     raise AssertionError(f"the check passed a mutant with '{mistake}'")
 
 
+def forbidden_or(name, hint):
+    """What a check says of torch's own `name` (course/runtime/uprobes.py's ENTRIES) used where the exercise writes
+    it by hand: the kernel's count, where it counts calls here; else hint, the check's own sentence."""
+    from course.runtime import uprobes
+
+    return f"used {uprobes.ENTRIES[name].called}" if uprobes.available() else hint
+
+
+def assert_torch_own_caught(dest, mistake, file, old, new, check, name, monkeypatch):
+    """The mutant uses torch's own `name`, which its exercise forbids: every check passes it but the kernel's count
+    (the control: the check with its exercise forbidding nothing), which fails it, naming what it used."""
+    import pytest
+
+    from checks import helpers
+    from course.runtime import uprobes
+
+    if not uprobes.available():
+        pytest.skip("the kernel counts no calls for this process here (no root, no uprobes): nothing catches it")
+    folder = make_mutant(dest, file, old, new)
+    with monkeypatch.context() as patched:
+        patched.setattr(helpers, "forbidden", lambda: ())
+        check(folder)
+    assert_caught(dest, mistake, file, old, new, check, f"used {uprobes.ENTRIES[name].called}")
+
+
 def assert_refused(script, args, words):
     """`python solutions/SCRIPT ARGS` ends at once with one line on stderr that names what is wrong (argparse's
     exit status 2), not a traceback and not a world that runs."""

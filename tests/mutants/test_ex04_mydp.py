@@ -10,9 +10,9 @@ import json
 import pytest
 
 from checks.helpers import check_equivalence
-from checks.test_ex04_mydp import check_hook_leaves_its_argument, check_start_sync
+from checks.test_ex04_mydp import check_hook_leaves_its_argument, check_mydp_steps, check_start_sync
 from tests import warm
-from tests.mutants import assert_caught, make_mutant
+from tests.mutants import assert_caught, assert_torch_own_caught, make_mutant
 
 MUTANTS = {
     "gradients summed instead of averaged": (
@@ -56,6 +56,25 @@ MUTANTS = {
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])
+
+
+# Issue 47: a MyDP that is torch's DDP computes what MyDP must; the kernel's count of its Reducer tells.
+TORCH_OWN = (
+    "mydp.py",
+    "        with torch.no_grad():\n"
+    "            for tensor in list(model.parameters()) + list(model.buffers()):\n"
+    "                dist.broadcast(tensor, src=0)\n"
+    "        for param in model.parameters():\n"
+    "            if param.requires_grad:\n"
+    "                param.register_hook(self._average_across_ranks)\n",
+    "        self.module = nn.parallel.DistributedDataParallel(model)\n",
+    lambda folder: check_mydp_steps(folder, 2),
+    "DistributedDataParallel",
+)
+
+
+def test_torch_own_ddp_is_caught(tmp_path, monkeypatch):
+    assert_torch_own_caught(tmp_path / "mutant", "MyDP as torch's DDP", *TORCH_OWN, monkeypatch)
 
 
 def test_one_mistake_costs_only_the_checks_of_its_own_promise(tmp_path):

@@ -8,7 +8,7 @@ mistake and shows that the check for it fails, with a message that points at the
 import pytest
 
 from checks.test_ex05_ring import check_ring
-from tests.mutants import assert_caught
+from tests.mutants import assert_caught, forbidden_or
 
 MUTANTS = {
     "ring sends the whole tensor at every step": (
@@ -23,7 +23,7 @@ MUTANTS = {
         "    # Rank r now holds the complete sum",
         "    return dist.all_reduce(tensor)\n    # Rank r now holds the complete sum",
         lambda folder: check_ring(folder, 2),
-        "no collective",
+        forbidden_or("collective", "no collective"),
     ),
     # Issue 47: torch's functional collectives reach no process group method that CommLog wraps; the ring sent nothing.
     "ring as torch's functional all-reduce": (
@@ -33,7 +33,21 @@ MUTANTS = {
         "    tensor.copy_(funcol.all_reduce(tensor, 'sum', dist.group.WORLD))\n"
         "    return\n",
         lambda folder: check_ring(folder, 3),
-        "the sum went another way",
+        forbidden_or("collective", "the sum went another way"),
+    ),
+    # Issue 47: the same by torch's functional reduce-scatter and all-gather, which move a ring's bytes.
+    "ring as torch's functional reduce-scatter and all-gather": (
+        "dist.py",
+        "    chunks = tensor.view(-1).tensor_split(world_size)\n",
+        "    funcol = __import__('torch.distributed._functional_collectives', fromlist=['all_gather_tensor'])\n"
+        "    flat = tensor.view(-1)\n"
+        "    padded = torch.zeros(-(-flat.numel() // world_size) * world_size, dtype=tensor.dtype)\n"
+        "    padded[: flat.numel()] = flat\n"
+        "    mine = funcol.reduce_scatter_tensor(padded, 'sum', 0, dist.group.WORLD)\n"
+        "    flat.copy_(funcol.wait_tensor(funcol.all_gather_tensor(mine, 0, dist.group.WORLD))[: flat.numel()])\n"
+        "    return\n",
+        lambda folder: check_ring(folder, 3),
+        forbidden_or("collective", "the sum went another way"),
     ),
     "exchange never waits for its send": (
         "dist.py",

@@ -8,8 +8,8 @@ mistake and shows that the check for it fails, with a message that points at the
 import pytest
 
 from checks.helpers import check_start_sync
-from checks.test_ex06_overlap import check_bucket_order, check_overlap, check_shared_parameters
-from tests.mutants import assert_caught
+from checks.test_ex06_overlap import check_bucket_order, check_overlap, check_shared_parameters, test_overlapped_steps
+from tests.mutants import assert_caught, assert_torch_own_caught
 
 WAIT_IN_ORDER = """        while self.launched < len(self.buckets):
             waiting = self.buckets[self.launched]
@@ -101,3 +101,23 @@ MUTANTS = {
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])
+
+
+# Issue 47: an OverlappedDP that is torch's DDP, with its buckets, computes what OverlappedDP must; the kernel's
+# count of its Reducer tells.
+TORCH_OWN = (
+    "mydp.py",
+    "        with torch.no_grad():\n"
+    "            for state in [*model.parameters(), *model.buffers()]:\n"
+    "                dist.broadcast(state, src=0)\n"
+    "        for bucket in self.buckets:\n"
+    "            for param in bucket.params:\n"
+    "                param.register_post_accumulate_grad_hook(partial(self._gradient_ready, bucket))\n",
+    "        self.module = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)\n",
+    lambda folder: test_overlapped_steps(folder, "bucketed", 2),
+    "DistributedDataParallel",
+)
+
+
+def test_torch_own_ddp_is_caught(tmp_path, monkeypatch):
+    assert_torch_own_caught(tmp_path / "mutant", "OverlappedDP as torch's DDP", *TORCH_OWN, monkeypatch)

@@ -1,0 +1,259 @@
+"""Which of torch's functions a world's processes called, as the kernel counts them (Linux uprobes).
+
+An exercise that teaches a part of torch to be written by hand forbids torch's own (course/exercises.py's
+``forbids``). A record of that kept in a worker is the submission's to rewrite; this one is not: the
+grader asks the kernel, before any code under test runs, to count each entry below in every thread and
+process of each rank (a perf event on a uprobe, inherited by what they start), and reads the counts
+itself. The entries are C++ functions that every path to the forbidden part goes through: torch's
+DistributedDataParallel (and ``replicate``) makes a ``c10d::Reducer``; every collective of a gloo
+group, by ``dist``, a functional collective or DDP's own, enters a method of ``ProcessGroupGloo``.
+
+The kernel gives uprobes to a process that may monitor others (root, or CAP_PERFMON): where grades are
+made. Elsewhere (a student's laptop, a container whose seccomp refuses perf_event_open) ``Counter.attach``
+gives None and nothing is counted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import struct
+from dataclasses import dataclass
+
+from course.runtime.processes import descendants
+
+
+@dataclass(frozen=True)
+class Entry:
+    library: str  # in torch/lib
+    symbols: tuple  # the start of the mangled name of each function counted
+    called: str  # what a call of one means, for a sentence: "torch's DistributedDataParallel"
+    counted: str  # the functions the kernel counted calls of, for a sentence
+
+
+# gloo's collectives: every method of ProcessGroupGloo but its messages (send, recv), its barrier, its housekeeping,
+# and the list all-gather (allgather), which the course's own check of collectives makes before each one, the
+# barrier that ends every call included (course/runtime/instrument.py's Agreement); dist.all_gather is the
+# communication log's (checks/comm_log.py), torch's other all-gathers (the functional one's) are counted here.
+_GLOO_COLLECTIVES = (
+    "_allgather_base _reduce_scatter_base allgather_coalesced allgather_into_tensor_coalesced allreduce"
+    " allreduce_coalesced allreduce_sparse alltoall alltoall_base broadcast gather reduce reduce_scatter"
+    " reduce_scatter_tensor_coalesced scatter"
+).split()
+
+ENTRIES = {
+    "DistributedDataParallel": Entry(
+        "libtorch_cpu.so", ("_ZN4c10d7ReducerC2",), "torch's DistributedDataParallel", "c10d::Reducer's constructor"
+    ),
+    "collective": Entry(
+        "libtorch_cpu.so",
+        tuple(f"_ZN4c10d16ProcessGroupGloo{len(name)}{name}E" for name in _GLOO_COLLECTIVES),
+        "a collective of torch's (by any path: dist.all_reduce, a functional collective, DDP's)",
+        "gloo's collectives",
+    ),
+}
+
+_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}.get(platform.machine())
+_TRACEPOINT = 2  # PERF_TYPE_TRACEPOINT
+_INHERIT = 1 << 1
+_FD_CLOEXEC = 8
+_TRACING = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+
+
+class _Attr(ctypes.Structure):  # perf_event_attr up to config2 (PERF_ATTR_SIZE_VER1)
+    _fields_ = [
+        ("type", ctypes.c_uint32),
+        ("size", ctypes.c_uint32),
+        ("config", ctypes.c_uint64),
+        ("sample_period", ctypes.c_uint64),
+        ("sample_type", ctypes.c_uint64),
+        ("read_format", ctypes.c_uint64),
+        ("flags", ctypes.c_uint64),
+        ("wakeup_events", ctypes.c_uint32),
+        ("bp_type", ctypes.c_uint32),
+        ("config1", ctypes.c_uint64),
+        ("config2", ctypes.c_uint64),
+    ]
+
+
+def _file_offset(path: str, symbol: str) -> int | None:
+    """Where symbol's code starts in the shared library's file: its address less that of the loaded segment
+    holding it, plus the segment's offset in the file (ELF64, little-endian). Reads the headers and the
+    exported symbols only: torch's library is hundreds of MB."""
+    with open(path, "rb") as f:
+
+        def read(offset, size):
+            f.seek(offset)
+            return f.read(size)
+
+        head = read(0, 64)
+        if head[:6] != b"\x7fELF\x02\x01":
+            return None
+        phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
+        table = read(shoff, shentsize * shnum)
+        sections = [struct.unpack_from("<IIQQQQIIQQ", table, i * shentsize) for i in range(shnum)]
+        address, wanted = None, symbol.encode()
+        for _, kind, _, _, offset, size, link, _, _, entsize in sections:
+            if kind != 11:  # SHT_DYNSYM: the exported symbols, their names in the linked string table
+                continue
+            symbols, names = read(offset, size), read(sections[link][4], sections[link][5])
+            start = names.find(b"\0" + wanted) + 1  # the first name that starts so; 0: none
+            at = symbols.find(struct.pack("<I", start)) if start else -1
+            while at >= 0 and at % entsize:  # the name's offset found inside another field: look on
+                at = symbols.find(struct.pack("<I", start), at + 1)
+            if at >= 0:
+                address = struct.unpack_from("<IBBHQQ", symbols, at)[4]
+        if address is None:
+            return None
+        segments = read(phoff, phentsize * phnum)
+    for i in range(phnum):
+        kind, _, offset, vaddr, _, _, memsz, _ = struct.unpack_from("<IIQQQQQQ", segments, i * phentsize)
+        if kind == 1 and vaddr <= address < vaddr + memsz:  # PT_LOAD
+            return address - vaddr + offset
+    return None
+
+
+def _tracing() -> str | None:
+    """The kernel's tracing folder, mounted if it is not and this process may (root); None where there is none.
+    A probe made through it (uprobe_events) is a tracepoint, which a perf event inherits into the threads and
+    processes its task starts; the uprobe PMU's events cannot be inherited into another process's children
+    (the kernel reads the probed file's path from the starting process's memory, and the fork fails)."""
+    for folder in _TRACING:
+        if os.path.exists(f"{folder}/uprobe_events"):
+            return folder
+    if os.geteuid() == 0 and os.path.isdir(_TRACING[0]):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.mount(b"nodev", _TRACING[0].encode(), b"tracefs", 0, None) == 0:
+            return _TRACING[0]
+    return None
+
+
+_probes: dict | None = None
+
+
+def _defined(folder: str, path: str, offset: int) -> int | None:
+    """The tracepoint id of a uprobe at path:offset, defined once for the machine (its name says which file and
+    offset, so graders of other torch installs never share one, and those of this one do, none removing it)."""
+    event = f"f{os.stat(path).st_ino:x}_{offset:x}"
+    id_file = f"{folder}/events/course/{event}/id"
+    if not os.path.exists(id_file):
+        try:
+            fd = os.open(f"{folder}/uprobe_events", os.O_WRONLY | os.O_APPEND)
+            try:
+                os.write(fd, f"p:course/{event} {path}:0x{offset:x}\n".encode())
+            finally:
+                os.close(fd)
+        except OSError:  # refused, or made meanwhile by another grader
+            pass
+    try:
+        with open(id_file) as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
+def _resolved() -> dict:
+    """name -> the tracepoint ids of each entry whose every function this torch has (made once: the libraries are
+    large)."""
+    global _probes
+    if _probes is None:
+        import torch
+
+        lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+        folder, _probes = _tracing(), {}
+        for name, entry in ENTRIES.items():
+            path = os.path.realpath(os.path.join(lib, entry.library))
+            if folder is None or not os.path.exists(path):
+                continue
+            offsets = [_file_offset(path, symbol) for symbol in entry.symbols]
+            ids = [_defined(folder, path, offset) for offset in offsets if offset is not None]
+            if len(ids) == len(entry.symbols) and None not in ids:
+                _probes[name] = tuple(ids)
+    return _probes
+
+
+def _open(tid: int, tracepoint: int) -> int:
+    """A counting event on one thread, inherited by the threads and processes it starts; -errno if refused."""
+    attr = _Attr(type=_TRACEPOINT, size=ctypes.sizeof(_Attr), config=tracepoint, flags=_INHERIT)
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.syscall(_PERF_EVENT_OPEN, ctypes.byref(attr), tid, -1, -1, _FD_CLOEXEC)
+    return fd if fd >= 0 else -ctypes.get_errno()
+
+
+def available() -> bool:
+    """Whether the kernel counts calls for this process (Counter.attach gives one)."""
+    if _PERF_EVENT_OPEN is None or not _resolved():
+        return False
+    fd = _open(os.getpid(), next(iter(_resolved().values()))[0])
+    if fd >= 0:
+        os.close(fd)
+    return fd >= 0
+
+
+def _tasks(pid: int) -> set:
+    try:
+        return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+    except OSError:
+        return set()
+
+
+class Counter:
+    """The kernel's count of each entry's calls in the processes of each rank of one world."""
+
+    def __init__(self, rank_pids: list):
+        self.rank_pids = rank_pids
+        self.fds: dict = {}  # (rank, name) -> the events of that rank's threads
+        self.followed: set = set()
+
+    @classmethod
+    def attach(cls, rank_pids: list) -> Counter | None:
+        """Count in every thread of each rank's processes, and in what they start from now on. Call it before any
+        code under test runs in them. None where the kernel counts no calls for this process."""
+        if not available():
+            return None
+        counter = cls(rank_pids)
+        try:
+            if not counter._follow():
+                counter.close()
+                return None
+        except OSError:
+            counter.close()
+            return None
+        return counter
+
+    def _follow(self) -> bool:
+        """Open the events of every thread not yet followed, until a look finds none new (a thread started while
+        the events were opened is looked for again). False where the kernel refused one."""
+        while True:
+            new = [
+                (rank, tid)
+                for rank, pid in enumerate(self.rank_pids)
+                for process in [pid, *descendants([pid])]
+                for tid in _tasks(process)
+                if tid not in self.followed
+            ]
+            if not new:
+                return True
+            for rank, tid in new:
+                self.followed.add(tid)
+                for name, tracepoints in _resolved().items():
+                    for tracepoint in tracepoints:
+                        fd = _open(tid, tracepoint)
+                        if fd == -3:  # ESRCH: the thread ended since it was listed
+                            break
+                        if fd < 0:
+                            return False
+                        self.fds.setdefault((rank, name), []).append(fd)
+
+    def counts(self) -> dict:
+        """(rank, name) -> calls counted so far, in the threads followed and in every process or thread they
+        started that has ended (the kernel adds an inherited event's count to its parent's when it ends)."""
+        return {key: sum(struct.unpack("<Q", os.read(fd, 8))[0] for fd in fds) for key, fds in self.fds.items()}
+
+    def close(self) -> None:
+        for fds in self.fds.values():
+            for fd in fds:
+                os.close(fd)
+        self.fds = {}

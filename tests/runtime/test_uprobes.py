@@ -1,0 +1,78 @@
+"""The kernel's count of torch's entries (course/runtime/uprobes.py): every path to them, in every thread and
+process a call starts, in a kept world and in one whose calls are forked afresh (for credit); a count no code
+of the call can write."""
+
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course.launch import run
+from course.runtime import uprobes
+from tests.runtime.test_kept_worlds import no_kept_world  # noqa: F401 - each test starts with no kept world
+
+pytestmark = pytest.mark.skipif(not uprobes.available(), reason="the kernel counts no calls for this process here")
+
+
+def nothing():
+    return 0
+
+
+def plain_all_reduce():
+    dist.all_reduce(torch.ones(3))
+    return 0
+
+
+def functional_all_reduce():
+    import torch.distributed._functional_collectives as funcol
+
+    funcol.wait_tensor(funcol.all_reduce(torch.ones(3), "sum", dist.group.WORLD))
+    return 0
+
+
+def ddp_in_a_thread():
+    """torch's DDP made by a thread the call starts: the thread inherits the count."""
+    made = threading.Thread(target=torch.nn.parallel.DistributedDataParallel, args=(torch.nn.Linear(2, 2),))
+    made.start()
+    made.join()
+    return 0
+
+
+def ddp_in_a_child():
+    """torch's DDP made by a process the call forks, in a group of its own: its count reaches the rank's when it ends."""
+    child = os.fork()
+    if child == 0:  # the world's group is its parent's: one of its own, alone
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        os._exit(0)
+    os.waitpid(child, 0)
+    return 0
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["kept", "fresh"])
+def test_every_path_to_an_entry_is_counted_on_each_rank(fresh):
+    """Each call's count is its own: the calls before it in the same world are not in it."""
+    ways = [
+        (nothing, {}),
+        (plain_all_reduce, {"collective": 1}),
+        (functional_all_reduce, {"collective": 1}),
+        (nothing, {}),
+    ]
+    for fn, expected in ways:
+        calls = run(fn, 2, keep=True, fresh=fresh, observe=True).calls
+        assert calls == {(r, name): expected.get(name, 0) for r in range(2) for name in uprobes.ENTRIES}, fn
+
+
+@pytest.mark.parametrize("fn", [ddp_in_a_thread, ddp_in_a_child])
+@pytest.mark.parametrize("fresh", [False, True], ids=["kept", "fresh"])
+def test_what_a_call_starts_is_counted(fn, fresh):
+    calls = run(fn, 2, keep=True, fresh=fresh, observe=True).calls
+    assert [calls[(r, "DistributedDataParallel")] for r in range(2)] == [1, 1], calls
+
+
+def test_a_reference_world_is_not_counted():
+    """A reference world runs torch's own on purpose (a judge's DDP): it is neither counted nor judged."""
+    assert run(plain_all_reduce, 2, keep=True, reference=True, observe=True).calls is None
