@@ -315,7 +315,18 @@ def world(fn, world_size, *args, expect, keep=True, debug=True, observe=False, *
     Where the running check's exercise forbids a part of torch (forbidden()), the kernel's count of its calls
     fails the check if any rank made one (not_called)."""
     forbids = forbidden()
-    got = run(fn, world_size, *args, keep=keep, sandbox=True, debug=debug, observe=observe or bool(forbids), **options)
+    observed = observe or bool(forbids)
+    got = run(
+        fn,
+        world_size,
+        *args,
+        keep=keep,
+        sandbox=True,
+        debug=debug,
+        observe=observed,
+        count_calls=bool(forbids),
+        **options,
+    )
     if forbids:
         not_called(got.calls, forbids)
         got = got if observe else got.results

@@ -88,7 +88,8 @@ class Observed:
     # whose ranks share the machine's loopback with every other process.
     loopback_bytes: int | None
     # (rank, name) -> how many times that rank's processes entered that function of torch's during the call
-    # (course/runtime/uprobes.py's ENTRIES), as the kernel counted them. None where the kernel counts none.
+    # (course/runtime/uprobes.py's ENTRIES), as the kernel counted them. None where the kernel counts none, or
+    # the call was not counted (run's count_calls).
     calls: dict | None = None
 
 
@@ -197,6 +198,7 @@ def run(
     reference: bool = False,
     fresh: bool | None = None,
     observe: bool = False,
+    count_calls: bool = False,
     per_rank: list | Callable | None = None,
 ) -> list | Observed:
     """Run ``fn(*args)`` on every rank of a new world; return the results by rank.
@@ -209,7 +211,8 @@ def run(
     Results must be data: tensors, numbers, strings, None, and lists, tuples and dicts of those.
     With ``keep``, a world kept by an earlier call with the same settings runs it (module docstring);
     with ``fresh`` too (default: for_credit()), in a process of the call's own.
-    With ``observe``, an Observed: the results and what the kernel counted of the call.
+    With ``observe``, an Observed: the results and what the kernel counted of the call; with ``count_calls`` too,
+    its calls (course/runtime/uprobes.py): what each rank entered of torch's functions that an exercise forbids.
     ``per_rank``: arguments for each rank alone, after ``args`` (rank r calls ``fn(*args,
     *per_rank[r])``): what one rank is given, no other rank's process ever holds. Where it is a
     callable, it is called for that list once the world's processes run (a world forked while this
@@ -264,7 +267,7 @@ def run(
     try:
         if world is not None:
             try:
-                world.call(calls(), observe)
+                world.call(calls(), observe, observe and count_calls)
             except OSError:  # a kept worker ended while it waited (killed from outside)
                 world.stop()
                 world = None
@@ -276,7 +279,7 @@ def run(
             compare = debug and backend == "gloo"
             settings = dataclasses.replace(settings, view=view, reference=reference, compare=compare, fresh=fresh)
             world = _World.start(method, settings)
-            world.call(calls(), observe)
+            world.call(calls(), observe, observe and count_calls)
         world.timeout = timeout
         try:
             results = world.collect()
@@ -363,8 +366,8 @@ class _World:
         self.stacks_before: dict = {}  # the size of each rank's stack file when the call began
         self.clock: OwnTime | None = None  # the call's own time, from collect() on
         self.loopback: int | None = None  # the world's loopback bytes (sandbox.Guard's) as an observed call began
-        self.counter: uprobes.Counter | None = None  # the kernel counts torch's entries from the first observed call
-        self.counted: dict | None = None  # its counts as an observed call began
+        self.counter: uprobes.Counter | None = None  # the kernel counts torch's entries from the first call counted
+        self.counted: dict | None = None  # its counts as a counted call began
         self.reference = False
         self.asked_kernel = False  # whether the counter was asked for: once, the kernel gives it or not
 
@@ -409,17 +412,18 @@ class _World:
             raise
         return world
 
-    def call(self, calls: list, observe: bool = False) -> None:
+    def call(self, calls: list, observe: bool = False, count_calls: bool = False) -> None:
         """Hand each rank its pickled (fn, args), and this process's stdout and stderr as they are now; with
-        observe, read first what the world's loopback has carried (loopback_sent())."""
+        observe, read first what the world's loopback has carried (loopback_sent()); with count_calls, the kernel's
+        counts of uprobes.ENTRIES (calls_made())."""
         self.results, self.reports, self.ended, self.reusable = {}, [], [], False
         self.loopback = self.guard.loopback_bytes() if observe and self.guard is not None else None
-        if observe and not self.asked_kernel and not self.reference:
+        if count_calls and not self.asked_kernel and not self.reference:
             self.asked_kernel = True
-            # From the first observed call, before it runs: a call forked afresh for credit, or this one, is counted
+            # From the first call counted, before it runs: a call forked afresh for credit, or this one, is counted
             # whole (an earlier call's processes are gone; a kept world's threads left by one are stopped with it).
             self.counter = uprobes.Counter.attach([proc.pid for proc in self.procs])
-        self.counted = self.counter.counts() if observe and self.counter is not None else None
+        self.counted = self.counter.counts() if count_calls and self.counter is not None else None
         self.stacks_before = {r: self._stack_size(r) for r in range(self.world_size)}
         for proc, conn, call in zip(self.procs, self.conns, calls):
             conn.send_bytes(call)
@@ -461,7 +465,7 @@ class _World:
         return [self.results[r] for r in range(self.world_size)]
 
     def calls_made(self) -> dict | None:
-        """What each rank's processes called of uprobes.ENTRIES since the observed call began (Observed's calls)."""
+        """What each rank's processes called of uprobes.ENTRIES since the counted call began (Observed's calls)."""
         if self.counted is None:
             return None
         return {key: count - self.counted[key] for key, count in self.counter.counts().items()}

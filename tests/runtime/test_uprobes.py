@@ -62,17 +62,17 @@ def test_every_path_to_an_entry_is_counted_on_each_rank(fresh):
         (nothing, {}),
     ]
     for fn, expected in ways:
-        calls = run(fn, 2, keep=True, fresh=fresh, observe=True).calls
+        calls = run(fn, 2, keep=True, fresh=fresh, observe=True, count_calls=True).calls
         assert calls == {(r, name): expected.get(name, 0) for r in range(2) for name in uprobes.ENTRIES}, fn
 
 
 @pytest.mark.parametrize("fn", [ddp_in_a_thread, ddp_in_a_child])
 @pytest.mark.parametrize("fresh", [False, True], ids=["kept", "fresh"])
 def test_what_a_call_starts_is_counted(fn, fresh):
-    calls = run(fn, 2, keep=True, fresh=fresh, observe=True).calls
+    calls = run(fn, 2, keep=True, fresh=fresh, observe=True, count_calls=True).calls
     assert [calls[(r, "DistributedDataParallel")] for r in range(2)] == [1, 1], calls
 
 
 def test_a_reference_world_is_not_counted():
     """A reference world runs torch's own on purpose (a judge's DDP): it is neither counted nor judged."""
-    assert run(plain_all_reduce, 2, keep=True, reference=True, observe=True).calls is None
+    assert run(plain_all_reduce, 2, keep=True, reference=True, observe=True, count_calls=True).calls is None
