@@ -3,6 +3,8 @@ process a call starts, in a kept world and in one whose calls are forked afresh 
 of the call can write."""
 
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -66,11 +68,24 @@ def test_every_path_to_an_entry_is_counted_on_each_rank(fresh):
         assert calls == {(r, name): expected.get(name, 0) for r in range(2) for name in uprobes.ENTRIES}, fn
 
 
+def ddp_in_a_new_interpreter():
+    """torch's DDP made by a Python the call starts afresh (fork, then exec): the kernel keeps counting across exec."""
+    made = "torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))"
+    join = "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)"
+    subprocess.run([sys.executable, "-c", f"import torch, torch.distributed as dist; {join}; {made}"], check=True)
+    return 0
+
+
 @pytest.mark.parametrize("fn", [ddp_in_a_thread, ddp_in_a_child])
 @pytest.mark.parametrize("fresh", [False, True], ids=["kept", "fresh"])
 def test_what_a_call_starts_is_counted(fn, fresh):
     calls = run(fn, 2, keep=True, fresh=fresh, observe=True, count_calls=True).calls
     assert [calls[(r, "DistributedDataParallel")] for r in range(2)] == [1, 1], calls
+
+
+def test_a_new_interpreter_is_counted():
+    calls = run(ddp_in_a_new_interpreter, 1, keep=True, fresh=True, observe=True, count_calls=True).calls
+    assert calls[(0, "DistributedDataParallel")] == 1, calls
 
 
 def test_a_reference_world_is_not_counted():
