@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from course import exercises, impl
 from course.grading.points import said
 from course.launch import Observed, run
+from course.runtime import uprobes
 from course.runtime.uprobes import ENTRIES
 from course.runtime.workers import for_credit
 
@@ -313,23 +314,27 @@ def world(fn, world_size, *args, expect, keep=True, debug=True, observe=False, *
     (course/runtime/workers.py says what each call gets afresh) unless keep is False; options go to run()
     (timeout, ...). With observe=True, run's Observed: the validated results with what the kernel counted.
     Where the running check's exercise forbids a part of torch (forbidden()), the kernel's count of its calls
-    fails the check if any rank made one (not_called)."""
+    fails the check if any rank made one (not_called); where the kernel counts none, the probe's process counts
+    the DistributedDataParallel it made (_making_ddp), for the student's own feedback."""
     forbids = forbidden()
-    observed = observe or bool(forbids)
+    counted = bool(forbids) and uprobes.available()
+    seen = "DistributedDataParallel" in forbids and not counted  # the kernel counts none: the probe's process says
     got = run(
-        fn,
+        _making_ddp if seen else fn,
         world_size,
-        *args,
+        *((fn, *args) if seen else args),
         keep=keep,
         sandbox=True,
         debug=debug,
-        observe=observed,
-        count_calls=bool(forbids),
+        observe=observe or counted,
+        count_calls=counted,
         **options,
     )
-    if forbids:
+    if counted:
         not_called(got.calls, forbids)
         got = got if observe else got.results
+    if seen:
+        return _no_ddp_made(validated(got, (expect, int), world_size))
     return validated(got, expect, world_size)
 
 
@@ -356,6 +361,39 @@ def not_called(calls, forbids):
             f" {entry.counted} while the check ran; this exercise is to write it by hand, so torch's own earns"
             " nothing here",
         )
+
+
+def _making_ddp(fn, *args):
+    """Probe: fn(*args), and how many torch DistributedDataParallel it made, as this process saw it: a student's own
+    feedback where the kernel counts no calls (code under test can hide one from this count, never from the
+    kernel's, which grades for credit rest on)."""
+    made = []
+    ddp = nn.parallel.DistributedDataParallel
+    init = ddp.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(1)
+        init(self, *args, **kwargs)
+
+    ddp.__init__ = counting
+    try:
+        return fn(*args), len(made)
+    finally:
+        ddp.__init__ = init
+
+
+def _no_ddp_made(got):
+    """got's results without _making_ddp's counts; fails where a rank made one."""
+    results = got.results if isinstance(got, Observed) else got
+    entry = ENTRIES["DistributedDataParallel"]
+    for rank, (_, made) in enumerate(results):
+        assert made == 0, said(
+            f"{entry.called} used where the exercise writes it by hand",
+            f"rank {rank}'s processes used {entry.called}: the check saw {made} made while it ran; this exercise is"
+            " to write it by hand, so torch's own earns nothing here",
+        )
+    results = [result for result, _ in results]
+    return dataclasses.replace(got, results=results) if isinstance(got, Observed) else results
 
 
 def reference_world(fn, world_size, *args, expect, per_rank=None):

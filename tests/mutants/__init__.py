@@ -55,20 +55,23 @@ def forbidden_or(name, hint):
 
 
 def assert_torch_own_caught(dest, mistake, file, old, new, check, name, monkeypatch):
-    """The mutant uses torch's own `name`, which its exercise forbids: every check passes it but the kernel's count
-    (the control: the check with its exercise forbidding nothing), which fails it, naming what it used."""
-    import pytest
-
+    """The mutant uses torch's own `name`, which its exercise forbids: every check passes it but the count of its
+    calls (the control: the check with its exercise forbidding nothing), which fails it, naming what it used: the
+    kernel's count where it counts calls here, and the probe's process's where it counts none (a student's own
+    grade)."""
     from checks import helpers
     from course.runtime import uprobes
 
-    if not uprobes.available():
-        pytest.skip("the kernel counts no calls for this process here (no root, no uprobes): nothing catches it")
     folder = make_mutant(dest, file, old, new)
     with monkeypatch.context() as patched:
         patched.setattr(helpers, "forbidden", lambda: ())
         check(folder)
-    assert_caught(dest, mistake, file, old, new, check, f"used {uprobes.ENTRIES[name].called}")
+    hint = f"used {uprobes.ENTRIES[name].called}"
+    with monkeypatch.context() as patched:
+        patched.setattr(uprobes, "available", lambda: False)
+        assert_caught(dest, mistake, file, old, new, check, hint)
+    if uprobes.available():
+        assert_caught(dest, mistake, file, old, new, check, hint)
 
 
 def assert_refused(script, args, words):
