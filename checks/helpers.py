@@ -319,23 +319,25 @@ def world(fn, world_size, *args, expect, keep=True, debug=True, observe=False, *
     forbids = forbidden()
     counted = bool(forbids) and uprobes.available()
     seen = "DistributedDataParallel" in forbids and not counted  # the kernel counts none: the probe's process says
-    got = run(
-        _making_ddp if seen else fn,
+    got = validated(
+        run(
+            _making_ddp if seen else fn,
+            world_size,
+            *((fn, *args) if seen else args),
+            keep=keep,
+            sandbox=True,
+            debug=debug,
+            observe=observe or counted,
+            count_calls=counted,
+            **options,
+        ),
+        (expect, int) if seen else expect,
         world_size,
-        *((fn, *args) if seen else args),
-        keep=keep,
-        sandbox=True,
-        debug=debug,
-        observe=observe or counted,
-        count_calls=counted,
-        **options,
     )
     if counted:
         not_called(got.calls, forbids)
         got = got if observe else got.results
-    if seen:
-        return _no_ddp_made(validated(got, (expect, int), world_size))
-    return validated(got, expect, world_size)
+    return _no_ddp_made(got) if seen else got
 
 
 def forbidden() -> tuple:

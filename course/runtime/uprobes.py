@@ -174,12 +174,42 @@ def _resolved() -> dict:
     return _probes
 
 
+# An event's descriptor is moved to this number or above: a grader holds hundreds (one per thread and function),
+# which would push the descriptors of its pipes and sockets past what select() takes (FD_SETSIZE).
+_HIGH = 4096
+
+
+def _high_enough() -> bool:
+    """Whether this process may hold descriptors from _HIGH up (the soft limit raised to the hard one if need be)."""
+    import resource  # Unix only, as this module's counts are
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = _HIGH + 8192
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        top = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if top <= _HIGH:
+            return False
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
+    return True
+
+
 def _open(tid: int, tracepoint: int) -> int:
-    """A counting event on one thread, inherited by the threads and processes it starts; -errno if refused."""
+    """A counting event on one thread, inherited by the threads and processes it starts, its descriptor at _HIGH or
+    above where the limit allows; -errno if refused."""
     attr = _Attr(type=_TRACEPOINT, size=ctypes.sizeof(_Attr), config=tracepoint, flags=_INHERIT)
     libc = ctypes.CDLL(None, use_errno=True)
     fd = libc.syscall(_PERF_EVENT_OPEN, ctypes.byref(attr), tid, -1, -1, _FD_CLOEXEC)
-    return fd if fd >= 0 else -ctypes.get_errno()
+    if fd < 0:
+        return -ctypes.get_errno()
+    import fcntl  # Unix only, as this module's counts are
+
+    try:
+        high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, _HIGH) if _high_enough() else fd
+    except OSError:  # the limit reached: it stays where it is
+        return fd
+    if high != fd:
+        os.close(fd)
+    return high
 
 
 def available() -> bool:
