@@ -260,10 +260,12 @@ def malformed(got, shape, path=""):
     return None
 
 
-def validated(results, shape, world_size):
+def validated(results, shape, world_size, forbids=()):
     """results (by rank), each checked against shape: a malformed one fails the check, saying what came back.
-    An Observed (run's observe) is returned as it came, its results checked."""
+    An Observed (run's observe) is returned as it came, its results checked; first, that the kernel counted no
+    call of forbids (not_called): the mistake to name, where a result's shape is a consequence of it."""
     if isinstance(results, Observed):
+        not_called(results.calls, forbids)
         return dataclasses.replace(results, results=validated(results.results, shape, world_size))
     for rank, got in enumerate(results):
         found = malformed(got, shape)
@@ -317,7 +319,7 @@ def world(fn, world_size, *args, expect, keep=True, debug=True, observe=False, *
     fails the check if any rank made one (not_called); where the kernel counts none, the probe's process counts
     the DistributedDataParallel it made (_making_ddp), for the student's own feedback."""
     forbids = forbidden()
-    counted = bool(forbids) and uprobes.available()
+    counted = bool(forbids) and uprobes.available(forbids)
     seen = "DistributedDataParallel" in forbids and not counted  # the kernel counts none: the probe's process says
     got = validated(
         run(
@@ -331,13 +333,14 @@ def world(fn, world_size, *args, expect, keep=True, debug=True, observe=False, *
             count_calls=counted,
             **options,
         ),
-        (expect, int) if seen else expect,
+        (object, int) if seen else expect,
         world_size,
+        forbids if counted else (),
     )
-    if counted:
-        not_called(got.calls, forbids)
-        got = got if observe else got.results
-    return _no_ddp_made(got) if seen else got
+    if counted and not observe:
+        got = got.results
+    # The forbidden part is the mistake to name first: what it returned may be of another shape because of it.
+    return validated(_no_ddp_made(got), expect, world_size) if seen else got
 
 
 def forbidden() -> tuple:

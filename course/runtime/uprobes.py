@@ -155,8 +155,9 @@ def _defined(folder: str, path: str, offset: int) -> int | None:
 
 
 def _resolved() -> dict:
-    """name -> the tracepoint ids of each entry whose every function this torch has (made once: the libraries are
-    large)."""
+    """name -> the tracepoint ids of each entry's functions that this torch has (a version without one, gloo's
+    alltoall in torch 2.11, leaves it to the base class, which refuses the call); made once: the libraries are
+    large."""
     global _probes
     if _probes is None:
         import torch
@@ -169,7 +170,7 @@ def _resolved() -> dict:
                 continue
             offsets = [_file_offset(path, symbol) for symbol in entry.symbols]
             ids = [_defined(folder, path, offset) for offset in offsets if offset is not None]
-            if len(ids) == len(entry.symbols) and None not in ids:
+            if ids and None not in ids:
                 _probes[name] = tuple(ids)
     return _probes
 
@@ -212,9 +213,9 @@ def _open(tid: int, tracepoint: int) -> int:
     return high
 
 
-def available() -> bool:
-    """Whether the kernel counts calls for this process (Counter.attach gives one)."""
-    if _PERF_EVENT_OPEN is None or not _resolved():
+def available(names: tuple = ()) -> bool:
+    """Whether the kernel counts calls for this process (Counter.attach gives one), of each of names too."""
+    if _PERF_EVENT_OPEN is None or not _resolved() or not set(names) <= set(_resolved()):
         return False
     fd = _open(os.getpid(), next(iter(_resolved().values()))[0])
     if fd >= 0:
