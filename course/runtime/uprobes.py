@@ -23,6 +23,12 @@ from dataclasses import dataclass
 
 from course.runtime.processes import descendants
 
+try:  # imported here, before any code under test runs (the grader imports nothing after: docs/trust.md)
+    import fcntl
+    import resource
+except ImportError:  # Windows, where the kernel counts nothing for the course
+    fcntl = resource = None
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -182,8 +188,6 @@ _HIGH = 4096
 
 def _high_enough() -> bool:
     """Whether this process may hold descriptors from _HIGH up (the soft limit raised to the hard one if need be)."""
-    import resource  # Unix only, as this module's counts are
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = _HIGH + 8192
     if soft != resource.RLIM_INFINITY and soft < wanted:
@@ -202,8 +206,6 @@ def _open(tid: int, tracepoint: int) -> int:
     fd = libc.syscall(_PERF_EVENT_OPEN, ctypes.byref(attr), tid, -1, -1, _FD_CLOEXEC)
     if fd < 0:
         return -ctypes.get_errno()
-    import fcntl  # Unix only, as this module's counts are
-
     try:
         high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, _HIGH) if _high_enough() else fd
     except OSError:  # the limit reached: it stays where it is
