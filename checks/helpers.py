@@ -359,13 +359,18 @@ def not_called(calls, forbids):
     """Judge the kernel's count of a call's entries into torch (Observed's calls): no rank made any of forbids.
     None (the kernel counts none here: no root, no uprobes) judges nothing."""
     for (rank, name), count in sorted((calls or {}).items()):
-        entry = ENTRIES[name]
-        assert name not in forbids or count == 0, said(
-            f"{entry.called} used where the exercise writes it by hand",
-            f"rank {rank}'s processes used {entry.called}: the kernel counted {count} call{'s' * (count > 1)} of"
-            f" {entry.counted} while the check ran; this exercise is to write it by hand, so torch's own earns"
-            " nothing here",
-        )
+        seen = f"the kernel counted {count} call{'s' * (count > 1)} of {ENTRIES[name].counted}"
+        assert name not in forbids or count == 0, _torch_own_used(rank, name, seen)
+
+
+def _torch_own_used(rank, name, seen):
+    """The sentence of a forbidden part of torch (ENTRIES[name]) used on rank, seen as `seen` says."""
+    entry = ENTRIES[name]
+    return said(
+        f"{entry.called} used where the exercise writes it by hand",
+        f"rank {rank}'s processes used {entry.called}: {seen} while the check ran; this exercise is to write it"
+        " by hand, so torch's own earns nothing here",
+    )
 
 
 def _making_ddp(fn, *args):
@@ -390,13 +395,8 @@ def _making_ddp(fn, *args):
 def _no_ddp_made(got):
     """got's results without _making_ddp's counts; fails where a rank made one."""
     results = got.results if isinstance(got, Observed) else got
-    entry = ENTRIES["DistributedDataParallel"]
     for rank, (_, made) in enumerate(results):
-        assert made == 0, said(
-            f"{entry.called} used where the exercise writes it by hand",
-            f"rank {rank}'s processes used {entry.called}: the check saw {made} made while it ran; this exercise is"
-            " to write it by hand, so torch's own earns nothing here",
-        )
+        assert made == 0, _torch_own_used(rank, "DistributedDataParallel", f"the check saw {made} made")
     results = [result for result, _ in results]
     return dataclasses.replace(got, results=results) if isinstance(got, Observed) else results
 
