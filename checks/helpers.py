@@ -27,7 +27,7 @@ from course.grading.points import said
 from course.launch import Observed, run
 from course.runtime import uprobes
 from course.runtime.uprobes import ENTRIES
-from course.runtime.workers import for_credit
+from course.runtime.workers import for_credit, stop_kept
 
 # Small enough that a multi-rank check takes a fraction of a second; 144 training rows divide
 # into batches of 8 and of 16 alike, so one epoch of W ranks matches one epoch of one process.
@@ -315,32 +315,35 @@ def world(fn, world_size, *args, expect, keep=True, debug=True, observe=False, *
     code comes from here or alone(). The world is kept for the next probe of its size and options
     (course/runtime/workers.py says what each call gets afresh) unless keep is False; options go to run()
     (timeout, ...). With observe=True, run's Observed: the validated results with what the kernel counted.
-    Where the running check's exercise forbids a part of torch (forbidden()), the kernel's count of its calls
-    fails the check if any rank made one (not_called); where the kernel counts none, the probe's process counts
-    the DistributedDataParallel it made (_making_ddp), for the student's own feedback."""
+    Where the running check's exercise forbids a part of torch (forbidden()), the kernel's count of its use
+    fails the check if any rank made one (not_called); where the kernel does not count it (_counted_here), the
+    probe's own process says what it saw (_watching), for the student's own feedback."""
     forbids = forbidden()
-    counted = bool(forbids) and uprobes.available(forbids)
-    seen = "DistributedDataParallel" in forbids and not counted  # the kernel counts none: the probe's process says
+    counts = tuple(name for name in forbids if _counted_here(name))
+    counted = bool(counts)
+    watched = tuple(name for name in forbids if name not in counts)
+    # The modules of those parts that this process holds, and so a rank forked from it before the call: not its own.
+    held = {name: uprobes.held(ENTRIES[name]) for name in watched}
     got = validated(
         run(
-            _making_ddp if seen else fn,
+            _watching if watched else fn,
             world_size,
-            *((fn, *args) if seen else args),
+            *((held, fn, *args) if watched else args),
             keep=keep,
             sandbox=True,
             debug=debug,
             observe=observe or counted,
-            count_calls=counted,
+            count_calls=counts,
             **options,
         ),
-        (object, int) if seen else expect,
+        (object, {name: int for name in watched}) if watched else expect,
         world_size,
-        forbids if counted else (),
+        counts,
     )
     if counted and not observe:
         got = got.results
     # The forbidden part is the mistake to name first: what it returned may be of another shape because of it.
-    return validated(_no_ddp_made(got), expect, world_size) if seen else got
+    return validated(_none_seen(got), expect, world_size) if watched else got
 
 
 def forbidden() -> tuple:
@@ -359,8 +362,9 @@ def not_called(calls, forbids):
     """Judge the kernel's count of a call's entries into torch (Observed's calls): no rank made any of forbids.
     None (the kernel counts none here: no root, no uprobes) judges nothing."""
     for (rank, name), count in sorted((calls or {}).items()):
-        seen = f"the kernel counted {count} call{'s' * (count > 1)} of {ENTRIES[name].counted}"
-        assert name not in forbids or count == 0, _torch_own_used(rank, name, seen)
+        assert name not in forbids or count == 0, _torch_own_used(
+            rank, name, f"the kernel counted {ENTRIES[name].seen(count)}"
+        )
 
 
 def _torch_own_used(rank, name, seen):
@@ -373,10 +377,19 @@ def _torch_own_used(rank, name, seen):
     )
 
 
-def _making_ddp(fn, *args):
-    """Probe: fn(*args), and how many torch DistributedDataParallel it made, as this process saw it: a student's own
-    feedback where the kernel counts no calls (code under test can hide one from this count, never from the
-    kernel's, which grades for credit rest on)."""
+def _counted_here(name) -> bool:
+    """Whether the kernel counts torch's own `name` for this check: where it counts calls for this process, and, for
+    a part of folders (imported once in a process), where every call runs in a process of its own (for credit).
+    Where it does not, the probe's process watches for it (_watching)."""
+    return uprobes.available((name,)) and (not ENTRIES[name].folders or for_credit())
+
+
+def _watching(held, fn, *args):
+    """Probe: fn(*args), and what this process saw of each of torch's parts that held names: the
+    DistributedDataParallel it made; the modules of a part of folders it holds beyond held's (the grader's, which
+    it was forked with). A student's own feedback where the kernel does not count every call (code under test can
+    hide these from this process, never from the kernel, which grades for credit rest on)."""
+    names = tuple(held)
     made = []
     ddp = nn.parallel.DistributedDataParallel
     init = ddp.__init__
@@ -385,18 +398,27 @@ def _making_ddp(fn, *args):
         made.append(1)
         init(self, *args, **kwargs)
 
-    ddp.__init__ = counting
+    if "DistributedDataParallel" in names:
+        ddp.__init__ = counting
     try:
-        return fn(*args), len(made)
+        result = fn(*args)
     finally:
         ddp.__init__ = init
+    seen = {
+        name: len(uprobes.held(ENTRIES[name]) - held[name]) if ENTRIES[name].folders else len(made) for name in names
+    }
+    return result, seen
 
 
-def _no_ddp_made(got):
-    """got's results without _making_ddp's counts; fails where a rank made one."""
+def _none_seen(got):
+    """got's results without _watching's counts; fails where a rank was seen using one."""
     results = got.results if isinstance(got, Observed) else got
-    for rank, (_, made) in enumerate(results):
-        assert made == 0, _torch_own_used(rank, "DistributedDataParallel", f"the check saw {made} made")
+    if any(count and ENTRIES[name].folders for _, seen in results for name, count in seen.items()):
+        stop_kept()  # its ranks hold the part now: the next call (a corrected submission's) gets ranks that do not
+    for rank, (_, seen) in enumerate(results):
+        for name, count in sorted(seen.items()):
+            what = f"{' and '.join(ENTRIES[name].modules)} imported" if ENTRIES[name].folders else f"{count} made"
+            assert count == 0, _torch_own_used(rank, name, f"the check saw {what}")
     results = [result for result, _ in results]
     return dataclasses.replace(got, results=results) if isinstance(got, Observed) else results
 

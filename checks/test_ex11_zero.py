@@ -4,7 +4,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checks.comm_log import SUMMARY, CommLog
@@ -286,10 +285,19 @@ HOOK_LR = CONFIG.lr  # plain SGD, the lesson's learning rate
 HOOK_ATOL = 5e-4
 
 
+def torch_hooks():
+    """torch's comm hooks, imported in a reference world's ranks only: the exercise forbids them (course/exercises.py),
+    and the kernel sees a rank use them only where it opens their files, which no process forked from the grader
+    holds."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks
+
+
 def torch_bf16_hook(group, bucket) -> torch.futures.Future[torch.Tensor]:
     """torch's bf16_compress_hook under another name: DDP refuses that name on CPU (torch 2.13, it asks
     for NCCL), but the arithmetic runs on gloo as well."""
-    return default_hooks._compress_hook(torch.bfloat16, group, bucket)
+    return torch_hooks()._compress_hook(torch.bfloat16, group, bucket)
 
 
 def hooked_steps(folder, hook_name, mine):
@@ -301,7 +309,7 @@ def hooked_steps(folder, hook_name, mine):
     hook = {
         "student": lambda: load(folder).zero.bf16_average_hook,
         "torch_bf16": lambda: torch_bf16_hook,
-        "torch_fp32": lambda: default_hooks.allreduce_hook,
+        "torch_fp32": lambda: torch_hooks().allreduce_hook,
         "none": lambda: None,
     }[hook_name]()
     if hook is not None:

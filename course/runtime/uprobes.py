@@ -1,14 +1,17 @@
-"""Which of torch's functions a world's processes called, as the kernel counts them (Linux uprobes).
+"""Which of torch's parts a world's processes used, as the kernel counts them (Linux uprobes and system calls).
 
 An exercise that teaches a part of torch to be written by hand forbids torch's own (course/exercises.py's
 ``forbids``). A record of that kept in a worker is the submission's to rewrite; this one is not: the
 grader asks the kernel, before any code under test runs, to count each entry below in every thread and
-process of each rank (a perf event on a uprobe, inherited by what they start), and reads the counts
-itself. The entries are C++ functions that every path to the forbidden part goes through: torch's
-DistributedDataParallel (and ``replicate``) makes a ``c10d::Reducer``; every collective of a gloo
-group, by ``dist``, a functional collective or DDP's own, enters a method of ``ProcessGroupGloo``.
+process of each rank (a perf event on a tracepoint, inherited by what they start), and reads the counts
+itself. An entry is either C++ functions that every path to the forbidden part goes through (a uprobe
+on each): torch's DistributedDataParallel (and ``replicate``) makes a ``c10d::Reducer``; every
+collective of a gloo group, by ``dist``, a functional collective or DDP's own, enters a method of
+``ProcessGroupGloo``. Or the folders of a part written in Python only: its code is had by opening its
+files (``open``, ``openat``, ``openat2``, whose file names a filter on the tracepoint matches), which a
+rank does once it imports it, as no rank holds it before (``available`` says where one does).
 
-The kernel gives uprobes to a process that may monitor others (root, or CAP_PERFMON): where grades are
+The kernel gives these to a process that may monitor others (root, or CAP_PERFMON): where grades are
 made. Elsewhere (a student's laptop, a container whose seccomp refuses perf_event_open) ``Counter.attach``
 gives None and nothing is counted.
 """
@@ -19,6 +22,7 @@ import ctypes
 import os
 import platform
 import struct
+import sys
 from dataclasses import dataclass
 
 from course.runtime.processes import descendants
@@ -32,10 +36,17 @@ except ImportError:  # Windows, where the kernel counts nothing for the course
 
 @dataclass(frozen=True)
 class Entry:
-    library: str  # in torch/lib
-    symbols: tuple  # the start of the mangled name of each function counted
     called: str  # what a call of one means, for a sentence: "torch's DistributedDataParallel"
-    counted: str  # the functions the kernel counted calls of, for a sentence
+    counted: str  # what the kernel counted calls (or openings) of, for a sentence: "c10d::Reducer's constructor"
+    library: str = ""  # in torch/lib
+    symbols: tuple = ()  # the start of the mangled name of each function counted
+    folders: tuple = ()  # or: the folders, below site-packages, whose files' openings are counted
+    modules: tuple = ()  # and their modules, by name: a folder's package, or the module that is the file
+
+    def seen(self, count: int) -> str:
+        """What the kernel counted, in words: "3 calls of gloo's collectives"."""
+        unit = "opening" if self.folders else "call"
+        return f"{count} {unit}{'s' * (count != 1)} of {self.counted}"
 
 
 # gloo's collectives: every method of ProcessGroupGloo but its messages (send, recv), its barrier, its housekeeping,
@@ -50,20 +61,47 @@ _GLOO_COLLECTIVES = (
 
 ENTRIES = {
     "DistributedDataParallel": Entry(
-        "libtorch_cpu.so", ("_ZN4c10d7ReducerC2",), "torch's DistributedDataParallel", "c10d::Reducer's constructor"
+        "torch's DistributedDataParallel",
+        "c10d::Reducer's constructor",
+        "libtorch_cpu.so",
+        ("_ZN4c10d7ReducerC2",),
     ),
     "collective": Entry(
-        "libtorch_cpu.so",
-        tuple(f"_ZN4c10d16ProcessGroupGloo{len(name)}{name}E" for name in _GLOO_COLLECTIVES),
         "a collective of torch's (by any path: dist.all_reduce, a functional collective, DDP's)",
         "gloo's collectives",
+        "libtorch_cpu.so",
+        tuple(f"_ZN4c10d16ProcessGroupGloo{len(name)}{name}E" for name in _GLOO_COLLECTIVES),
+    ),
+    # Python only, and imported by nothing of torch's that the course runs (torch._dynamo, which an optimizer's
+    # step imports, brings torch.distributed.fsdp and torch.distributed.tensor: those no count can tell apart).
+    "ZeroRedundancyOptimizer": Entry(
+        "torch's ZeroRedundancyOptimizer",
+        "torch/distributed/optim/zero_redundancy_optimizer's file",
+        folders=("torch/distributed/optim/*zero_redundancy_optimizer",),
+        modules=("torch.distributed.optim.zero_redundancy_optimizer",),
+    ),
+    "comm_hooks": Entry(
+        "torch's DDP communication hooks (torch.distributed.algorithms.ddp_comm_hooks)",
+        "the files of torch/distributed/algorithms/ddp_comm_hooks",
+        folders=("torch/distributed/algorithms/ddp_comm_hooks/",),
+        modules=("torch.distributed.algorithms.ddp_comm_hooks",),
+    ),
+    "pipelining": Entry(
+        "torch's pipelining (torch.distributed.pipelining)",
+        "the files of torch/distributed/pipelining",
+        folders=("torch/distributed/pipelining/",),
+        modules=("torch.distributed.pipelining",),
     ),
 }
+
+# The system calls that open a file by its name: a filter on each one's tracepoint keeps the names of an entry's folders.
+_OPENS = ("sys_enter_open", "sys_enter_openat", "sys_enter_openat2")
 
 _PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}.get(platform.machine())
 _TRACEPOINT = 2  # PERF_TYPE_TRACEPOINT
 _INHERIT = 1 << 1
 _FD_CLOEXEC = 8
+_SET_FILTER = 0x40082406  # PERF_EVENT_IOC_SET_FILTER
 _TRACING = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 
 
@@ -160,10 +198,18 @@ def _defined(folder: str, path: str, offset: int) -> int | None:
         return None
 
 
+def _syscall(folder: str, event: str) -> int | None:
+    try:
+        with open(f"{folder}/events/syscalls/{event}/id") as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
 def _resolved() -> dict:
-    """name -> the tracepoint ids of each entry's functions that this torch has (a version without one, gloo's
-    alltoall in torch 2.11, leaves it to the base class, which refuses the call); made once: the libraries are
-    large."""
+    """name -> (tracepoint id, filter or None) of each entry's functions that this torch has (a version without
+    one, gloo's alltoall in torch 2.11, leaves it to the base class, which refuses the call), or of each system call
+    that opens files, filtered to the entry's folders; made once: the libraries are large."""
     global _probes
     if _probes is None:
         import torch
@@ -171,14 +217,28 @@ def _resolved() -> dict:
         lib = os.path.join(os.path.dirname(torch.__file__), "lib")
         folder, _probes = _tracing(), {}
         for name, entry in ENTRIES.items():
+            if folder is None:
+                break
+            if entry.folders:
+                kept = " || ".join(f'filename.ustring ~ "*/{f}*"' for f in entry.folders)
+                ids = [_syscall(folder, event) for event in _OPENS]
+                if None not in ids:
+                    _probes[name] = tuple((i, kept) for i in ids)
+                continue
             path = os.path.realpath(os.path.join(lib, entry.library))
-            if folder is None or not os.path.exists(path):
+            if not os.path.exists(path):
                 continue
             offsets = [_file_offset(path, symbol) for symbol in entry.symbols]
             ids = [_defined(folder, path, offset) for offset in offsets if offset is not None]
             if ids and None not in ids:
-                _probes[name] = tuple(ids)
+                _probes[name] = tuple((i, None) for i in ids)
     return _probes
+
+
+def held(entry: Entry) -> set:
+    """The modules of entry's folders that this process holds, of those it names (a package's: importing any module
+    of it imports the package first): a rank forked from it uses them without opening a file."""
+    return {name for name in entry.modules if name in sys.modules}
 
 
 # An event's descriptor is moved to this number or above: a grader holds hundreds (one per thread and function),
@@ -198,14 +258,19 @@ def _high_enough() -> bool:
     return True
 
 
-def _open(tid: int, tracepoint: int) -> int:
-    """A counting event on one thread, inherited by the threads and processes it starts, its descriptor at _HIGH or
-    above where the limit allows; -errno if refused."""
+def _open(tid: int, tracepoint: int, kept: str | None = None) -> int:
+    """A counting event on one thread, inherited by the threads and processes it starts, of the tracepoint's events
+    that the filter `kept` keeps (inherited too); its descriptor at _HIGH or above where the limit allows; -errno if
+    refused."""
     attr = _Attr(type=_TRACEPOINT, size=ctypes.sizeof(_Attr), config=tracepoint, flags=_INHERIT)
     libc = ctypes.CDLL(None, use_errno=True)
     fd = libc.syscall(_PERF_EVENT_OPEN, ctypes.byref(attr), tid, -1, -1, _FD_CLOEXEC)
     if fd < 0:
         return -ctypes.get_errno()
+    if kept is not None and libc.ioctl(fd, _SET_FILTER, ctypes.c_char_p(kept.encode())) != 0:
+        error = ctypes.get_errno()
+        os.close(fd)
+        return -error
     try:
         high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, _HIGH) if _high_enough() else fd
     except OSError:  # the limit reached: it stays where it is
@@ -216,10 +281,13 @@ def _open(tid: int, tracepoint: int) -> int:
 
 
 def available(names: tuple = ()) -> bool:
-    """Whether the kernel counts calls for this process (Counter.attach gives one), of each of names too."""
+    """Whether the kernel counts calls for this process (Counter.attach gives one), of each of names too: for an
+    entry of folders, where this process holds none of its modules (a rank forked from it would use it unseen)."""
     if _PERF_EVENT_OPEN is None or not _resolved() or not set(names) <= set(_resolved()):
         return False
-    fd = _open(os.getpid(), next(iter(_resolved().values()))[0])
+    if any(held(ENTRIES[name]) for name in names):
+        return False
+    fd = _open(os.getpid(), *next(iter(_resolved().values()))[0])
     if fd >= 0:
         os.close(fd)
     return fd >= 0
@@ -233,52 +301,63 @@ def _tasks(pid: int) -> set:
 
 
 class Counter:
-    """The kernel's count of each entry's calls in the processes of each rank of one world."""
+    """The kernel's count of entries' calls (or openings) in the processes of each rank of one world."""
 
     def __init__(self, rank_pids: list):
         self.rank_pids = rank_pids
         self.fds: dict = {}  # (rank, name) -> the events of that rank's threads
-        self.followed: set = set()
+        self.names: set = set()  # the entries counted
 
     @classmethod
-    def attach(cls, rank_pids: list) -> Counter | None:
-        """Count in every thread of each rank's processes, and in what they start from now on. Call it before any
-        code under test runs in them. None where the kernel counts no calls for this process."""
+    def attach(cls, rank_pids: list, names: tuple) -> Counter | None:
+        """Count names in every thread of each rank's processes, and in what they start from now on. Call it before
+        any code under test runs in them. None where the kernel counts no calls for this process."""
         if not available():
             return None
         counter = cls(rank_pids)
-        try:
-            if not counter._follow():
-                counter.close()
-                return None
-        except OSError:
+        if not counter.count(names):
             counter.close()
             return None
         return counter
 
-    def _follow(self) -> bool:
-        """Open the events of every thread not yet followed, until a look finds none new (a thread started while
-        the events were opened is looked for again). False where the kernel refused one."""
-        while True:
+    def count(self, names: tuple) -> bool:
+        """Count names too, from now on (an entry is counted only where a world's checks forbid it: each costs an
+        event per thread); False where the kernel refused one."""
+        new = [name for name in names if name in _resolved() and name not in self.names]
+        try:
+            if not self._follow(new):
+                return False
+        except OSError:
+            return False
+        self.names.update(new)
+        return True
+
+    def _follow(self, names: list) -> bool:
+        """Open the events of names on every thread, until a look finds none new (a thread started while the events
+        were opened is looked for again: the events of the threads followed are inherited by what they start, not
+        by what they started before). False where the kernel refused one."""
+        followed: set = set()
+        while names:
             new = [
                 (rank, tid)
                 for rank, pid in enumerate(self.rank_pids)
                 for process in [pid, *descendants([pid])]
                 for tid in _tasks(process)
-                if tid not in self.followed
+                if tid not in followed
             ]
             if not new:
                 return True
             for rank, tid in new:
-                self.followed.add(tid)
-                for name, tracepoints in _resolved().items():
-                    for tracepoint in tracepoints:
-                        fd = _open(tid, tracepoint)
+                followed.add(tid)
+                for name in names:
+                    for tracepoint, kept in _resolved()[name]:
+                        fd = _open(tid, tracepoint, kept)
                         if fd == -3:  # ESRCH: the thread ended since it was listed
                             break
                         if fd < 0:
                             return False
                         self.fds.setdefault((rank, name), []).append(fd)
+        return True
 
     def counts(self) -> dict:
         """(rank, name) -> calls counted so far, in the threads followed and in every process or thread they

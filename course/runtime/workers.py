@@ -198,7 +198,7 @@ def run(
     reference: bool = False,
     fresh: bool | None = None,
     observe: bool = False,
-    count_calls: bool = False,
+    count_calls: bool | tuple = False,
     per_rank: list | Callable | None = None,
 ) -> list | Observed:
     """Run ``fn(*args)`` on every rank of a new world; return the results by rank.
@@ -212,7 +212,8 @@ def run(
     With ``keep``, a world kept by an earlier call with the same settings runs it (module docstring);
     with ``fresh`` too (default: for_credit()), in a process of the call's own.
     With ``observe``, an Observed: the results and what the kernel counted of the call; with ``count_calls`` too,
-    its calls (course/runtime/uprobes.py): what each rank entered of torch's functions that an exercise forbids.
+    its calls (course/runtime/uprobes.py): what each rank used of the parts of torch that an exercise forbids,
+    those ``count_calls`` names (True: every one).
     ``per_rank``: arguments for each rank alone, after ``args`` (rank r calls ``fn(*args,
     *per_rank[r])``): what one rank is given, no other rank's process ever holds. Where it is a
     callable, it is called for that list once the world's processes run (a world forked while this
@@ -267,7 +268,7 @@ def run(
     try:
         if world is not None:
             try:
-                world.call(calls(), observe, observe and count_calls)
+                world.call(calls(), observe, _names(count_calls) if observe else ())
             except OSError:  # a kept worker ended while it waited (killed from outside)
                 world.stop()
                 world = None
@@ -279,7 +280,7 @@ def run(
             compare = debug and backend == "gloo"
             settings = dataclasses.replace(settings, view=view, reference=reference, compare=compare, fresh=fresh)
             world = _World.start(method, settings)
-            world.call(calls(), observe, observe and count_calls)
+            world.call(calls(), observe, _names(count_calls) if observe else ())
         world.timeout = timeout
         try:
             results = world.collect()
@@ -298,6 +299,11 @@ def run(
     finally:
         if world is not None:
             world.stop()
+
+
+def _names(count_calls: bool | tuple) -> tuple:
+    """The entries of uprobes.ENTRIES that run's count_calls names."""
+    return tuple(uprobes.ENTRIES) if count_calls is True else tuple(count_calls or ())
 
 
 def for_credit() -> bool:
@@ -412,17 +418,20 @@ class _World:
             raise
         return world
 
-    def call(self, calls: list, observe: bool = False, count_calls: bool = False) -> None:
+    def call(self, calls: list, observe: bool = False, count_calls: tuple = ()) -> None:
         """Hand each rank its pickled (fn, args), and this process's stdout and stderr as they are now; with
         observe, read first what the world's loopback has carried (loopback_sent()); with count_calls, the kernel's
-        counts of uprobes.ENTRIES (calls_made())."""
+        counts of those of uprobes.ENTRIES (calls_made())."""
         self.results, self.reports, self.ended, self.reusable = {}, [], [], False
         self.loopback = self.guard.loopback_bytes() if observe and self.guard is not None else None
         if count_calls and not self.asked_kernel and not self.reference:
             self.asked_kernel = True
             # From the first call counted, before it runs: a call forked afresh for credit, or this one, is counted
             # whole (an earlier call's processes are gone; a kept world's threads left by one are stopped with it).
-            self.counter = uprobes.Counter.attach([proc.pid for proc in self.procs])
+            self.counter = uprobes.Counter.attach([proc.pid for proc in self.procs], count_calls)
+        elif count_calls and self.counter is not None and not self.counter.count(count_calls):
+            self.counter.close()
+            self.counter = None
         self.counted = self.counter.counts() if count_calls and self.counter is not None else None
         self.stacks_before = {r: self._stack_size(r) for r in range(self.world_size)}
         for proc, conn, call in zip(self.procs, self.conns, calls):

@@ -819,11 +819,14 @@ _torch_optim.ZeroRedundancyOptimizer = _Forged
 
 def test_a_forged_reference_gains_nothing(tmp_path):
     """Issue 36: a reference is computed in a world that never loaded submission code, so torch patched by a
-    submission in its own world cannot forge it: the forgery earns 0, the reference full marks."""
+    submission in its own world cannot forge it: the forgery earns 0, the reference full marks. Since issue 47 the
+    forgery fails first for reaching ZeroRedundancyOptimizer at all, which exercise 11 forbids (the reference's own
+    world is test_judges' business)."""
     args = ["--ex", "11", "--", "-k", "test_matches_zero_redundancy"]
     found = grade_only(tmp_path / "cheat", {"zero.py": FORGED_REFERENCE}, args, base=SOLUTIONS)
     assert found["score"] == 0 and [t["status"] for t in found["tests"]] == ["failed"], found
-    assert "differs from built-in DDP with ZeroRedundancyOptimizer" in found["tests"][0]["output"], found["tests"]
+    said = found["tests"][0]["output"]
+    assert "used torch's ZeroRedundancyOptimizer" in said, found["tests"]
     reference = grade_only(tmp_path / "reference", {}, args, base=SOLUTIONS)
     assert reference["score"] == 4 and [t["status"] for t in reference["tests"]] == ["passed"], reference
 
@@ -1039,11 +1042,13 @@ def _instructors_repository(base, cheats, solved=ROOT):
     return grader, submission
 
 
-def _grade_in_repository(base, who, cheats, ex=2, solved=ROOT, checks=()):
+def _grade_in_repository(base, who, cheats, ex=2, solved=ROOT, checks=(), credit=False):
     python, user, mode, packages = who
     grader, _ = _instructors_repository(base, cheats, solved)
     _as_user(base, who)
     env = dict(os.environ, COURSE_IMPL=str(pathlib.Path(base) / "submission"), COURSE_SANDBOX=mode)
+    if credit:
+        env["COURSE_FOR_CREDIT"] = "1"
     if packages:
         env["PYTHONPATH"] = packages
     done = warm.run(
@@ -1591,12 +1596,29 @@ def ring_all_reduce(tensor):
     funcol = __import__("torch.distributed._functional_collectives", fromlist=["all_reduce"])
     tensor.copy_(funcol.wait_tensor(funcol.all_reduce(tensor, "sum", dist.group.WORLD)))
 """
+TORCH_OWN_HOOK = """
+def bf16_average_hook(group, bucket):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(torch.bfloat16, group, bucket)
+"""
+TORCH_OWN_MESSAGES = """
+def communicate(sends, receives):
+    from torch.distributed.pipelining.schedules import _batch_p2p
+
+    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in receives]
+    for request in _batch_p2p(ops):
+        request.wait()
+"""
 # exercise: (its file, the code, the checks that run it, what the sentence names)
 TORCH_OWN = {
     4: ("mydp.py", TORCH_OWN_MYDP, "test_", "torch's DistributedDataParallel"),
     5: ("dist.py", TORCH_OWN_RING, "test_ring", "a collective of torch's"),
     6: ("mydp.py", TORCH_OWN_OVERLAPPED, "test_overlapped_steps", "torch's DistributedDataParallel"),
     7: ("mydp.py", TORCH_OWN_NO_SYNC, "test_no_sync_accumulates", "torch's DistributedDataParallel"),
+    11: ("zero.py", TORCH_OWN_HOOK, "test_hook", "torch's DDP communication hooks"),
+    15: ("pp.py", TORCH_OWN_MESSAGES, "test_messages", "torch's pipelining"),
 }
 
 
@@ -1606,9 +1628,10 @@ def test_an_exercise_done_by_torchs_own_fails_the_checks_it_would_pass(tmp_path,
         pytest.skip("the kernel counts no calls for this process here (no root, no uprobes)")
     os.chmod(tmp_path, 0o755)
     name, code, affected, used = TORCH_OWN[ex]
-    _, path, _ = _grade_in_repository(tmp_path, _as_this_user(), {name: code}, ex=ex, solved=SOLUTIONS)
+    _, path, _ = _grade_in_repository(tmp_path, _as_this_user(), {name: code}, ex=ex, solved=SOLUTIONS, credit=True)
     ran = [t for t in results(path)["tests"] if t["name"].split(": ")[-1].startswith(affected)]
     assert ran and all(t["status"] == "failed" and f"used {used}" in t["output"] for t in ran), ran
+    assert all("the kernel counted" in t["output"] for t in ran), "for credit, the kernel's count decides"
 
 
 # Issue 47: a probe that held the whole batch on every rank. The checks of exercises 3, 4 and 6 once made each

@@ -11,7 +11,8 @@ the same source on every rank, rank 0's, which returns wrong values instead.
 import pytest
 
 from checks.test_ex11_zero import check_hook, check_owners, check_state_bytes, check_steps
-from tests.mutants import assert_caught, assert_refused, make_mutant
+from course.layout import SOLUTIONS
+from tests.mutants import assert_caught, assert_refused, assert_torch_own_caught, make_mutant
 
 LEAST_LOADED = "        rank = load.index(min(load))\n"
 SENT = "    started = dist.all_reduce(compressed, group=group, async_op=True).get_future()\n"
@@ -156,6 +157,43 @@ MUTANTS = {
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])
+
+
+# Issue 47: the exercise done, or helped, by the parts of torch it teaches to write; each passes every check with
+# its exercise forbidding nothing (assert_torch_own_caught's control).
+TORCH_OWN = {
+    "the hook as torch's bf16_compress_hook": (
+        "zero.py",
+        "    buffer = bucket.buffer()\n",
+        "    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks\n\n"
+        "    return default_hooks._compress_hook(torch.bfloat16, group, bucket)\n",
+        check_hook,
+        "comm_hooks",
+    ),
+    "torch's ZeroRedundancyOptimizer imported beside the sharded optimizer": (
+        "zero.py",
+        "        self.params = list(params)\n",
+        "        from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F401\n\n"
+        "        self.params = list(params)\n",
+        lambda folder: check_steps(folder, 2, "sgd_momentum"),
+        "ZeroRedundancyOptimizer",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(TORCH_OWN))
+def test_torch_own_is_caught(mistake, tmp_path, monkeypatch):
+    assert_torch_own_caught(tmp_path / "mutant", mistake, *TORCH_OWN[mistake], monkeypatch)
+
+
+def test_a_submission_corrected_after_a_forbidden_import_passes_in_the_same_process(tmp_path):
+    """A notebook's kernel keeps its worlds between cells: after a check failed a submission for importing
+    ZeroRedundancyOptimizer, whose ranks hold it since, the corrected submission passes (its call gets ranks that
+    never imported it)."""
+    file, old, new, check, _ = TORCH_OWN["torch's ZeroRedundancyOptimizer imported beside the sharded optimizer"]
+    with pytest.raises(AssertionError, match="used torch's ZeroRedundancyOptimizer"):
+        check(make_mutant(tmp_path / "mutant", file, old, new))
+    check(SOLUTIONS)
 
 
 @pytest.mark.parametrize(

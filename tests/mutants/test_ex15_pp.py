@@ -24,7 +24,7 @@ from course.launch import WorldFailed
 from course.layout import SOLUTIONS
 from course.runtime import env
 from tests import warm
-from tests.mutants import assert_caught, assert_refused, make_mutant
+from tests.mutants import assert_caught, assert_refused, assert_torch_own_caught, make_mutant
 from tests.own_time import Watch
 
 SEND_BACK = "        return [] if self.rank == 0 else [(inputs.grad, self.rank - 1)]\n"
@@ -259,6 +259,21 @@ MUTANTS = {
 @pytest.mark.parametrize("mistake", sorted(MUTANTS))
 def test_mistake_is_caught(mistake, tmp_path):
     assert_caught(tmp_path / "mutant", mistake, *MUTANTS[mistake])
+
+
+# Issue 47: the messages sent by torch's pipelining (its batched sends and receives), which the exercise writes by
+# hand: every check passes it with the exercise forbidding nothing (assert_torch_own_caught's control).
+TORCH_OWN = (
+    "pp.py",
+    "        for request in dist.batch_isend_irecv(ops):\n",
+    "        from torch.distributed.pipelining.schedules import _batch_p2p\n\n        for request in _batch_p2p(ops):\n",
+    check_messages,
+    "pipelining",
+)
+
+
+def test_torch_own_pipelining_is_caught(tmp_path, monkeypatch):
+    assert_torch_own_caught(tmp_path / "mutant", "messages by torch's pipelining", *TORCH_OWN, monkeypatch)
 
 
 def test_no_order_message_answers_the_todo(tmp_path):

@@ -68,6 +68,19 @@ def test_every_path_to_an_entry_is_counted_on_each_rank(fresh):
         assert calls == {(r, name): expected.get(name, 0) for r in range(2) for name in uprobes.ENTRIES}, fn
 
 
+def test_a_kept_world_counts_what_each_call_names():
+    """A world counts only the entries its calls forbid (an event per thread each), and one a later call names
+    from that call on, once: events added on the threads an earlier call left are not counted twice."""
+    first = run(plain_all_reduce, 2, keep=True, observe=True, count_calls=("DistributedDataParallel",)).calls
+    assert first == {(r, "DistributedDataParallel"): 0 for r in range(2)}, first
+    for names in [("collective",), ("collective", "DistributedDataParallel")]:
+        calls = run(plain_all_reduce, 2, keep=True, observe=True, count_calls=names).calls
+        assert {key: n for key, n in calls.items() if key[1] == "collective"} == {
+            (0, "collective"): 1,
+            (1, "collective"): 1,
+        }, calls
+
+
 def ddp_in_a_new_interpreter():
     """torch's DDP made by a Python the call starts afresh (fork, then exec): the kernel keeps counting across exec."""
     made = "torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))"
@@ -86,6 +99,47 @@ def test_what_a_call_starts_is_counted(fn, fresh):
 def test_a_new_interpreter_is_counted():
     calls = run(ddp_in_a_new_interpreter, 1, keep=True, fresh=True, observe=True, count_calls=True).calls
     assert calls[(0, "DistributedDataParallel")] == 1, calls
+
+
+def pipelining_imported_by(how):
+    """Probe: torch.distributed.pipelining imported (a part written in Python only) in this process, a thread it
+    starts, a process it forks, or a Python it starts afresh."""
+    load = "import torch.distributed.pipelining"
+    if how == "thread":
+        thread = threading.Thread(target=exec, args=(load,))
+        thread.start()
+        thread.join()
+    elif how == "fork":
+        child = os.fork()
+        if child == 0:
+            exec(load)
+            os._exit(0)
+        os.waitpid(child, 0)
+    elif how == "exec":
+        subprocess.run([sys.executable, "-c", load], check=True)
+    else:
+        exec(load)
+    return 0
+
+
+@pytest.mark.parametrize("how", ["process", "thread", "fork", "exec"])
+def test_a_part_in_python_only_is_counted_by_its_files_opened(how):
+    """Where the part comes from: its files, which the ranks open when they import it (no rank holds it before), on
+    every path; none in a call that imports it not, nor of another part's."""
+    calls = run(pipelining_imported_by, 2, how, keep=True, fresh=True, observe=True, count_calls=True).calls
+    assert all(calls[(r, "pipelining")] > 0 for r in range(2)), calls
+    assert not any(count for (_, name), count in calls.items() if name != "pipelining"), calls
+
+
+def test_a_part_this_process_holds_is_not_said_to_be_counted():
+    """A rank forked from a process that holds the part uses it without opening a file: available() says no."""
+    assert uprobes.available(("pipelining",))
+    child = os.fork()
+    if child == 0:
+        import torch.distributed.pipelining  # noqa: F401
+
+        os._exit(0 if not uprobes.available(("pipelining",)) and uprobes.available(("collective",)) else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
 
 
 def test_a_reference_world_is_not_counted():
