@@ -379,14 +379,14 @@ def _torch_own_used(rank, name, seen):
 
 def _counted_here(name) -> bool:
     """Whether the kernel counts torch's own `name` for this check: where it counts calls for this process, and, for
-    a part of folders (imported once in a process), where every call runs in a process of its own (for credit).
+    a part in Python only (imported once in a process), where every call runs in a process of its own (for credit).
     Where it does not, the probe's process watches for it (_watching)."""
-    return uprobes.available((name,)) and (not ENTRIES[name].folders or for_credit())
+    return uprobes.available((name,)) and (not ENTRIES[name].paths or for_credit())
 
 
 def _watching(held, fn, *args):
     """Probe: fn(*args), and what this process saw of each of torch's parts that held names: the
-    DistributedDataParallel it made; the modules of a part of folders it holds beyond held's (the grader's, which
+    DistributedDataParallel it made; the modules of a part in Python only it holds beyond held's (the grader's, which
     it was forked with). A student's own feedback where the kernel does not count every call (code under test can
     hide these from this process, never from the kernel, which grades for credit rest on)."""
     names = tuple(held)
@@ -404,20 +404,18 @@ def _watching(held, fn, *args):
         result = fn(*args)
     finally:
         ddp.__init__ = init
-    seen = {
-        name: len(uprobes.held(ENTRIES[name]) - held[name]) if ENTRIES[name].folders else len(made) for name in names
-    }
+    seen = {name: len(uprobes.held(ENTRIES[name]) - held[name]) if ENTRIES[name].paths else len(made) for name in names}
     return result, seen
 
 
 def _none_seen(got):
     """got's results without _watching's counts; fails where a rank was seen using one."""
     results = got.results if isinstance(got, Observed) else got
-    if any(count and ENTRIES[name].folders for _, seen in results for name, count in seen.items()):
+    if any(count and ENTRIES[name].paths for _, seen in results for name, count in seen.items()):
         stop_kept()  # its ranks hold the part now: the next call (a corrected submission's) gets ranks that do not
     for rank, (_, seen) in enumerate(results):
         for name, count in sorted(seen.items()):
-            what = f"{' and '.join(ENTRIES[name].modules)} imported" if ENTRIES[name].folders else f"{count} made"
+            what = f"{' and '.join(ENTRIES[name].modules)} imported" if ENTRIES[name].paths else f"{count} made"
             assert count == 0, _torch_own_used(rank, name, f"the check saw {what}")
     results = [result for result, _ in results]
     return dataclasses.replace(got, results=results) if isinstance(got, Observed) else results

@@ -39,7 +39,9 @@ rank writes a file larger than a limit anywhere, and each rank's memory is bound
 
 At both levels a worker may not create a unix-domain socket (a seccomp filter, x86-64 and arm64):
 no connection to a socket of the user's or world-writable one (multiprocessing's servers, an SSH
-agent, X11, systemd's user bus), in a folder or in the abstract namespace.
+agent, X11, systemd's user bus), in a folder or in the abstract namespace. Nor may it set up an
+io_uring, whose requests (an open among them) pass no system call's tracepoint: the kernel's count of
+the files a rank names (course/runtime/uprobes.py) sees every one.
 
 COURSE_SANDBOX: auto (the default), required (no grading without a sandbox: the Gradescope
 autograder sets it), uid or namespaces (that level or none), off. Whatever the level, the grader's
@@ -631,7 +633,7 @@ def confine(level_name: str, handle, folder: str, entries: tuple | None = None) 
     if level_name == "uid":
         _enter_uid(*handle, folder, entries)
         die_with_parent()  # again: the kernel clears it when the process changes its user
-        _no_unix_sockets()
+        _refuse_calls()
     elif level_name == "namespaces":
         _enter_namespaces(handle, folder, entries, fork=True)
     elif level_name != "none":
@@ -756,7 +758,7 @@ def _enter_namespaces(holder: int, folder: str, entries: tuple | None, fork: boo
     _drop_bounding_set()
     _drop_capabilities()
     prctl(_PR_SET_NO_NEW_PRIVS, 1)
-    _no_unix_sockets()
+    _refuse_calls()
 
 
 def _drop_capabilities() -> None:
@@ -769,18 +771,18 @@ def _drop_capabilities() -> None:
     _call("capset", ctypes.byref(Header(0x20080522, 0)), ctypes.byref((Data * 2)()))  # version 3: all zero
 
 
-# seccomp: (AUDIT_ARCH, socket's syscall number) of the architectures the filter knows.
-_SECCOMP_ARCH = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
+# seccomp: (AUDIT_ARCH, socket's syscall number, io_uring_setup's) of the architectures the filter knows.
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}
 
 
-def _no_unix_sockets() -> None:
-    """From now on socket(AF_UNIX, ...) fails with EACCES in this process and its children (a
-    seccomp filter; needs no_new_privs). Other architectures' system calls fail too (an i386 call
-    on x86-64 could name another socket()); elsewhere than x86-64 and arm64 there is no filter."""
+def _refuse_calls() -> None:
+    """From now on socket(AF_UNIX, ...) and io_uring_setup fail with EACCES in this process and its
+    children (a seccomp filter; needs no_new_privs). Other architectures' system calls fail too (an
+    i386 call on x86-64 could name another socket()); elsewhere than x86-64 and arm64 there is no filter."""
     known = _SECCOMP_ARCH.get(platform.machine())
     if known is None:
         return
-    arch, socket_call = known
+    arch, socket_call, io_uring_setup = known
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
     allow, refuse = 0x7FFF0000, 0x00050000 | 13  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EACCES
     program = [
@@ -788,7 +790,8 @@ def _no_unix_sockets() -> None:
         (jeq, 1, 0, arch),
         (ret, 0, 0, refuse),
         (ld, 0, 0, 0),  # the system call's number
-        (jge, 4, 0, 0x40000000),  # x32's numbers (x86-64): refused
+        (jge, 5, 0, 0x40000000),  # x32's numbers (x86-64): refused
+        (jeq, 4, 0, io_uring_setup),
         (jeq, 0, 2, socket_call),
         (ld, 0, 0, 16),  # socket's first argument, the domain
         (jeq, 1, 0, 1),  # AF_UNIX

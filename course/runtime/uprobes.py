@@ -7,9 +7,10 @@ process of each rank (a perf event on a tracepoint, inherited by what they start
 itself. An entry is either C++ functions that every path to the forbidden part goes through (a uprobe
 on each): torch's DistributedDataParallel (and ``replicate``) makes a ``c10d::Reducer``; every
 collective of a gloo group, by ``dist``, a functional collective or DDP's own, enters a method of
-``ProcessGroupGloo``. Or the folders of a part written in Python only: its code is had by opening its
-files (``open``, ``openat``, ``openat2``, whose file names a filter on the tracepoint matches), which a
-rank does once it imports it, as no rank holds it before (``available`` says where one does).
+``ProcessGroupGloo``. Or the files of a part written in Python only: its code is had by opening them,
+which a rank does once it imports it, as no rank holds it before (``available`` says where one does);
+the kernel counts the system calls that name a path of them (to open one, or a folder holding them, or
+to change into one or link to one), a filter on each one's tracepoint keeping those paths.
 
 The kernel gives these to a process that may monitor others (root, or CAP_PERFMON): where grades are
 made. Elsewhere (a student's laptop, a container whose seccomp refuses perf_event_open) ``Counter.attach``
@@ -37,16 +38,17 @@ except ImportError:  # Windows, where the kernel counts nothing for the course
 @dataclass(frozen=True)
 class Entry:
     called: str  # what a call of one means, for a sentence: "torch's DistributedDataParallel"
-    counted: str  # what the kernel counted calls (or openings) of, for a sentence: "c10d::Reducer's constructor"
+    counted: str  # what the kernel counted calls of, for a sentence: "c10d::Reducer's constructor"
     library: str = ""  # in torch/lib
     symbols: tuple = ()  # the start of the mangled name of each function counted
-    folders: tuple = ()  # or: the folders, below site-packages, whose files' openings are counted
-    modules: tuple = ()  # and their modules, by name: a folder's package, or the module that is the file
+    paths: tuple = ()  # or: what every path to its files holds, and no other file's of torch's (no "*" in one)
+    modules: tuple = ()  # and its modules, by name: a folder's package, or the module that is the file
 
     def seen(self, count: int) -> str:
         """What the kernel counted, in words: "3 calls of gloo's collectives"."""
-        unit = "opening" if self.folders else "call"
-        return f"{count} {unit}{'s' * (count != 1)} of {self.counted}"
+        if self.paths:
+            return f"{count} system call{'s' * (count != 1)} naming {self.counted}"
+        return f"{count} call{'s' * (count != 1)} of {self.counted}"
 
 
 # gloo's collectives: every method of ProcessGroupGloo but its messages (send, recv), its barrier, its housekeeping,
@@ -77,25 +79,34 @@ ENTRIES = {
     "ZeroRedundancyOptimizer": Entry(
         "torch's ZeroRedundancyOptimizer",
         "torch/distributed/optim/zero_redundancy_optimizer's file",
-        folders=("torch/distributed/optim/*zero_redundancy_optimizer",),
+        paths=("zero_redundancy_optimizer",),
         modules=("torch.distributed.optim.zero_redundancy_optimizer",),
     ),
     "comm_hooks": Entry(
         "torch's DDP communication hooks (torch.distributed.algorithms.ddp_comm_hooks)",
         "the files of torch/distributed/algorithms/ddp_comm_hooks",
-        folders=("torch/distributed/algorithms/ddp_comm_hooks/",),
+        paths=("ddp_comm_hooks",),
         modules=("torch.distributed.algorithms.ddp_comm_hooks",),
     ),
     "pipelining": Entry(
         "torch's pipelining (torch.distributed.pipelining)",
         "the files of torch/distributed/pipelining",
-        folders=("torch/distributed/pipelining/",),
+        paths=("pipelining",),
         modules=("torch.distributed.pipelining",),
     ),
 }
 
-# The system calls that open a file by its name: a filter on each one's tracepoint keeps the names of an entry's folders.
-_OPENS = ("sys_enter_open", "sys_enter_openat", "sys_enter_openat2")
+# The system calls that name a path (its field): to open a file or a folder (whose descriptor opens what it holds by
+# a relative name), to change into a folder (the same, from the working folder), to link to one. A filter on each
+# one's tracepoint keeps those that name an entry's paths.
+_NAMING = (
+    ("sys_enter_open", "filename"),
+    ("sys_enter_openat", "filename"),
+    ("sys_enter_openat2", "filename"),
+    ("sys_enter_chdir", "filename"),
+    ("sys_enter_symlink", "oldname"),
+    ("sys_enter_symlinkat", "oldname"),
+)
 
 _PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}.get(platform.machine())
 _TRACEPOINT = 2  # PERF_TYPE_TRACEPOINT
@@ -209,7 +220,7 @@ def _syscall(folder: str, event: str) -> int | None:
 def _resolved() -> dict:
     """name -> (tracepoint id, filter or None) of each entry's functions that this torch has (a version without
     one, gloo's alltoall in torch 2.11, leaves it to the base class, which refuses the call), or of each system call
-    that opens files, filtered to the entry's folders; made once: the libraries are large."""
+    that names a path, filtered to the entry's paths; made once: the libraries are large."""
     global _probes
     if _probes is None:
         import torch
@@ -219,11 +230,12 @@ def _resolved() -> dict:
         for name, entry in ENTRIES.items():
             if folder is None:
                 break
-            if entry.folders:
-                kept = " || ".join(f'filename.ustring ~ "*/{f}*"' for f in entry.folders)
-                ids = [_syscall(folder, event) for event in _OPENS]
-                if None not in ids:
-                    _probes[name] = tuple((i, kept) for i in ids)
+            if entry.paths:
+                found = [(_syscall(folder, event), field) for event, field in _NAMING]
+                if all(i is not None for i, _ in found):
+                    _probes[name] = tuple(
+                        (i, " || ".join(f'{field}.ustring ~ "*{p}*"' for p in entry.paths)) for i, field in found
+                    )
                 continue
             path = os.path.realpath(os.path.join(lib, entry.library))
             if not os.path.exists(path):
@@ -236,7 +248,7 @@ def _resolved() -> dict:
 
 
 def held(entry: Entry) -> set:
-    """The modules of entry's folders that this process holds, of those it names (a package's: importing any module
+    """The modules of entry's files that this process holds, of those it names (a package's: importing any module
     of it imports the package first): a rank forked from it uses them without opening a file."""
     return {name for name in entry.modules if name in sys.modules}
 
@@ -282,7 +294,7 @@ def _open(tid: int, tracepoint: int, kept: str | None = None) -> int:
 
 def available(names: tuple = ()) -> bool:
     """Whether the kernel counts calls for this process (Counter.attach gives one), of each of names too: for an
-    entry of folders, where this process holds none of its modules (a rank forked from it would use it unseen)."""
+    entry of paths, where this process holds none of its modules (a rank forked from it would use it unseen)."""
     if _PERF_EVENT_OPEN is None or not _resolved() or not set(names) <= set(_resolved()):
         return False
     if any(held(ENTRIES[name]) for name in names):
@@ -301,7 +313,7 @@ def _tasks(pid: int) -> set:
 
 
 class Counter:
-    """The kernel's count of entries' calls (or openings) in the processes of each rank of one world."""
+    """The kernel's count of entries' calls in the processes of each rank of one world."""
 
     def __init__(self, rank_pids: list):
         self.rank_pids = rank_pids

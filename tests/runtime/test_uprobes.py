@@ -2,9 +2,12 @@
 process a call starts, in a kept world and in one whose calls are forked afresh (for credit); a count no code
 of the call can write."""
 
+import errno
 import os
+import platform
 import subprocess
 import sys
+import tempfile
 import threading
 
 import pytest
@@ -12,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from course.launch import run
-from course.runtime import uprobes
+from course.runtime import sandbox, uprobes
 from tests.runtime.test_kept_worlds import no_kept_world  # noqa: F401 - each test starts with no kept world
 
 pytestmark = pytest.mark.skipif(not uprobes.available(), reason="the kernel counts no calls for this process here")
@@ -117,15 +120,33 @@ def pipelining_imported_by(how):
         os.waitpid(child, 0)
     elif how == "exec":
         subprocess.run([sys.executable, "-c", load], check=True)
+    elif how in ("into its folder", "from the folder above"):  # its source read by a name the filter cannot see
+        folder = os.path.join(os.path.dirname(torch.__file__), "distributed")
+        inside = how == "into its folder"
+        here = os.getcwd()
+        os.chdir(os.path.join(folder, "pipelining") if inside else folder)
+        try:
+            with open("schedules.py" if inside else os.path.join("pipelining", "schedules.py")) as f:
+                f.read()
+        finally:
+            os.chdir(here)
+    elif how == "by a link":
+        link = os.path.join(tempfile.mkdtemp(), "p")
+        os.symlink(os.path.join(os.path.dirname(torch.__file__), "distributed", "pipelining"), link)
+        with open(os.path.join(link, "schedules.py")) as f:
+            f.read()
     else:
         exec(load)
     return 0
 
 
-@pytest.mark.parametrize("how", ["process", "thread", "fork", "exec"])
-def test_a_part_in_python_only_is_counted_by_its_files_opened(how):
+HOWS = ["process", "thread", "fork", "exec", "into its folder", "from the folder above", "by a link"]
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_part_in_python_only_is_counted_by_the_calls_naming_its_files(how):
     """Where the part comes from: its files, which the ranks open when they import it (no rank holds it before), on
-    every path; none in a call that imports it not, nor of another part's."""
+    every path, by any name; none in a call that names them not, nor of another part's."""
     calls = run(pipelining_imported_by, 2, how, keep=True, fresh=True, observe=True, count_calls=True).calls
     assert all(calls[(r, "pipelining")] > 0 for r in range(2)), calls
     assert not any(count for (_, name), count in calls.items() if name != "pipelining"), calls
@@ -160,3 +181,25 @@ def _is_an_event(fd):
         return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[perf_event]"
     except OSError:  # closed since it was listed
         return False
+
+
+def io_uring_setup():
+    """Probe: the errno of io_uring_setup, 0 where it gave a ring (closed at once)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ring = libc.syscall(425, 1, ctypes.create_string_buffer(120))  # x86-64's and arm64's number
+    if ring < 0:
+        return ctypes.get_errno()
+    os.close(ring)
+    return 0
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="the filter knows these two")
+def test_a_sandboxed_rank_sets_up_no_io_uring():
+    """An io_uring's requests, an open among them, pass no system call's tracepoint: a rank may not make one (the
+    sandbox's seccomp filter, at each level; without a sandbox it may, the control, where the kernel allows it)."""
+    if sandbox.level().name == "none":
+        pytest.skip("no sandbox level here")
+    assert run(io_uring_setup, 1, sandbox=True) == [errno.EACCES]
+    assert run(io_uring_setup, 1)[0] in (0, errno.ENOSYS, errno.EPERM), "the control"
