@@ -97,7 +97,8 @@ ENTRIES = {
 }
 
 # The system calls that name a path (its field): to open a file or a folder (whose descriptor opens what it holds by
-# a relative name), to change into a folder (the same, from the working folder), to link to one. A filter on each
+# a relative name), to change into a folder (the same, from the working folder), to link to one (a hard link too,
+# which the kernel refuses to a file of another user's where fs.protected_hardlinks is set, as it is by default). A filter on each
 # one's tracepoint keeps those that name an entry's paths.
 _NAMING = (
     ("sys_enter_open", "filename"),
@@ -106,6 +107,8 @@ _NAMING = (
     ("sys_enter_chdir", "filename"),
     ("sys_enter_symlink", "oldname"),
     ("sys_enter_symlinkat", "oldname"),
+    ("sys_enter_link", "oldname"),
+    ("sys_enter_linkat", "oldname"),
 )
 
 _PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}.get(platform.machine())
