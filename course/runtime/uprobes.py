@@ -20,13 +20,14 @@ gives None and nothing is counted.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import struct
 import sys
 from dataclasses import dataclass
 
-from course.runtime.processes import descendants
+from course.runtime.processes import descendants, processes
 
 try:  # imported here, before any code under test runs (the grader imports nothing after: docs/trust.md)
     import fcntl
@@ -300,8 +301,13 @@ def available(names: tuple = ()) -> bool:
     entry of paths, where this process holds none of its modules (a rank forked from it would use it unseen)."""
     if _PERF_EVENT_OPEN is None or not _resolved() or not set(names) <= set(_resolved()):
         return False
-    if any(held(ENTRIES[name]) for name in names):
-        return False
+    return not any(held(ENTRIES[name]) for name in names) and _permitted()
+
+
+@functools.cache
+def _permitted() -> bool:
+    """Whether the kernel lets this process open a counting event (asked once: opening one on a uprobe installs it
+    in every process that maps torch's library)."""
     fd = _open(os.getpid(), *next(iter(_resolved().values()))[0])
     if fd >= 0:
         os.close(fd)
@@ -353,10 +359,11 @@ class Counter:
         by what they started before). False where the kernel refused one."""
         followed: set = set()
         while names:
+            parents = processes()  # one look at the machine's processes for every rank
             new = [
                 (rank, tid)
                 for rank, pid in enumerate(self.rank_pids)
-                for process in [pid, *descendants([pid])]
+                for process in [pid, *descendants([pid], parents)]
                 for tid in _tasks(process)
                 if tid not in followed
             ]
