@@ -373,9 +373,8 @@ def check_unbalanced_hang(folder):
                 "uneven shards failed otherwise than in a hang",
                 f"the world should hang in a collective that rank 1 never joins, and it ended: {failure.sentence()}",
             )
-            on_its_way = failure.slow or any(fact.state == "running" for fact in failure.ranks)
-            if on_its_way and limit != HANG_LIMITS[-1]:
-                continue  # a rank computing, or every rank in one collective that can still end: look again, longer
+            if failure.on_its_way() and limit != HANG_LIMITS[-1]:
+                continue  # a rank computing, or in a collective that can still end: look again, longer
             first = failure.fact(0)
             assert first is not None and first.collective and first.file == "data.py", said(
                 "the waiting rank not in a collective of data.py",

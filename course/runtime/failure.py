@@ -169,6 +169,18 @@ class Failure:
     def fact(self, rank: int) -> RankFact | None:
         return next((f for f in self.ranks if f.rank == rank), None)
 
+    def on_its_way(self) -> bool:
+        """Whether a world stopped at its limit was still moving: a rank computing, every rank in one collective
+        (slow), or a rank in a collective that a rank of its group has already passed (its number on the group
+        below that rank's: its peers started it, so it can end, as a busy machine may leave one rank a step behind)."""
+        if self.slow or any(f.state == "running" for f in self.ranks):
+            return True
+        passed: dict = {}
+        for f in self.ranks:
+            if f.instance:
+                passed[f.instance[0]] = max(passed.get(f.instance[0], f.instance[1]), f.instance[1])
+        return any(f.instance and f.instance[1] < passed[f.instance[0]] for f in self.ranks)
+
     def _rank_lines(self) -> list:
         facts = self.ranks
         verb = {

@@ -313,3 +313,18 @@ def test_the_hang_found_before_the_graders_clock_runs_out_pays(monkeypatch):
 
     monkeypatch.setattr(test_ex08_data, "HANG_LIMITS", (60,))
     check_unbalanced_hang(SOLUTIONS)
+
+
+def test_a_rank_a_collective_behind_is_looked_at_again():
+    """The reference's hang, once under the suite's load (runs 16 and 42 of issue 49): at the first limit rank 0 waited
+    in its 7th step's all-reduce while rank 1 was still in its 6th's, which rank 0 had passed. Rank 1 can still end:
+    the check looks again, longer (Failure.on_its_way), and judges the hang only where no rank can move."""
+    from course.runtime.failure import RankFact, timed_out
+
+    def waiting(rank, number, call="all_reduce", file="data.py"):
+        return RankFact(rank, "waited", file=file, collective=call, instance=(0, number, call, None))
+
+    assert timed_out([waiting(0, 7), waiting(1, 6)], 2, 1).on_its_way(), "rank 1 a collective behind"
+    assert timed_out([waiting(0, 7), waiting(1, 7)], 2, 1).on_its_way(), "both in one collective"
+    hang = timed_out([waiting(0, 7), waiting(1, 7, "barrier", "worker.py")], 2, 1)
+    assert not hang.on_its_way(), "rank 1 done, in the launcher's barrier: the hang"
