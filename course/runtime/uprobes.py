@@ -206,16 +206,13 @@ def _defined(folder: str, path: str, offset: int) -> int | None:
                 os.close(fd)
         except OSError:  # refused, or made meanwhile by another grader
             pass
+    return _tracepoint(id_file)
+
+
+def _tracepoint(id_file: str) -> int | None:
+    """The id of a tracepoint, from its id file in the tracing folder; None where it has none."""
     try:
         with open(id_file) as f:
-            return int(f.read())
-    except OSError:
-        return None
-
-
-def _syscall(folder: str, event: str) -> int | None:
-    try:
-        with open(f"{folder}/events/syscalls/{event}/id") as f:
             return int(f.read())
     except OSError:
         return None
@@ -235,7 +232,7 @@ def _resolved() -> dict:
             if folder is None:
                 break
             if entry.paths:
-                found = [(_syscall(folder, event), field) for event, field in _NAMING]
+                found = [(_tracepoint(f"{folder}/events/syscalls/{event}/id"), field) for event, field in _NAMING]
                 if all(i is not None for i, _ in found):
                     _probes[name] = tuple(
                         (i, " || ".join(f'{field}.ustring ~ "*{p}*"' for p in entry.paths)) for i, field in found
