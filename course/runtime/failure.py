@@ -21,6 +21,7 @@ import torch
 
 from course.exercises import STUDENT_FILES, stub_facts, stub_message
 from course.kinds import KINDS
+from course.layout import CHECKS
 
 # Frames that are the course's, Python's or an installed library's own, never the student's line:
 # a crash inside ctypes or numpy is reported at the student's call.
@@ -109,6 +110,7 @@ class RankFact:
     keys: tuple = ()  # the keys of the store it waits for
     unimportable: dict | None = None  # a student file that does not import: {"file": "mlp.py", "error": "SyntaxError"}
     limit: str = ""  # the limit of a sandboxed world its error says it reached: of _LIMIT_WORDS's
+    judged: bool = False  # its own frame is a check's, not the student's: no line of the student's was running
 
     def argument(self) -> str:
         """What differs of its collective, as its function names it: 'with src=1', 'with op=MAX',
@@ -123,6 +125,9 @@ class RankFact:
         return "with " + ", ".join(said)
 
     def where(self) -> str:
+        # A check's line is the tests' plumbing: the student is told that none of theirs was running.
+        if self.judged:
+            return "a line of the check's own code, not of yours"
         if self.file:
             return f"{self.file}:{self.line} in {self.func}"
         if self.state == "running" and not stack_frames(self.traceback):
@@ -356,6 +361,11 @@ def is_student_file(path: str) -> bool:
     return os.path.basename(path) in STUDENT_FILES
 
 
+@functools.cache
+def is_check_file(path: str) -> bool:
+    return os.path.abspath(path).startswith(os.path.join(CHECKS, "")) and not is_student_file(path)
+
+
 def _own(frames: list) -> tuple | None:
     """The innermost of (path, line, func) frames, outermost first, that is the student's: in a student
     file where there is one (a check's function that the student's code calls, the check that called
@@ -380,6 +390,7 @@ def _fill_place(fact: RankFact, frames: list) -> RankFact:
     own = _own(frames)
     if own:
         fact.file, fact.line, fact.func = os.path.basename(own[0]), own[1], own[2]
+        fact.judged = is_check_file(own[0])
     fact.collective = fact.collective or _call_in(frames)
     return fact
 

@@ -26,9 +26,12 @@ def recorded(submission: str) -> dict:
 
 
 def _said(text: str) -> str:
-    """A sentence as both sides can say it: the checks' modules were test_exN_ before the move and
-    test_exNN_ after, and which of several ranks that do the same (raise, crash) goes first is a race."""
-    text = re.sub(r"test_ex(\d)_", r"test_ex0\1_", text)
+    """A sentence as both sides can say it: which of several ranks that do the same (raise, crash) goes first
+    is a race, and a failure in a check's own code was placed at the check's line before feedback stopped
+    naming the tests' plumbing (issue 49: the record broke on every line moved in a checks module)."""
+    text = re.sub(
+        r"(?:test_ex\d+_\w+|helpers|contracts)\.py:\d+ in [\w<>]+", "a line of the check's own code, not of yours", text
+    )
     return re.sub(r"Rank \d+ of (\d+) ", r"Rank r of \1 ", text)
 
 
