@@ -506,6 +506,38 @@ def float32_close(got, expected):
     return torch.allclose(got, expected, rtol=1e-3, atol=1e-6)
 
 
+def close(got, expected):
+    """The same shape, and the same numbers up to float32 sums taken in another order."""
+    return got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def tanh_block(layers, x):
+    """One process's block of two layers given as (weight, bias) pairs, tanh between them."""
+    (w0, b0), (w1, b1) = layers
+    return F.linear(torch.tanh(F.linear(x, w0, b0)), w1, b1)
+
+
+def computed_with_peers(found, where, alone, wrong):
+    """Judge a case where each rank was given its own part of the layers only, the rest other numbers (a Given):
+    each (rank, name, got, expected, by_itself) of found is one process's (expected). Where it is instead what
+    that rank computes by itself from all it was given (by_itself), alone = (concept, what it was given, what a
+    rank does instead) says so; else wrong (a concept) says how far it is."""
+    for rank, name, got, expected, by_itself in found:
+        if got is not None and close(got, expected):
+            continue
+        said_where = f"{where}: rank {rank}'s {name}"
+        concept, given, rule = alone
+        assert not (got is not None and close(got, by_itself)), said(
+            concept, f"{said_where} is what it computes alone from {given}. {rule}"
+        )
+        sizes = "None" if got is None else "x".join(map(str, got.shape))
+        if got is not None and got.shape == expected.shape:
+            sizes += f", off by up to {(got - expected).abs().max():.3g}"
+        raise AssertionError(
+            said(wrong, f"{said_where} is {sizes}, where one process's is {'x'.join(map(str, expected.shape))}")
+        )
+
+
 def describe_ratio(name, got, expected, rank, before="", after="", close=float32_close, whose="gradients"):
     """A sentence about how a gradient differs from the expected one, with its concept (course/grading/points.py);
     before and after are the check's own words around it (a str added to a Said is a plain str again).

@@ -20,6 +20,7 @@ from checks.helpers import (
     WIDTHS,
     Given,
     SmallMLP,
+    close,
     drawn,
     drawn_batches,
     forward_from,
@@ -138,10 +139,6 @@ def torch_layer():
 def normalised(x, mean, var):
     weight, bias = affine()
     return (x - mean) / torch.sqrt(var + EPS) * weight + bias
-
-
-def close(a, b):
-    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def _output_mistake(sentence, got, x, everything, rows, rank):

@@ -20,7 +20,10 @@ from checks.comm_log import SUMMARY, CommLog
 from checks.helpers import (
     CONFIG,
     WIDTHS,
+    Given,
+    computed_with_peers,
     describe_ratio,
+    drawn,
     either,
     global_batch,
     kernel_counted,
@@ -29,6 +32,7 @@ from checks.helpers import (
     many,
     maybe,
     reference_world,
+    tanh_block,
     tensor,
     world,
 )
@@ -777,29 +781,80 @@ def check_seen(results, step, bf16=False, sizes=SIZES):
 WIDE = 256
 
 
-def wide_step_in_world(folder):
-    """Probe: one ZeRO-3 step's forward and backward of a model whose first unit has WIDE x WIDE weights."""
+def wide_model(world_size):
+    """The wide model's two layers (biases 0: only the gathers decide its output, whatever the code does with a
+    bias) and each rank's rows, drawn (drawn()), and what each rank is given of them: its rows, and of each
+    unit the numbers of its own piece of the flat parameters, the rest of the weight and bias other numbers
+    drawn for this rank alone. A rank can compute its output only with the pieces its peers hold; one that
+    computes from the whole model it was given computes another."""
+    generator = drawn(1300)
+    shapes = [(WIDE, WIDE), (N_CLASSES, WIDE)]
+    layers = [(torch.randn(shape, generator=generator) / WIDE**0.5, torch.zeros(shape[0])) for shape in shapes]
+    rows = CONFIG.batch_size
+    model = {"layers": layers, "x": torch.randn(world_size * rows, WIDE, generator=generator)}
+
+    def given(model):
+        parts = []
+        for rank in range(world_size):
+            other, own = drawn(1301 + rank), []
+            for weight, bias in model["layers"]:
+                numbers = weight.numel() + bias.numel()
+                piece = padded(numbers, world_size) // world_size
+                values = torch.randn(numbers, generator=other) / WIDE**0.5
+                mine = slice(rank * piece, min((rank + 1) * piece, numbers))
+                values[mine] = flat_of([weight, bias])[mine]
+                own.append((values[: weight.numel()].view(weight.shape), values[weight.numel() :]))
+            parts.append((own, model["x"][rank * rows : (rank + 1) * rows]))
+        return parts
+
+    return Given(lambda: model, given)
+
+
+def wide_step_in_world(folder, layers, x):
+    """Probe: one ZeRO-3 step's forward and backward of a model of two units made from what this rank was given
+    (wide_model), on its rows; its output."""
     fsdp = load(folder).fsdp
-    torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(WIDE, WIDE), nn.Tanh(), nn.Linear(WIDE, N_CLASSES))
+    with torch.no_grad():
+        for k, (weight, bias) in zip((0, 2), layers):
+            model[k].weight.copy_(weight)
+            model[k].bias.copy_(bias)
     fsdp.shard_layers(model, reshard_after_forward=True)
-    x, y = torch.randn(CONFIG.batch_size, WIDE), torch.randint(0, N_CLASSES, (CONFIG.batch_size,))
-    F.cross_entropy(model(x), y).backward()
-    return sum(p.numel() for p in model.parameters())
+    out = model(x)
+    out.sum().backward()
+    return out.detach()
 
 
 def check_kernel_count(folder, world_size):
-    """The kernel counted at least one all-gather of the wide model's parameters: units that keep the whole model
-    on every rank and exchange nothing fail, whatever the communication log says."""
-    observed = world(wide_step_in_world, world_size, folder, expect=int, observe=True)
+    """Each rank given its own pieces of the wide model only, its output is one process's, and the kernel counted
+    at least one all-gather of the model's parameters in that call: units that keep the whole model on every rank
+    fail, whatever the communication log says; so do units that get their peers' pieces but not over the world's
+    network."""
+    given = wide_model(world_size)
+    observed = world(wide_step_in_world, world_size, folder, expect=torch.Tensor, observe=True, per_rank=given)
     parameters = WIDE * WIDE + WIDE + WIDE * N_CLASSES + N_CLASSES
+    what = f"one ZeRO-3 step of a model of {parameters} parameters on {world_size} ranks"
+    computed_with_peers(
+        [
+            (rank, "output", got, tanh_block(given.value["layers"], x), tanh_block(own, x))
+            for rank, (got, (own, x)) in enumerate(zip(observed.results, given.parts))
+        ],
+        f"{what}, each rank given only its own piece of each unit (the rest of the weights and biases: other numbers)",
+        (
+            "units that compute from the whole model themselves",
+            "the whole model it was given",
+            "A rank keeps its piece only; the rest of each unit's parameters comes from the other ranks, by the"
+            " unit's all-gather",
+        ),
+        "units wrong when each rank holds only its piece",
+    )
     # Every rank gathers the W - 1 pieces it does not hold, in float32, before the forward at least.
     least = (world_size - 1) * parameters * 4
     kernel_counted(
         observed,
         least,
         "units that exchange nothing",
-        f"one ZeRO-3 step of a model of {parameters} parameters on {world_size} ranks",
+        what,
         "gathering the pieces of its parameters that a rank does not hold carries",
     )
 

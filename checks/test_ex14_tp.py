@@ -15,7 +15,20 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from checks.comm_log import ALL_GATHER, ALL_REDUCE, KINDS, REDUCE_SCATTER, CommLog
-from checks.helpers import either, kernel_counted, keyed, load, many, maybe, reference_world, world
+from checks.helpers import (
+    Given,
+    close,
+    computed_with_peers,
+    drawn,
+    either,
+    kernel_counted,
+    keyed,
+    load,
+    many,
+    maybe,
+    reference_world,
+    world,
+)
 from course.grading.points import said
 from course.runtime.compat import cpu_mesh
 
@@ -90,10 +103,6 @@ def part(name, tensor, rank, world_size):
 def whole_on_every_rank(name, sequence_parallel):
     """Parameters that every rank holds whole and, sequence parallel, uses on its own rows only."""
     return sequence_parallel and (name.startswith("norms.") or (name.endswith("bias") and int(name.split(".")[1]) % 2))
-
-
-def close(got, expected):
-    return got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
 def shape(t):
@@ -757,23 +766,90 @@ def said_list(collectives):
 WIDE, WIDE_ROWS = 128, 256
 
 
-def wide_block_in_world(folder, sequence_parallel):
-    """Probe: a column layer then a row layer of WIDE features, forward and backward on WIDE_ROWS rows (this
-    rank's block of them, sequence parallel)."""
+def wide_block(world_size, sequence_parallel):
+    """The wide block's layers (no biases, as in collectives_in_world: only the exchanges decide its output) and
+    input, drawn (drawn()), and what each rank is given of them: the input (every row, or this rank's block of
+    the rows), and of each weight this rank's block only, the rest of it other numbers drawn for this rank
+    alone. A rank can compute its output only with what its peers hold; one that computes from the whole
+    layers it was given computes another block."""
+    generator = drawn(1400)
+    block = {
+        "up_weight": torch.randn(WIDE, WIDE, generator=generator) / WIDE**0.5,
+        "down_weight": torch.randn(WIDE, WIDE, generator=generator) / WIDE**0.5,
+        "x": torch.randn(WIDE_ROWS, WIDE, generator=generator),
+    }
+
+    def given(block):
+        parts = []
+        for rank in range(world_size):
+            own = {name: tensor.clone() for name, tensor in block.items()}
+            other, features = drawn(1401 + rank), block_of(WIDE, rank, world_size)
+            own["up_weight"] = torch.randn(WIDE, WIDE, generator=other) / WIDE**0.5
+            own["up_weight"][features] = block["up_weight"][features]
+            own["down_weight"] = torch.randn(WIDE, WIDE, generator=other) / WIDE**0.5
+            own["down_weight"][:, features] = block["down_weight"][:, features]
+            if sequence_parallel:
+                own["x"] = block["x"][rows_of(rank, world_size, True, WIDE_ROWS)]
+            parts.append((own,))
+        return parts
+
+    return Given(lambda: block, given)
+
+
+def wide_block_in_world(folder, sequence_parallel, given):
+    """Probe: a column layer then a row layer of WIDE features made from what this rank was given (wide_block),
+    forward and backward on its rows; its output and its input's gradient."""
     tp = load(folder).tp
-    torch.manual_seed(1)
-    up, down = nn.Linear(WIDE, WIDE), nn.Linear(WIDE, WIDE)
-    rows = WIDE_ROWS // dist.get_world_size() if sequence_parallel else WIDE_ROWS
-    x = torch.randn(rows, WIDE, requires_grad=True)
+    up, down = nn.Linear(WIDE, WIDE, bias=False), nn.Linear(WIDE, WIDE, bias=False)
+    with torch.no_grad():
+        up.weight.copy_(given["up_weight"])
+        down.weight.copy_(given["down_weight"])
+    x = given["x"].clone().requires_grad_()
     out = tp.RowParallelLinear(down, sequence_parallel)(torch.tanh(tp.ColumnParallelLinear(up, sequence_parallel)(x)))
     out.backward(torch.ones_like(out))
-    return out.shape[0]
+    return {"out": out.detach(), "grad": x.grad}
+
+
+def _wide_forward(block, x):
+    """One process's block: out, and x's gradient of out's sum."""
+    x = x.clone().requires_grad_()
+    out = F.linear(torch.tanh(F.linear(x, block["up_weight"])), block["down_weight"])
+    out.sum().backward()
+    return out.detach(), x.grad
 
 
 def check_kernel_count(folder, sequence_parallel, world_size):
-    """The kernel counted at least the bytes of the block's exchanges: a block that computes the whole layer on
-    every rank and sends nothing fails, whatever the communication log says."""
-    observed = world(wide_block_in_world, world_size, folder, sequence_parallel, expect=int, observe=True)
+    """Each rank given its own block of the layers only, the block's output and input gradient are one
+    process's, and the kernel counted at least the bytes of the block's exchanges in that call: a block that
+    computes the whole layer on every rank fails, whatever the communication log says; so does one that gets
+    its peers' blocks' contributions but not over the world's network."""
+    given = wide_block(world_size, sequence_parallel)
+    expect = {"out": torch.Tensor, "grad": maybe(torch.Tensor)}
+    observed = world(
+        wide_block_in_world, world_size, folder, sequence_parallel, expect=expect, observe=True, per_rank=given
+    )
+    what = f"a column layer then a row layer of {WIDE} features on {WIDE_ROWS} rows, forward and backward, on {world_size} ranks"
+    out, grad = _wide_forward(given.value, given.value["x"])
+    way = "sequence" if sequence_parallel else "tensor"
+    found = []
+    for rank, (result, (own,)) in enumerate(zip(observed.results, given.parts)):
+        rows = rows_of(rank, world_size, sequence_parallel, WIDE_ROWS)
+        alone = _wide_forward(own, own["x"])  # what the rank computes from the whole layers it was given
+        found += [
+            (rank, "output", result["out"], out[rows], alone[0]),
+            (rank, "input's gradient", result["grad"], grad[rows], alone[1]),
+        ]
+    computed_with_peers(
+        found,
+        f"{way} parallel, {what}, each rank given only its own block of each weight (the rest: other numbers)",
+        (
+            "a parallel layer that computes the whole layer itself",
+            "the whole layers it was given",
+            "A rank multiplies by its own block only; what the other blocks contribute comes from the other ranks,"
+            " by the layers' collectives",
+        ),
+        "a parallel layer wrong when each rank holds only its block",
+    )
     # In either way of splitting, the block's exchanges reach every rank with what the others hold of its input
     # (rows x WIDE) and of its output (rows x WIDE): at least (W - 1) times each, in float32, over the world.
     least = (world_size - 1) * WIDE_ROWS * 2 * WIDE * 4
@@ -781,8 +857,7 @@ def check_kernel_count(folder, sequence_parallel, world_size):
         observed,
         least,
         "a parallel layer that exchanges nothing",
-        f"a column layer then a row layer of {WIDE} features on {WIDE_ROWS} rows, forward and backward, on"
-        f" {world_size} ranks",
+        what,
         "their collectives, had the layers exchanged their outputs, carry",
     )
 

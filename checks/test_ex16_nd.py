@@ -20,7 +20,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checks.comm_log import ALL_GATHER, ALL_REDUCE, KINDS, REDUCE_SCATTER, CommLog
-from checks.helpers import PlainSGD, either, kernel_counted, keyed, load, many, maybe, world
+from checks.helpers import (
+    Given,
+    PlainSGD,
+    computed_with_peers,
+    drawn,
+    either,
+    kernel_counted,
+    keyed,
+    load,
+    many,
+    maybe,
+    tanh_block,
+    world,
+)
 from course.grading.points import said
 from course.memory import Gathered
 
@@ -336,19 +349,76 @@ def said_list(collectives):
 WIDE = 256
 
 
-def wide_block_in_world(folder, dp, tp):
-    """Probe: a mesh block of two WIDE x WIDE layers, forward and backward on this rank's rows."""
+def wide_block(dp, tp):
+    """The wide block's two layers (their biases 0: only the exchanges decide its output, whatever the code does
+    with a bias) and the batch, drawn (drawn()), and what each rank is given of them: its dp block of the rows,
+    and of each layer the numbers of its own shard (piece()), the rest of the weight and bias other numbers
+    drawn for this rank alone. A rank can compute its output only with what its peers hold; one that computes
+    from the whole layers it was given computes another block."""
+    generator = drawn(1600)
+    layers = [(torch.randn(WIDE, WIDE, generator=generator) / WIDE**0.5, torch.zeros(WIDE)) for _ in range(2)]
+    block = {"layers": layers, "x": torch.randn(ROWS, WIDE, generator=generator)}
+    numbers = WIDE * WIDE + WIDE  # of a layer: its weight's, then its bias's
+    places = (torch.arange(1, WIDE * WIDE + 1).view(WIDE, WIDE), torch.arange(WIDE * WIDE + 1, numbers + 1))
+
+    def given(block):
+        parts = []
+        for rank in range(dp * tp):
+            other, own = drawn(1601 + rank), []
+            for k, (weight, bias) in enumerate(block["layers"]):
+                mine = piece(k, *places, rank, dp, tp)
+                mine = mine[mine > 0] - 1  # without the padding
+                values = torch.randn(numbers, generator=other) / WIDE**0.5
+                values[mine] = torch.cat([weight.reshape(-1), bias])[mine]
+                own.append((values[: WIDE * WIDE].view(WIDE, WIDE), values[WIDE * WIDE :]))
+            parts.append((own, block["x"][rows_of(rank, dp, tp)]))
+        return parts
+
+    return Given(lambda: block, given)
+
+
+def rows_of(rank, dp, tp):
+    """The rows of the batch that rank runs: its dp block of them."""
+    size = ROWS // dp
+    return slice(coordinates(rank, tp)[0] * size, (coordinates(rank, tp)[0] + 1) * size)
+
+
+def wide_block_in_world(folder, dp, tp, layers, x):
+    """Probe: a mesh block of two WIDE x WIDE layers made from what this rank was given (wide_block), forward and
+    backward on its rows; its output."""
     nd = load(folder).nd
-    torch.manual_seed(3)
-    model = nd.MeshMLP([nn.Linear(WIDE, WIDE), nn.Linear(WIDE, WIDE)], judge_mesh(nd, dp, tp))
-    model(torch.randn(ROWS // dp, WIDE)).sum().backward()
-    return 0
+    full = [nn.Linear(WIDE, WIDE), nn.Linear(WIDE, WIDE)]
+    with torch.no_grad():
+        for layer, (weight, bias) in zip(full, layers):
+            layer.weight.copy_(weight)
+            layer.bias.copy_(bias)
+    out = nd.MeshMLP(full, judge_mesh(nd, dp, tp))(x)
+    out.sum().backward()
+    return out.detach()
 
 
 def check_kernel_count(folder, dp, tp):
-    """The kernel counted at least the dp groups' gathers of a wide block's shards: layers that keep the whole
-    block on every rank and exchange nothing fail, whatever the communication log says."""
-    observed = world(wide_block_in_world, dp * tp, folder, dp, tp, expect=int, observe=True)
+    """Each rank given its own shard of the wide block only, its output is one process's, and the kernel counted
+    at least the dp groups' gathers of the block's shards in that call: layers that keep the whole block on
+    every rank fail, whatever the communication log says; so do layers that get their peers' shards but not over
+    the world's network."""
+    given = wide_block(dp, tp)
+    observed = world(wide_block_in_world, dp * tp, folder, dp, tp, expect=torch.Tensor, observe=True, per_rank=given)
+    what = f"{the_mesh(dp, tp)}: a block of two {WIDE} x {WIDE} layers, forward and backward"
+    computed_with_peers(
+        [
+            (rank, "output", got, tanh_block(given.value["layers"], x), tanh_block(own, x))
+            for rank, (got, (own, x)) in enumerate(zip(observed.results, given.parts))
+        ],
+        f"{what}, each rank given only its own shard of each layer (the rest of the weights and biases: other numbers)",
+        (
+            "layers that compute the whole block themselves",
+            "the whole layers it was given",
+            "A rank keeps its shard only; the rest of its block comes from its dp group, and the rest of the sum"
+            " from its tp group",
+        ),
+        "layers wrong when each rank holds only its shard",
+    )
     parameters = 2 * (WIDE * WIDE + WIDE)
     # Each rank gathers the dp - 1 shards of its block (1/tp of the parameters) that it does not hold, in float32.
     least = (dp - 1) * parameters * 4
@@ -356,7 +426,7 @@ def check_kernel_count(folder, dp, tp):
         observed,
         least,
         "layers that exchange nothing",
-        f"{the_mesh(dp, tp)}: a block of two {WIDE} x {WIDE} layers, forward and backward",
+        what,
         "the dp groups' gathers of the shards that a rank does not hold carry",
     )
 

@@ -1444,10 +1444,10 @@ def test_schedules_looked_up_in_the_checks_tables_gain_nothing_for_credit(tmp_pa
     assert _graded_pp(tmp_path / "control", LOOKED_UP_SCHEDULES, for_credit=False)[0] == 30
 
 
-# Issue 47: tensor parallelism that exchanges nothing (its four functions pass tensors through, each way) and makes
-# the communication log of each module say what the check expects. Every rank holds the whole layers and its
-# input by the exercise's design; what no worker can write is the kernel's count of the world's traffic.
-SILENT_TP = """
+# Issue 47: tensor parallelism whose communication log of each module says what the check expects, and whose
+# Copy and AllReduce pass tensors through, each way: it exchanges nothing. Each rank given only its own block
+# of the layers where the kernel counts, the block it computes is not one process's.
+FORGED_TP_LOG = """
 import sys as _sys
 
 import checks.comm_log as _log
@@ -1475,8 +1475,8 @@ def _forged(self):
 
 
 _log.CommLog.summary = _forged
-
-
+"""
+SILENT_TP_LAYERS = """
 class _Through(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -1489,10 +1489,12 @@ class _Through(torch.autograd.Function):
 
 Copy = AllReduce = _Through
 """
+SILENT_TP = FORGED_TP_LOG + SILENT_TP_LAYERS
 
 
 def test_tensor_parallelism_that_exchanges_nothing_gains_nothing(tmp_path):
-    """Its forged log passes the count of collectives; the kernel's count of the world's traffic fails it."""
+    """Its forged log passes the count of collectives; each rank given only its own block of the layers, the
+    block it computes is not one process's."""
     os.chmod(tmp_path, 0o755)
     who = _as_this_user()
     _, path, _ = _grade_in_repository(
@@ -1501,26 +1503,14 @@ def test_tensor_parallelism_that_exchanges_nothing_gains_nothing(tmp_path):
     found = {t["name"].split(": ")[-1]: t for t in results(path)["tests"]}
     assert found["test_collectives[sequence]"]["status"] == "passed", found  # the reference's, untouched
     silent = found["test_collectives[tensor]"]
-    assert silent["status"] == "failed" and "as the kernel counted them" in silent["output"], silent
+    assert silent["status"] == "failed" and "each rank given only its own block" in silent["output"], silent
 
 
-def test_tensor_parallelism_that_exchanges_nothing_passes_its_count_without_a_sandbox(tmp_path):
-    """The control: without a sandbox there is no world's network to count, and the forged log passes."""
-    os.chmod(tmp_path, 0o755)
-    _, path, _ = _grade_in_repository(
-        tmp_path,
-        (sys.executable, None, "off", None),
-        {"tp.py": SILENT_TP},
-        ex=14,
-        solved=SOLUTIONS,
-        checks=("-k", "test_collectives"),
-    )
-    assert all(t["status"] == "passed" for t in results(path)["tests"]), results(path)
-
-
-# Issue 47: FSDP whose units keep the whole model on every rank, and a mesh whose layers keep the whole block
-# (each is given it, by the exercise's design), exchanging nothing: what the kernel counts of a step is below
-# one gather of the parameters.
+# Issue 47: layers that exchange nothing, and layers that exchange what they must but not over the world's
+# network. FSDP whose units keep the whole model on every rank, and a mesh whose layers keep the whole block
+# (each is given it, by the exercise's design), compute from what they were given; tensor parallelism whose
+# functions pass tensors through computes partial sums. Each rank is given only its own shard or block, the rest
+# other numbers: none computes one process's output.
 SILENT_FSDP = """
 def shard_layers(container, reshard_after_forward=True, param_dtype=None):
     pass
@@ -1534,27 +1524,81 @@ class MeshMLP(nn.Module):
     def forward(self, x):
         return self.layers[1](torch.tanh(self.layers[0](x)))
 """
-# exercise: (its file, the silent code, its check module, the kernel check's arguments after the folder)
+# The reference's own code, its collectives made through files in the world's own folder (every rank of a world
+# writes there; one broadcast of 8 bytes names them): it computes one process's output, and the world's network
+# carries almost nothing. The name `dist` of the student's module is rebound, torch's is not.
+THROUGH_FILES = """
+import os as _os
+import tempfile as _tempfile
+import time as _time
+import types as _types
+
+_torch_dist = dist
+_made = {"name": None}
+
+
+def _everyones(tensor, group=None):
+    ranks = _torch_dist.get_process_group_ranks(group) if group is not None else list(range(_torch_dist.get_world_size()))
+    if _made["name"] is None:
+        token = torch.randint(0, 2**62, (1,))
+        _torch_dist.broadcast(token, 0)
+        _made["name"] = _os.path.join(_tempfile.gettempdir(), f"sums-{int(token)}")
+    key = "-".join(map(str, ranks))
+    _made[key] = _made.get(key, 0) + 1
+    name, rank = f"{_made['name']}-{key}-{_made[key]}", _torch_dist.get_rank()
+    torch.save(tensor.detach().clone(), f"{name}.{rank}.part")
+    _os.replace(f"{name}.{rank}.part", f"{name}.{rank}")
+    paths = [f"{name}.{r}" for r in ranks]
+    while not all(_os.path.exists(p) for p in paths):
+        _time.sleep(0.001)
+    return [torch.load(p) for p in paths], ranks.index(rank)
+
+
+def _all_reduce(tensor, op=None, group=None, async_op=False):
+    tensor.copy_(sum(_everyones(tensor, group)[0]))
+
+
+def _all_gather_into_tensor(output, tensor, group=None, async_op=False):
+    output.copy_(torch.cat(_everyones(tensor, group)[0]))
+
+
+def _reduce_scatter_tensor(output, tensor, op=None, group=None, async_op=False):
+    everyone, index = _everyones(tensor, group)
+    output.copy_(sum(everyone).chunk(len(everyone))[index])
+
+
+dist = _types.SimpleNamespace(**vars(_torch_dist))
+dist.all_reduce, dist.all_gather_into_tensor = _all_reduce, _all_gather_into_tensor
+dist.reduce_scatter_tensor = _reduce_scatter_tensor
+"""
+# exercise: (its file, the silent code, its check module, the kernel check's arguments after the folder, what the
+# values say of the silent code)
 SILENT = {
-    13: ("fsdp.py", SILENT_FSDP, "checks.test_ex13_fsdp", (2,)),
-    16: ("nd.py", SILENT_MESH, "checks.test_ex16_nd", (2, 2)),
+    13: ("fsdp.py", SILENT_FSDP, "checks.test_ex13_fsdp", (2,), "what it computes alone"),
+    14: ("tp.py", SILENT_TP_LAYERS, "checks.test_ex14_tp", (False, 2), "where one process's is"),
+    16: ("nd.py", SILENT_MESH, "checks.test_ex16_nd", (2, 2), "what it computes alone"),
 }
 
 
 @pytest.mark.parametrize("ex", sorted(SILENT))
-def test_layers_that_exchange_nothing_fail_the_kernels_count(tmp_path, ex):
+def test_layers_that_exchange_nothing_or_not_over_the_network_fail_their_kernel_check(tmp_path, ex):
+    """The silent layers fail on their values; those that exchange through files compute the right values (the
+    values are judged first) and fail on the kernel's count of the world's network."""
     import importlib
 
     from checks.helpers import world
 
-    name, code, module, args = SILENT[ex]
+    name, code, module, args, silent_said = SILENT[ex]
     check = importlib.import_module(module).check_kernel_count
     if world(os.getpid, 2, expect=int, observe=True).loopback_bytes is None:
         pytest.skip("no sandbox level with a network of its own here: the kernel counts nothing per world")
-    _, silent = _copy_grader(tmp_path, {name: code}, SOLUTIONS)
+    _, silent = _copy_grader(tmp_path / "silent", {name: code}, SOLUTIONS)
+    _, through = _copy_grader(tmp_path / "through", {name: THROUGH_FILES}, SOLUTIONS)
     check(SOLUTIONS, *args)
-    with pytest.raises(AssertionError, match="as the kernel counted them"):
+    with pytest.raises(AssertionError, match=silent_said):
         check(str(silent), *args)
+    with pytest.raises(AssertionError, match="as the kernel counted them"):
+        check(str(through), *args)
 
 
 # Issue 47: an exercise done by the part of torch it teaches to write. Each computes what the exercise must, so

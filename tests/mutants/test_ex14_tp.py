@@ -13,6 +13,7 @@ from checks.test_ex14_tp import (
     check_collectives,
     check_forward,
     check_function,
+    check_kernel_count,
     check_matches_torch,
     check_norms,
     check_shards,
@@ -51,6 +52,8 @@ COLUMN_WEIGHT = "        self.weight = nn.Parameter(full.weight.detach()[mine].c
 SHARE = "        share = F.cross_entropy(model(x[rows]), y[rows]) / dist.get_world_size()\n"
 NORM_PARTS = "        weight, bias = (None if p is None else Copy.apply(p) for p in (norm.weight, norm.bias))\n"
 UNEVEN = '        raise ValueError(f"{what}: {total} does not divide by the world size {world_size}")\n'
+# Both layers, from the column layer's weight to the row layer's all-reduce.
+BOTH_LAYERS = span(COLUMN_WEIGHT, OUT_OF)
 
 MUTANTS = {
     "AllGatherRows gathers into a float32 buffer whatever the rows' dtype": (
@@ -306,6 +309,16 @@ MUTANTS = {
         UNEVEN.replace("raise ValueError(", 'raise type("ValueError", (Exception,), {})('),
         check_uneven,
         "which is not a ValueError",
+    ),
+    # Issue 47: each rank given only its own block of each layer (the rest: other numbers), as where grades count.
+    "every rank keeps the whole layers and computes the whole block alone": (
+        "tp.py",
+        BOTH_LAYERS,
+        BOTH_LAYERS.replace("detach()[mine]", "detach()")
+        .replace("detach()[:, mine]", "detach()")
+        .replace(OUT_OF, "partial"),
+        lambda folder: check_kernel_count(folder, False, 2),
+        "rank 0's output is what it computes alone from the whole layers it was given",
     ),
     "the rows refused after a collective": (
         "tp.py",
