@@ -517,6 +517,15 @@ def tanh_block(layers, x):
     return F.linear(torch.tanh(F.linear(x, w0, b0)), w1, b1)
 
 
+def block_outputs(results, given):
+    """For computed_with_peers: each rank's output of a tanh_block case given as (its layers, its rows), beside one
+    process's (given.value["layers"]) and what the rank computes alone from its layers."""
+    return [
+        (rank, "output", got, tanh_block(given.value["layers"], x), tanh_block(own, x))
+        for rank, (got, (own, x)) in enumerate(zip(results, given.parts))
+    ]
+
+
 def computed_with_peers(found, where, alone, wrong):
     """Judge a case where each rank was given its own part of the layers only, the rest other numbers (a Given):
     each (rank, name, got, expected, by_itself) of found is one process's (expected). Where it is instead what

@@ -21,6 +21,7 @@ from checks.helpers import (
     CONFIG,
     WIDTHS,
     Given,
+    block_outputs,
     computed_with_peers,
     describe_ratio,
     drawn,
@@ -32,7 +33,6 @@ from checks.helpers import (
     many,
     maybe,
     reference_world,
-    tanh_block,
     tensor,
     world,
 )
@@ -835,10 +835,7 @@ def check_kernel_count(folder, world_size):
     parameters = WIDE * WIDE + WIDE + WIDE * N_CLASSES + N_CLASSES
     what = f"one ZeRO-3 step of a model of {parameters} parameters on {world_size} ranks"
     computed_with_peers(
-        [
-            (rank, "output", got, tanh_block(given.value["layers"], x), tanh_block(own, x))
-            for rank, (got, (own, x)) in enumerate(zip(observed.results, given.parts))
-        ],
+        block_outputs(observed.results, given),
         f"{what}, each rank given only its own piece of each unit (the rest of the weights and biases: other numbers)",
         (
             "units that compute from the whole model themselves",

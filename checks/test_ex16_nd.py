@@ -23,6 +23,7 @@ from checks.comm_log import ALL_GATHER, ALL_REDUCE, KINDS, REDUCE_SCATTER, CommL
 from checks.helpers import (
     Given,
     PlainSGD,
+    block_outputs,
     computed_with_peers,
     drawn,
     either,
@@ -31,7 +32,6 @@ from checks.helpers import (
     load,
     many,
     maybe,
-    tanh_block,
     world,
 )
 from course.grading.points import said
@@ -406,10 +406,7 @@ def check_kernel_count(folder, dp, tp):
     observed = world(wide_block_in_world, dp * tp, folder, dp, tp, expect=torch.Tensor, observe=True, per_rank=given)
     what = f"{the_mesh(dp, tp)}: a block of two {WIDE} x {WIDE} layers, forward and backward"
     computed_with_peers(
-        [
-            (rank, "output", got, tanh_block(given.value["layers"], x), tanh_block(own, x))
-            for rank, (got, (own, x)) in enumerate(zip(observed.results, given.parts))
-        ],
+        block_outputs(observed.results, given),
         f"{what}, each rank given only its own shard of each layer (the rest of the weights and biases: other numbers)",
         (
             "layers that compute the whole block themselves",
