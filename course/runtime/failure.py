@@ -103,6 +103,7 @@ class RankFact:
     dtype: str = ""  # and its tensor's dtype ("float32")
     differs: tuple = ()  # what of the collective differs between the ranks: of _ARGUMENTS's names
     instance: tuple = ()  # the collective it waited in when it failed: (group, its number on it, what was called)
+    moved: bool = False  # its waits board changed while the parent looked at it: it was still moving
     dropped: tuple = ()  # a message it freed unfinished, never waited for: (function, peer, file, line, func)
     # A group it waits to make, in the store: (its number among the groups its code made in the call, 0 for the
     # course's own; its ranks; whether it waits in the store's barrier after it rather than for its members).
@@ -176,9 +177,10 @@ class Failure:
 
     def on_its_way(self) -> bool:
         """Whether a world stopped at its limit was still moving: a rank computing, every rank in one collective
-        (slow), or a rank in a collective that a rank of its group has already passed (its number on the group
-        below that rank's: its peers started it, so it can end, as a busy machine may leave one rank a step behind)."""
-        if self.slow or any(f.state == "running" for f in self.ranks):
+        (slow), a rank in a collective that a rank of its group has already passed (its number on the group
+        below that rank's: its peers started it, so it can end, as a busy machine may leave one rank a step behind),
+        or a rank whose board changed while the parent read its stack (its stack and its board then tell two moments)."""
+        if self.slow or any(f.state == "running" or f.moved for f in self.ranks):
             return True
         passed: dict = {}
         for f in self.ranks:

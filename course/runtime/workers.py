@@ -580,6 +580,7 @@ class _World:
         if not running:  # every rank reported: no dump to wait for (most failed checks)
             return []
         offsets = {r: self._stack_size(r) for r in running}
+        boards = {r: read_board(board_path(self.stack_dir, r)) for r in running}  # to tell a rank that moves
         # faulthandler writes from a signal handler, thread by thread; give it a moment.
         self._ask(running, lambda r: failure.stack_frames(self._stack(r, offsets[r])), seconds=2.0)
         time.sleep(0.05)  # the rest of a dump that has begun
@@ -593,6 +594,9 @@ class _World:
         for r in running:  # the collective it waits in, by its number: to tell a slow one from a mismatch
             board = read_board(board_path(self.stack_dir, r))
             facts[r].instance = failure.instance(board[1] if board else None)
+            # Its board changed since before its stack was asked for (its generation, or a read of it that came in the
+            # middle of a write): it was on its way.
+            facts[r].moved = (board and board[0]) != (boards[r] and boards[r][0])
         return [facts[r] for r in running]
 
     def _ask(self, ranks: list, answered: Callable, seconds: float) -> None:

@@ -316,7 +316,7 @@ def test_the_hang_found_before_the_graders_clock_runs_out_pays(monkeypatch):
 
 
 def test_a_rank_a_collective_behind_is_looked_at_again():
-    """The reference's hang, once under the suite's load (runs 16 and 42 of issue 49): at the first limit rank 0 waited
+    """The reference's hang, once under the suite's load (runs 16, 42 and 49 of issue 49): at the first limit rank 0 waited
     in its 7th step's all-reduce while rank 1 was still in its 6th's, which rank 0 had passed. Rank 1 can still end:
     the check looks again, longer (Failure.on_its_way), and judges the hang only where no rank can move."""
     from course.runtime.failure import RankFact, timed_out
@@ -326,5 +326,8 @@ def test_a_rank_a_collective_behind_is_looked_at_again():
 
     assert timed_out([waiting(0, 7), waiting(1, 6)], 2, 1).on_its_way(), "rank 1 a collective behind"
     assert timed_out([waiting(0, 7), waiting(1, 7)], 2, 1).on_its_way(), "both in one collective"
+    # Run 49: rank 1's stack showed its all-reduce, and its board, read after, another moment.
+    moving = RankFact(1, "waited", file="data.py", collective="all_reduce", moved=True)
+    assert timed_out([waiting(0, 7), moving], 2, 1).on_its_way(), "rank 1 moved while it was looked at"
     hang = timed_out([waiting(0, 7), waiting(1, 7, "barrier", "worker.py")], 2, 1)
     assert not hang.on_its_way(), "rank 1 done, in the launcher's barrier: the hang"

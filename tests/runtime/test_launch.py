@@ -662,6 +662,38 @@ def key_set_after_a_barrier():
         store.set("go", "1")
 
 
+def one_waits_one_keeps_moving():
+    """Rank 0 waits for a message rank 1 never sends; rank 1 keeps starting collectives on a group of its own."""
+    alone = [dist.new_group([rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
+    if dist.get_rank() == 0:
+        dist.recv(torch.zeros(1), 1)
+    while True:
+        dist.all_reduce(torch.zeros(1), group=alone)
+
+
+def test_a_rank_whose_board_changes_while_it_is_looked_at_has_moved(monkeypatch):
+    """Issue 49, run 49: at a world's time limit the grader reads each rank's stack, then its waits board. A rank
+    seen in a collective that it then left was judged by a board of a later moment. The board read before the
+    stack and after it tell a rank that moved (Failure.on_its_way: look again) from one that stays. Rank 1
+    moves between the reads here by construction (its board's generation, as read, goes up at each read):
+    whether a rank that runs gets a CPU in that moment is the machine's business."""
+    reads = workers.read_board
+
+    def read(path):
+        board = reads(path)
+        if path.endswith(os.path.basename(workers.board_path("", 1))):
+            read.count += 2
+            return read.count, board and board[1]
+        return board
+
+    read.count = 0
+    monkeypatch.setattr(workers, "read_board", read)
+    failed, _ = timed_failure(one_waits_one_keeps_moving, 2, timeout=2, collective_timeout=60)
+    moved = {f.rank: f.moved for f in failed.failure.ranks}
+    assert failed.failure.kind == "timeout" and moved == {0: False, 1: True}, (moved, failed.failure.sentence())
+    assert failed.failure.on_its_way()
+
+
 NEW_GROUP = "some of them in dist.new_group. dist.new_group is called by every rank for every group, its own or not"
 STORE_HANGS = {  # the function, its world, whether collectives are checked, the report's head, what each rank waits
     # in: (the call, what the report says after its line), or None at the end of the run
