@@ -10,6 +10,8 @@ workers, and a verdict is still decided only by code of this repository and torc
 """
 
 import dataclasses
+import importlib.abc
+import importlib.machinery
 import math
 import os
 import sys
@@ -306,7 +308,7 @@ def drawn(seed):
     return torch.Generator().manual_seed(chosen)
 
 
-def world(fn, world_size, *args, expect, keep=True, debug=True, observe=False, **options):
+def world(fn, world_size, *args, expect, keep=True, debug=True, observe=False, allows=(), **options):
     """Run the probe fn on every rank of a gloo world; what it returned, by rank, each checked against
     the shape expect (validated: what the judge reads is what it asked for). Collectives are
     checked (debug: each is compared across the ranks before it starts, course/runtime/instrument.py), whatever
@@ -317,8 +319,9 @@ def world(fn, world_size, *args, expect, keep=True, debug=True, observe=False, *
     (timeout, ...). With observe=True, run's Observed: the validated results with what the kernel counted.
     Where the running check's exercise forbids a part of torch (forbidden()), the kernel's count of its use
     fails the check if any rank made one (not_called); where the kernel does not count it (_counted_here), the
-    probe's own process says what it saw (_watching), for the student's own feedback."""
-    forbids = forbidden()
+    probe's own process says what it saw (_watching), for the student's own feedback. allows: those of them that
+    this check's probe asks for (exercise 13 writes its checkpoint's pieces as DTensors)."""
+    forbids = tuple(name for name in forbidden() if name not in allows)
     counts = tuple(name for name in forbids if _counted_here(name))
     counted = bool(counts)
     watched = tuple(name for name in forbids if name not in counts)
@@ -385,27 +388,83 @@ def _counted_here(name) -> bool:
 
 
 def _watching(held, fn, *args):
-    """Probe: fn(*args), and what this process saw of each of torch's parts that held names: the
-    DistributedDataParallel it made; the modules of a part in Python only it holds beyond held's (the grader's, which
-    it was forked with). A student's own feedback where the kernel does not count every call (code under test can
-    hide these from this process, never from the kernel, which grades for credit rest on)."""
+    """Probe: fn(*args), and what this process saw of each of torch's parts that held names: the objects it made of
+    a part made in C++ (_MADE: each DistributedDataParallel, each DTensor); the modules of a part in Python only it
+    holds beyond held's (the grader's, which it was forked with). A student's own feedback where the kernel does not
+    count every call (code under test can hide these from this process, never from the kernel, which grades for
+    credit rest on)."""
     names = tuple(held)
-    made = []
-    ddp = nn.parallel.DistributedDataParallel
-    init = ddp.__init__
-
-    def counting(self, *args, **kwargs):
-        made.append(1)
-        init(self, *args, **kwargs)
-
-    if "DistributedDataParallel" in names:
-        ddp.__init__ = counting
+    made = {name: [] for name in names}
+    undo = [_counting(*_MADE[name], made[name]) for name in names if name in _MADE]
     try:
         result = fn(*args)
     finally:
-        ddp.__init__ = init
-    seen = {name: len(uprobes.held(ENTRIES[name]) - held[name]) if ENTRIES[name].paths else len(made) for name in names}
+        for step in undo:
+            step()
+    seen = {
+        name: len(uprobes.held(ENTRIES[name]) - held[name]) if ENTRIES[name].paths else len(made[name])
+        for name in names
+    }
     return result, seen
+
+
+# Where each part of torch that the kernel counts in C++ makes its objects: the module, the class, its method.
+_MADE = {
+    "DistributedDataParallel": ("torch.nn.parallel.distributed", "DistributedDataParallel", "__init__"),
+    "DTensor": ("torch.distributed.tensor._api", "DTensor", "__new__"),
+}
+
+
+def _counting(module_name, class_name, method, made):
+    """Add to made each call of the class's method from now on, the module's class wrapped now if it is loaded,
+    else once something imports it (a finder first on sys.meta_path: DTensor's module takes seconds to import, and
+    only code that uses it does). Returns what undoes it."""
+
+    def wrap(module):
+        cls = getattr(module, class_name)
+        kept = cls.__dict__[method]
+        original = getattr(cls, method)
+
+        def counted(*args, **kwargs):
+            made.append(1)
+            return original(*args, **kwargs)
+
+        setattr(cls, method, staticmethod(counted) if method == "__new__" else counted)
+        undo.append(lambda: setattr(cls, method, kept))
+
+    def undo_all():
+        for step in reversed(undo):
+            step()
+
+    undo = []
+    if module_name in sys.modules:
+        wrap(sys.modules[module_name])
+    else:
+        finder = _WhenImported(module_name, wrap)
+        sys.meta_path.insert(0, finder)
+        undo.append(lambda: sys.meta_path.remove(finder))
+    return undo_all
+
+
+class _WhenImported(importlib.abc.MetaPathFinder):
+    """Calls then(module) once the module named name is imported (the import system's own finders find it)."""
+
+    def __init__(self, name, then):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is not None and spec.loader is not None:
+            load = spec.loader.exec_module
+
+            def exec_module(module):
+                load(module)
+                self.then(module)
+
+            spec.loader.exec_module = exec_module
+        return spec
 
 
 def _none_seen(got):

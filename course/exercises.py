@@ -92,12 +92,13 @@ EXERCISES = (
     Exercise(13, "fsdp", "fsdp.py",
              "fully sharded data parallelism (ZeRO-2, ZeRO-3) against torch's `fully_shard`",
              ("python fsdp.py --world-size 2",), 30, 2, demo=("fsdp.py --world-size 2 --niters 50",),
-             gpu=("13 ZeRO-2 and ZeRO-3 (final test loss)", "13 ZeRO-3, bfloat16 gathers (final test loss)")),
+             gpu=("13 ZeRO-2 and ZeRO-3 (final test loss)", "13 ZeRO-3, bfloat16 gathers (final test loss)"),
+             forbids=("DTensor",)),
     Exercise(14, "tp", "tp.py",
              "tensor and sequence parallelism, forward and backward, against torch's `parallelize_module`",
              ("python tp.py --world-size 2 --sequence-parallel",), 30, 4,
              demo=("tp.py --world-size 2 --niters 300", "tp.py --world-size 2 --niters 300 --sequence-parallel"),
-             gpu=("14 tensor parallel (final loss)", "14 sequence parallel (final loss)")),
+             gpu=("14 tensor parallel (final loss)", "14 sequence parallel (final loss)"), forbids=("DTensor",)),
     Exercise(15, "pp", "pp.py", "pipeline parallelism, GPipe then 1F1B, from point-to-point messages",
              ("python pp.py --world-size 2 --schedule 1f1b",), 30, 2,
              demo=("pp.py --world-size 2 --schedule 1f1b --niters 300",), gpu=("15 pipeline, 1F1B",),
@@ -105,7 +106,7 @@ EXERCISES = (
     Exercise(16, "nd", "nd.py",
              "data × tensor parallel on a mesh of process sub-groups (`dist.new_group`), by hand",
              ("python nd.py --dp 2 --tp 2",), 20, 2, demo=("nd.py --dp 2 --tp 2 --niters 100",),
-             gpu=("16 data x tensor parallel mesh (final loss)",)),
+             gpu=("16 data x tensor parallel mesh (final loss)",), forbids=("DTensor",)),
 )
 # fmt: on
 

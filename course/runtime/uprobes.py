@@ -89,6 +89,18 @@ ENTRIES = {
         paths=("ddp_comm_hooks",),
         modules=("torch.distributed.algorithms.ddp_comm_hooks",),
     ),
+    # Every DTensor is made by its C++ constructor, and every operation on one enters its C++ dispatch: torch's
+    # fully_shard and parallelize_module make their parameters DTensors. Both functions are local to torch's Python
+    # bindings (their symbol table's, where the wheel keeps it: torch 2.13's does).
+    "DTensor": Entry(
+        "torch's DTensor (fully_shard, parallelize_module, distribute_tensor and DTensor.from_local make one)",
+        "DTensor's C++ constructor and dispatch",
+        "libtorch_python.so",
+        (
+            "_ZL23THPVariable_dtensor_newP7_objectS0_S0_",
+            "_Z17dispatchDTensorOpRKN3c1014OperatorHandleEN8pybind116handleES4_S4_PSt6vectorINS_6IValueESaIS6_EE",
+        ),
+    ),
     "pipelining": Entry(
         "torch's pipelining (torch.distributed.pipelining)",
         "the files of torch/distributed/pipelining",
@@ -136,10 +148,10 @@ class _Attr(ctypes.Structure):  # perf_event_attr up to config2 (PERF_ATTR_SIZE_
     ]
 
 
-def _file_offset(path: str, symbol: str) -> int | None:
-    """Where symbol's code starts in the shared library's file: its address less that of the loaded segment
-    holding it, plus the segment's offset in the file (ELF64, little-endian). Reads the headers and the
-    exported symbols only: torch's library is hundreds of MB."""
+def _file_offsets(path: str, symbols: tuple) -> list:
+    """Where each symbol's code starts in the shared library's file (None where it has none): its address less that of
+    the loaded segment holding it, plus the segment's offset in the file (ELF64, little-endian). Reads the headers and
+    the symbol tables only, each once: torch's library is hundreds of MB."""
     with open(path, "rb") as f:
 
         def read(offset, size):
@@ -148,28 +160,41 @@ def _file_offset(path: str, symbol: str) -> int | None:
 
         head = read(0, 64)
         if head[:6] != b"\x7fELF\x02\x01":
-            return None
+            return [None] * len(symbols)
         phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
         phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
         table = read(shoff, shentsize * shnum)
         sections = [struct.unpack_from("<IIQQQQIIQQ", table, i * shentsize) for i in range(shnum)]
-        address, wanted = None, symbol.encode()
-        for _, kind, _, _, offset, size, link, _, _, entsize in sections:
-            if kind != 11:  # SHT_DYNSYM: the exported symbols, their names in the linked string table
-                continue
-            symbols, names = read(offset, size), read(sections[link][4], sections[link][5])
-            start = names.find(b"\0" + wanted) + 1  # the first name that starts so; 0: none
-            at = symbols.find(struct.pack("<I", start)) if start else -1
-            while at >= 0 and at % entsize:  # the name's offset found inside another field: look on
-                at = symbols.find(struct.pack("<I", start), at + 1)
-            if at >= 0:
-                address = struct.unpack_from("<IBBHQQ", symbols, at)[4]
-        if address is None:
-            return None
+        addresses = dict.fromkeys(symbols)
+        # SHT_DYNSYM, the exported symbols, then SHT_SYMTAB, every symbol where the library keeps them (a function
+        # local to its file: DTensor's in torch's Python bindings), read only for a symbol not found yet; each names
+        # its string table (link).
+        for _, _, _, _, offset, size, link, _, _, entsize in [s for kind in (11, 2) for s in sections if s[1] == kind]:
+            wanted = [symbol for symbol, address in addresses.items() if address is None]
+            if not wanted:
+                break
+            entries, names = read(offset, size), read(sections[link][4], sections[link][5])
+            for symbol in wanted:
+                addresses[symbol] = _address(symbol.encode(), entries, names, entsize)
         segments = read(phoff, phentsize * phnum)
-    for i in range(phnum):
+    return [_in_file(addresses[symbol], segments, phentsize, phnum) for symbol in symbols]
+
+
+def _address(wanted: bytes, entries: bytes, names: bytes, entsize: int) -> int | None:
+    """The address of the symbol named wanted in a symbol table: the name itself, else the first that starts so (a
+    prefix names a function of several overloads; a whole name is not also taken for its ".cold" part)."""
+    start = (names.find(b"\0" + wanted + b"\0") + 1) or (names.find(b"\0" + wanted) + 1)  # 0: none
+    at = entries.find(struct.pack("<I", start)) if start else -1
+    while at >= 0 and at % entsize:  # the name's offset found inside another field: look on
+        at = entries.find(struct.pack("<I", start), at + 1)
+    return struct.unpack_from("<IBBHQQ", entries, at)[4] if at >= 0 else None
+
+
+def _in_file(address: int | None, segments: bytes, phentsize: int, phnum: int) -> int | None:
+    """Where a loaded address is in the library's file: in the PT_LOAD segment that holds it."""
+    for i in range(phnum if address is not None else 0):
         kind, _, offset, vaddr, _, _, memsz, _ = struct.unpack_from("<IIQQQQQQ", segments, i * phentsize)
-        if kind == 1 and vaddr <= address < vaddr + memsz:  # PT_LOAD
+        if kind == 1 and vaddr <= address < vaddr + memsz:
             return address - vaddr + offset
     return None
 
@@ -241,7 +266,7 @@ def _resolved() -> dict:
             path = os.path.realpath(os.path.join(lib, entry.library))
             if not os.path.exists(path):
                 continue
-            offsets = [_file_offset(path, symbol) for symbol in entry.symbols]
+            offsets = _file_offsets(path, entry.symbols)
             ids = [_defined(folder, path, offset) for offset in offsets if offset is not None]
             if ids and None not in ids:
                 _probes[name] = tuple((i, None) for i in ids)

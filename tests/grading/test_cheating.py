@@ -1655,6 +1655,21 @@ def communicate(sends, receives):
     for request in _batch_p2p(ops):
         request.wait()
 """
+TORCH_OWN_TP_SUM = """
+class AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        partial = DTensor.from_local(x.contiguous(), mesh, [Partial()], run_check=False)
+        return partial.redistribute(placements=[Replicate()]).to_local().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+"""
 # exercise: (its file, the code, the checks that run it, what the sentence names)
 TORCH_OWN = {
     4: ("mydp.py", TORCH_OWN_MYDP, "test_", "torch's DistributedDataParallel"),
@@ -1662,6 +1677,7 @@ TORCH_OWN = {
     6: ("mydp.py", TORCH_OWN_OVERLAPPED, "test_overlapped_steps", "torch's DistributedDataParallel"),
     7: ("mydp.py", TORCH_OWN_NO_SYNC, "test_no_sync_accumulates", "torch's DistributedDataParallel"),
     11: ("zero.py", TORCH_OWN_HOOK, "test_hook", "torch's DDP communication hooks"),
+    14: ("tp.py", TORCH_OWN_TP_SUM, "test_forward[tensor", "torch's DTensor"),
     15: ("pp.py", TORCH_OWN_MESSAGES, "test_messages", "torch's pipelining"),
 }
 

@@ -11,6 +11,7 @@ checks see a crash, but no message can name it reliably.
 import pytest
 
 from checks.test_ex13_fsdp import (
+    check_against_fully_shard,
     check_any_module,
     check_checkpoint,
     check_flat_piece,
@@ -28,7 +29,7 @@ from checks.test_ex13_fsdp import (
     check_zero2_keeps,
 )
 from course.launch import WorldFailed
-from tests.mutants import assert_caught, make_mutant
+from tests.mutants import assert_caught, assert_torch_own_caught, make_mutant
 
 PAD = "    padded = F.pad(flat, (0, -flat.numel() % world_size))\n"
 PIECE = "    return padded.chunk(world_size)[rank].clone()\n"
@@ -439,3 +440,22 @@ def test_checkpoint_is_judged_apart_from_flat_piece(tmp_path):
     with pytest.raises(AssertionError, match="leave the padding out"):
         check_flat_piece(folder)
     check_checkpoint(folder)
+
+
+# Issue 47: the all-gather as torch's DTensor makes it (fully_shard's parameters are DTensors): right values, and the
+# kernel's count of DTensor's C++ constructor and dispatch tells.
+TORCH_OWN = (
+    "fsdp.py",
+    "    dist.all_gather_into_tensor(full.data, shard.detach().to(full.dtype))\n",
+    "    from torch.distributed.tensor import DTensor, Shard\n"
+    "\n"
+    '    mesh = init_device_mesh("cpu", (dist.get_world_size(),))\n'
+    "    piece = DTensor.from_local(shard.detach().to(full.dtype), mesh, [Shard(0)], run_check=False)\n"
+    "    full.data.copy_(piece.full_tensor())\n",
+    lambda folder: check_against_fully_shard(folder, False),
+    "DTensor",
+)
+
+
+def test_torch_own_dtensor_is_caught(tmp_path, monkeypatch):
+    assert_torch_own_caught(tmp_path / "mutant", "the all-gather as a DTensor's", *TORCH_OWN, monkeypatch)

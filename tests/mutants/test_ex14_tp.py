@@ -21,7 +21,7 @@ from checks.test_ex14_tp import (
     check_uneven,
 )
 from course.layout import SOLUTIONS
-from tests.mutants import assert_caught, assert_refused
+from tests.mutants import assert_caught, assert_refused, assert_torch_own_caught
 
 with open(os.path.join(SOLUTIONS, "tp.py")) as f:
     SOURCE = f.read()
@@ -339,3 +339,25 @@ def test_mistake_is_caught(mistake, tmp_path):
 def test_sizes_the_script_cannot_take_are_refused(args, words):
     """The smallest sizes the parser takes, where the model cannot be split so: one line, before any world."""
     assert_refused("tp.py", args, words)
+
+
+# Issue 47: the sum over the ranks as torch's DTensor makes it (parallelize_module's parameters are DTensors): right
+# values, and the kernel's count of DTensor's C++ constructor and dispatch tells.
+TORCH_OWN = (
+    "tp.py",
+    "        total = x.clone(memory_format=torch.contiguous_format)\n"
+    "        dist.all_reduce(total)\n"
+    "        return total\n",
+    "        from torch.distributed.device_mesh import init_device_mesh\n"
+    "        from torch.distributed.tensor import DTensor, Partial, Replicate\n"
+    "\n"
+    '        mesh = init_device_mesh("cpu", (dist.get_world_size(),))\n'
+    "        partial = DTensor.from_local(x.contiguous(), mesh, [Partial()], run_check=False)\n"
+    "        return partial.redistribute(placements=[Replicate()]).to_local().clone()\n",
+    lambda folder: check_forward(folder, 2, False),
+    "DTensor",
+)
+
+
+def test_torch_own_dtensor_is_caught(tmp_path, monkeypatch):
+    assert_torch_own_caught(tmp_path / "mutant", "the sum as a DTensor's", *TORCH_OWN, monkeypatch)

@@ -31,7 +31,7 @@ from checks.test_ex16_nd import (
 from course.launch import WorldFailed
 from course.layout import SOLUTIONS
 from tests import warm
-from tests.mutants import assert_caught, assert_refused, make_mutant, plant
+from tests.mutants import assert_caught, assert_refused, assert_torch_own_caught, make_mutant, plant
 from tests.own_time import Watch
 
 ROWS_OVER_DP = '    rows = block(len(x), mesh.dp, mesh.dp_rank, "the batch\'s rows")\n'
@@ -409,3 +409,26 @@ def test_the_script_refuses_a_world_size_that_is_not_the_mesh():
 
 def test_the_script_refuses_layers_that_do_not_pair():
     assert_refused("nd.py", ["--n-layers", "1"], "--n-layers 1: the layers pair up")
+
+
+# Issue 47: the sum over a group's ranks as torch's DTensor makes it on that group's mesh (torch's way to this
+# exercise: a DeviceMesh, parallelize_module, fully_shard): right values, and the kernel's count of DTensor's C++
+# constructor and dispatch tells.
+TORCH_OWN = (
+    "nd.py",
+    "        total = x.clone(memory_format=torch.contiguous_format)\n"
+    "        dist.all_reduce(total, group=group)\n"
+    "        return total\n",
+    "        from torch.distributed.device_mesh import DeviceMesh\n"
+    "        from torch.distributed.tensor import DTensor, Partial, Replicate\n"
+    "\n"
+    '        mesh = DeviceMesh.from_group(group, "cpu")\n'
+    "        partial = DTensor.from_local(x.contiguous(), mesh, [Partial()], run_check=False)\n"
+    "        return partial.redistribute(placements=[Replicate()]).to_local().clone()\n",
+    lambda folder: check_steps(folder, 2, 2, steps=1),
+    "DTensor",
+)
+
+
+def test_torch_own_dtensor_is_caught(tmp_path, monkeypatch):
+    assert_torch_own_caught(tmp_path / "mutant", "the sum as a DTensor's", *TORCH_OWN, monkeypatch)

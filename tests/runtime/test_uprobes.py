@@ -84,6 +84,41 @@ def test_a_kept_world_counts_what_each_call_names():
         }, calls
 
 
+def dtensor_made(how):
+    """Probe: a DTensor used as `how` says, on a mesh of the world: made by DTensor.from_local, by distribute_tensor,
+    by torch's fully_shard and parallelize_module (their parameters), or past its constructor (a wrapper of its
+    class made by hand, as no code of torch's does: its first operation enters DTensor's dispatch)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    local = torch.ones(2, 2)
+    if how == "from_local":
+        DTensor.from_local(local, mesh, [Shard(0)])
+    elif how == "distribute_tensor":
+        distribute_tensor(local, mesh, [Replicate()])
+    elif how == "fully_shard":
+        fully_shard(torch.nn.Linear(2, 2), mesh=mesh)
+    elif how == "parallelize_module":
+        parallelize_module(torch.nn.Sequential(torch.nn.Linear(2, 2)), mesh, {"0": ColwiseParallel()})
+    else:
+        made = torch.Tensor._make_wrapper_subclass(DTensor, local.shape, strides=local.stride(), dtype=local.dtype)
+        made._spec = DTensorSpec(mesh, (Replicate(),), TensorMeta(local.shape, local.stride(), local.dtype))
+        made._local_tensor = local
+        (made + made).to_local()
+    return 0
+
+
+@pytest.mark.parametrize("how", ["from_local", "distribute_tensor", "fully_shard", "parallelize_module", "wrapper"])
+def test_every_way_to_a_dtensor_is_counted(how):
+    """Exercises 13, 14 and 16 forbid DTensor: torch's fully_shard and parallelize_module make their parameters so."""
+    calls = run(dtensor_made, 2, how, keep=True, observe=True, count_calls=("DTensor",)).calls
+    assert all(calls[(r, "DTensor")] > 0 for r in range(2)), calls
+
+
 def ddp_in_a_new_interpreter():
     """torch's DDP made by a Python the call starts afresh (fork, then exec): the kernel keeps counting across exec."""
     made = "torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))"
