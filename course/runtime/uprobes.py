@@ -296,11 +296,11 @@ def _high_enough() -> bool:
     return True
 
 
-def _open(tid: int, tracepoint: int, kept: str | None = None) -> int:
-    """A counting event on one thread, inherited by the threads and processes it starts, of the tracepoint's events
-    that the filter `kept` keeps (inherited too); its descriptor at _HIGH or above where the limit allows; -errno if
-    refused."""
-    attr = _Attr(type=_TRACEPOINT, size=ctypes.sizeof(_Attr), config=tracepoint, flags=_INHERIT)
+def _open(tid: int, tracepoint: int, kept: str | None = None, inherit: bool = True) -> int:
+    """A counting event on one thread, inherited by the threads and processes it starts (unless not inherit), of the
+    tracepoint's events that the filter `kept` keeps (inherited too); its descriptor at _HIGH or above where the limit
+    allows; -errno if refused."""
+    attr = _Attr(type=_TRACEPOINT, size=ctypes.sizeof(_Attr), config=tracepoint, flags=_INHERIT if inherit else 0)
     libc = ctypes.CDLL(None, use_errno=True)
     fd = libc.syscall(_PERF_EVENT_OPEN, ctypes.byref(attr), tid, -1, -1, _FD_CLOEXEC)
     if fd < 0:
@@ -328,12 +328,25 @@ def available(names: tuple = ()) -> bool:
 
 @functools.cache
 def _permitted() -> bool:
-    """Whether the kernel lets this process open a counting event (asked once: opening one on a uprobe installs it
-    in every process that maps torch's library)."""
-    fd = _open(os.getpid(), *next(iter(_resolved().values()))[0])
-    if fd >= 0:
-        os.close(fd)
-    return fd >= 0
+    """Whether the kernel lets this process open a counting event (asked once)."""
+    return _held_open(next(iter(_resolved().values()))[0][0])
+
+
+# The kernel takes a probe away when the last event on it closes, and waits for that on every CPU: a tenth of a second
+# or more for each of a world's functions, seconds under load, at the end of every world counted. So this process
+# holds an event of its own on each probe it counts with, from the first world on, for as long as it lives (its
+# own calls, never read; not inherited by the worlds it forks): a world's events then close at no cost.
+_holding: dict = {}  # tracepoint id -> the descriptor of this process's event on it
+
+
+def _held_open(tracepoint: int) -> bool:
+    """Whether this process holds an event on the tracepoint (opened now if need be; False where refused)."""
+    if tracepoint not in _holding:
+        fd = _open(os.getpid(), tracepoint, inherit=False)
+        if fd < 0:
+            return False
+        _holding[tracepoint] = fd
+    return True
 
 
 def _tasks(pid: int) -> set:
@@ -379,6 +392,8 @@ class Counter:
         """Open the events of names on every thread, until a look finds none new (a thread started while the events
         were opened is looked for again: the events of the threads followed are inherited by what they start, not
         by what they started before). False where the kernel refused one."""
+        if not all(_held_open(tracepoint) for name in names for tracepoint, _ in _resolved()[name]):
+            return False
         followed: set = set()
         while names:
             parents = processes()  # one look at the machine's processes for every rank
