@@ -6,18 +6,24 @@ messages only, and how many bytes it sent; that an all-reduce was still running 
 backward pass produced its last gradient; how many collectives one step started. Every
 torch.distributed call, whichever Python function the code under test chose (send, isend,
 batch_isend_irecv, all_reduce, ...), ends in a method of the process group object, so CommLog
-wraps those methods for the duration of a `with` block, in the worker that uses it.
+wraps those methods for the duration of a `with` block, in the worker that uses it. torch's functional
+collectives (torch.distributed._functional_collectives: DTensor's, and anyone's who calls them) reach the
+process group from C++, past those methods: CommLog wraps their functions too, as the worker's own check of
+collectives does (course/runtime/instrument.py's FUNCTIONAL), each logged as its process group method.
 """
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from checks.helpers import many, maybe
 from course.runtime.compat import collective
+from course.runtime.instrument import FUNCTIONAL, functional_group
 
 POINT_TO_POINT = ("send", "recv", "recv_anysource")
 COLLECTIVES = (
@@ -84,6 +90,9 @@ def _nbytes(first_argument) -> int:
 
 
 def _members(group) -> list | None:
+    if not isinstance(group, ProcessGroup):  # a functional collective's (a list of ranks, a mesh, a name)
+        known = functional_group(group, "")
+        return known[1] if known else None
     try:
         return dist.get_process_group_ranks(group)
     except (KeyError, RuntimeError, ValueError):  # a backend's own group, not torch.distributed's
@@ -130,33 +139,77 @@ class CommLog:
         for name in POINT_TO_POINT + COLLECTIVES:
             # The class's own entry, not getattr's bound form: only it can be put back as it was.
             if name in vars(ProcessGroup):
-                self._saved[name] = vars(ProcessGroup)[name]
+                self._saved[(ProcessGroup, name)] = vars(ProcessGroup)[name]
                 setattr(ProcessGroup, name, self._recording(name, getattr(ProcessGroup, name)))
+        # Looked up in the module at each call, by torch's code (DTensor's) as by the code under test.
+        self._results = {}  # id of a functional collective's result (its tensor) -> its start, until waited for
+        self._functional_call = False  # in one: one that it calls (an alias's) is its own
+        for name in [name for name in FUNCTIONAL if name in vars(funcol)] + ["wait_tensor"]:
+            self._saved[(funcol, name)] = vars(funcol)[name]
+            setattr(funcol, name, self._functional(name, vars(funcol)[name]))
         return self
 
     def __exit__(self, *exc):
-        for name, method in self._saved.items():
-            setattr(ProcessGroup, name, method)
+        for (owner, name), original in self._saved.items():
+            setattr(owner, name, original)
+
+    def _start(self, name, first, peer, group) -> Event:
+        event = Event(
+            "start",
+            collective(name),
+            len(self.started()),
+            _nbytes(first),
+            peer,
+            _dtype(first),
+            _members(group),
+            _memory(first),
+        )
+        self.events.append(event)
+        return event
 
     def _recording(self, name, method):
         def recorded(group, *args, **kwargs):
             peer = args[1] if name in ("send", "recv") and len(args) > 1 else None
-            first = args[0] if args else None
-            event = Event(
-                "start",
-                collective(name),
-                len(self.started()),
-                _nbytes(first),
-                peer,
-                _dtype(first),
-                _members(group),
-                _memory(first),
-            )
-            self.events.append(event)
+            event = self._start(name, args[0] if args else None, peer, group)
             work = method(group, *args, **kwargs)
             return _Watched(work, self, event) if self._waits else work
 
         return recorded
+
+    def _functional(self, name, original):
+        """A functional collective's function that logs its start, its results' first tensors remembered; or
+        wait_tensor, which logs the wait of the collective whose result it is given (the first use of one)."""
+        if name == "wait_tensor":
+
+            def waited(tensor):
+                event = self._results.pop(id(tensor), None)
+                if event is not None and self._waits:
+                    self.events.append(Event("wait", event.what, event.number))
+                return original(tensor)
+
+            return waited
+        parameters = list(inspect.signature(original).parameters)
+
+        def started(*args, **kwargs):
+            if self._functional_call:
+                return original(*args, **kwargs)
+            given = {**dict(zip(parameters, args)), **kwargs}
+            event = self._start(FUNCTIONAL[name], args[0] if args else None, None, given.get("group"))
+            self._functional_call = True
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                self._functional_call = False
+            results = result if isinstance(result, list) else [result]
+            elems = [r.elem if isinstance(r, funcol.AsyncCollectiveTensor) else r for r in results]
+            # Its bytes and memory are its result's, as a process group method's are the tensor it writes into
+            event.nbytes, event.memory = _nbytes(elems), _memory(elems)
+            for tensor, elem in zip(results, elems):
+                if isinstance(tensor, funcol.AsyncCollectiveTensor) and not tensor.completed:
+                    self._results[id(elem)] = event
+            return result
+
+        return started
 
     def mark(self, label):
         """Note a moment of the computation (a gradient produced, say) among the messages."""

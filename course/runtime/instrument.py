@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import faulthandler
+import functools
 import inspect
 import mmap
 import os
@@ -207,7 +208,7 @@ _CALLS = {
 # rank blocks in wait_tensor, at the result's first use. Named as the boards name the method's own collective: a
 # functional all_reduce and dist.all_reduce meet in gloo. Those that another torch lacks are not watched; an alias
 # that calls another of them (2.13's all_gather_tensor calls all_gather_single) is seen as one collective.
-_FUNCTIONAL = {
+FUNCTIONAL = {
     "broadcast": "broadcast",
     "all_reduce": "allreduce",
     "all_reduce_coalesced": "allreduce_coalesced",
@@ -437,7 +438,7 @@ class Waits:
 
         dist.Work.wait = wait
         # Looked up in the module at each call, by torch's code (DTensor's) as by the student's.
-        for name in _FUNCTIONAL:
+        for name in FUNCTIONAL:
             if name in vars(funcol):
                 setattr(funcol, name, self._functional(name, vars(funcol)[name]))
         funcol.wait_tensor = self._wait_tensor(funcol.wait_tensor)
@@ -555,11 +556,12 @@ class Waits:
     def _functional(self, name: str, original):
         parameters = list(inspect.signature(original).parameters)
 
+        @functools.wraps(original)  # its signature, for a log that wraps it again (checks/comm_log.py)
         def started(*args, **kwargs):
             if self.functional:
                 return original(*args, **kwargs)
             given = {**dict(zip(parameters, args)), **kwargs}
-            known = _functional_group(given.get("group"), given.get("tag", ""))
+            known = functional_group(given.get("group"), given.get("tag", ""))
             if known is None:
                 return original(*args, **kwargs)
             group, members = known
@@ -572,7 +574,7 @@ class Waits:
                 group=group,
                 members=members,
                 seq=self.started[group],
-                call=_FUNCTIONAL[name],
+                call=FUNCTIONAL[name],
                 root=given.get("src", -1),
             )
             self.functional = True
@@ -631,7 +633,7 @@ class Waits:
             self.board.write(said.encode())
 
 
-def _functional_group(group, tag: str) -> tuple | None:
+def functional_group(group, tag: str) -> tuple | None:
     """_group_of the group that a functional collective is given (a process group, a group's name, a DeviceMesh of
     one dimension, or (mesh, dimension)); None where the collective cannot name it (torch's call then says why),
     and for a list of ranks, which torch deprecates (resolving it twice would warn twice)."""

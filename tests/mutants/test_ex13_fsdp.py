@@ -29,7 +29,7 @@ from checks.test_ex13_fsdp import (
     check_zero2_keeps,
 )
 from course.launch import WorldFailed
-from tests.mutants import assert_caught, assert_torch_own_caught, make_mutant
+from tests.mutants import assert_caught, assert_torch_own_caught, make_mutant, plant
 
 PAD = "    padded = F.pad(flat, (0, -flat.numel() % world_size))\n"
 PIECE = "    return padded.chunk(world_size)[rank].clone()\n"
@@ -459,3 +459,27 @@ TORCH_OWN = (
 
 def test_torch_own_dtensor_is_caught(tmp_path, monkeypatch):
     assert_torch_own_caught(tmp_path / "mutant", "the all-gather as a DTensor's", *TORCH_OWN, monkeypatch)
+
+
+def test_the_collectives_written_with_torchs_functional_collectives_pass(tmp_path):
+    """Issue 47: a correct program written any way torch allows gets full marks. The all-gather and the
+    reduce-scatter as torch's functional collectives (torch.distributed._functional_collectives, which reach the
+    process group from C++): the communication log sees them as the process group's own, bytes and all."""
+    folder = make_mutant(
+        tmp_path / "functional",
+        "fsdp.py",
+        "    dist.all_gather_into_tensor(full.data, shard.detach().to(full.dtype))\n",
+        "    functional = __import__(\"torch.distributed._functional_collectives\", fromlist=[\"all_gather_tensor\"])\n"
+        "    full.data.copy_(functional.all_gather_tensor(shard.detach().to(full.dtype), 0, dist.group.WORLD))\n",
+    )
+    plant(
+        folder,
+        "fsdp.py",
+        "    shard = full.new_empty(full.numel() // world_size, dtype=torch.float32)\n"
+        "    dist.reduce_scatter_tensor(shard, full.float())\n",
+        "    functional = __import__(\"torch.distributed._functional_collectives\", fromlist=[\"reduce_scatter_tensor\"])\n"
+        "    shard = functional.reduce_scatter_tensor(full.float(), \"sum\", 0, dist.group.WORLD).clone()\n",
+    )
+    check_gather(folder)
+    check_reduce_scatter(folder)
+    check_steps(folder, 2, True, steps=1)
