@@ -80,7 +80,7 @@ EXERCISES = (
              demo=("data.py --world-size 3", "data.py --world-size 2 --uneven join")),
     Exercise(9, "sync", "sync.py", "BatchNorm across ranks, parameter averaging, local SGD on non-IID shards",
              ("python sync.py --world-size 2", "python sync.py --non-iid-plot non_iid.png"), 25, 2,
-             demo=("sync.py --world-size 2",)),
+             demo=("sync.py --world-size 2",), forbids=("model_averaging",)),
     Exercise(10, "hvd", "hvd.py", "the Horovod-style API, the optimizer averages", ("python hvd.py --world-size 2",),
              25, 2, demo=("hvd.py --world-size 2 --niters 300",)),
     Exercise(11, "zero", "zero.py", "sharded optimizer state (ZeRO-1), a bfloat16 DDP comm hook",

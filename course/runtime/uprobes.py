@@ -101,6 +101,13 @@ ENTRIES = {
             "_Z17dispatchDTensorOpRKN3c1014OperatorHandleEN8pybind116handleES4_S4_PSt6vectorINS_6IValueESaIS6_EE",
         ),
     ),
+    "model_averaging": Entry(
+        "torch's model averaging (torch.distributed.algorithms.model_averaging: average_parameters,"
+        " PeriodicModelAverager, and PostLocalSGDOptimizer, which uses them)",
+        "the files of torch/distributed/algorithms/model_averaging",
+        paths=("model_averaging",),
+        modules=("torch.distributed.algorithms.model_averaging",),
+    ),
     "pipelining": Entry(
         "torch's pipelining (torch.distributed.pipelining)",
         "the files of torch/distributed/pipelining",

@@ -1670,12 +1670,19 @@ class AllReduce(torch.autograd.Function):
     def backward(ctx, grad):
         return grad
 """
+TORCH_OWN_AVERAGE = """
+def average_parameters(model):
+    from torch.distributed.algorithms.model_averaging.utils import average_parameters as averaged
+
+    averaged(model.parameters(), dist.group.WORLD)
+"""
 # exercise: (its file, the code, the checks that run it, what the sentence names)
 TORCH_OWN = {
     4: ("mydp.py", TORCH_OWN_MYDP, "test_", "torch's DistributedDataParallel"),
     5: ("dist.py", TORCH_OWN_RING, "test_ring", "a collective of torch's"),
     6: ("mydp.py", TORCH_OWN_OVERLAPPED, "test_overlapped_steps", "torch's DistributedDataParallel"),
     7: ("mydp.py", TORCH_OWN_NO_SYNC, "test_no_sync_accumulates", "torch's DistributedDataParallel"),
+    9: ("sync.py", TORCH_OWN_AVERAGE, "test_average_parameters", "torch's model averaging"),
     11: ("zero.py", TORCH_OWN_HOOK, "test_hook", "torch's DDP communication hooks"),
     14: ("tp.py", TORCH_OWN_TP_SUM, "test_forward[tensor", "torch's DTensor"),
     15: ("pp.py", TORCH_OWN_MESSAGES, "test_messages", "torch's pipelining"),

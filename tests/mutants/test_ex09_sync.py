@@ -32,7 +32,7 @@ from checks.test_ex09_sync import (
 )
 from course.layout import SOLUTIONS
 from tests import warm
-from tests.mutants import assert_caught, assert_refused, make_mutant
+from tests.mutants import assert_caught, assert_refused, assert_torch_own_caught, make_mutant
 
 ALL_REDUCE = 'total = funcol.all_reduce(local, "sum", dist.group.WORLD)'
 EVAL_BRANCH = (
@@ -395,3 +395,24 @@ def test_batchnorm_demo_shows_what_the_handout_says():
 )
 def test_bad_arguments_are_refused(args, words):
     assert_refused("sync.py", args, words)
+
+
+# Issue 47: the parameters averaged by torch's own model averaging (what PeriodicModelAverager and
+# PostLocalSGDOptimizer use): right values, and the modules its ranks load tell (the kernel's count of the system
+# calls naming its files where grades are made).
+TORCH_OWN = (
+    "sync.py",
+    "    with torch.no_grad():\n"
+    "        for param in model.parameters():\n"
+    "            dist.all_reduce(param)\n"
+    "            param.div_(dist.get_world_size())\n",
+    "    from torch.distributed.algorithms.model_averaging.utils import average_parameters as averaged\n"
+    "\n"
+    "    averaged(model.parameters(), dist.group.WORLD)\n",
+    lambda folder: check_average_parameters(folder, 2),
+    "model_averaging",
+)
+
+
+def test_torch_own_model_averaging_is_caught(tmp_path, monkeypatch):
+    assert_torch_own_caught(tmp_path / "mutant", "the average as torch's model averaging", *TORCH_OWN, monkeypatch)

@@ -469,7 +469,7 @@ def test_the_collectives_written_with_torchs_functional_collectives_pass(tmp_pat
         tmp_path / "functional",
         "fsdp.py",
         "    dist.all_gather_into_tensor(full.data, shard.detach().to(full.dtype))\n",
-        "    functional = __import__(\"torch.distributed._functional_collectives\", fromlist=[\"all_gather_tensor\"])\n"
+        '    functional = __import__("torch.distributed._functional_collectives", fromlist=["all_gather_tensor"])\n'
         "    full.data.copy_(functional.all_gather_tensor(shard.detach().to(full.dtype), 0, dist.group.WORLD))\n",
     )
     plant(
@@ -477,8 +477,8 @@ def test_the_collectives_written_with_torchs_functional_collectives_pass(tmp_pat
         "fsdp.py",
         "    shard = full.new_empty(full.numel() // world_size, dtype=torch.float32)\n"
         "    dist.reduce_scatter_tensor(shard, full.float())\n",
-        "    functional = __import__(\"torch.distributed._functional_collectives\", fromlist=[\"reduce_scatter_tensor\"])\n"
-        "    shard = functional.reduce_scatter_tensor(full.float(), \"sum\", 0, dist.group.WORLD).clone()\n",
+        '    functional = __import__("torch.distributed._functional_collectives", fromlist=["reduce_scatter_tensor"])\n'
+        '    shard = functional.reduce_scatter_tensor(full.float(), "sum", 0, dist.group.WORLD).clone()\n',
     )
     check_gather(folder)
     check_reduce_scatter(folder)
