@@ -48,7 +48,10 @@ class Entry:
     def seen(self, count: int) -> str:
         """What the kernel counted, in words: "3 calls of gloo's collectives"."""
         if self.paths:
-            return f"{count} system call{'s' * (count != 1)} naming {self.counted}"
+            return (
+                f"{count} system call{'s' * (count != 1)} naming {self.counted} (or a path of {_LONG} bytes or more,"
+                " longer than the kernel's filter reads)"
+            )
         return f"{count} call{'s' * (count != 1)} of {self.counted}"
 
 
@@ -121,6 +124,8 @@ ENTRIES = {
 # which the kernel refuses to a file of another user's where fs.protected_hardlinks is set, as it is by default). A filter on each
 # one's tracepoint keeps those that name an entry's paths.
 _NAMING = (
+    ("sys_enter_mount", "dev_name"),  # a bind mount of its folder, where a rank may mount (root, without a sandbox)
+    ("sys_enter_open_tree", "filename"),  # the same by the new mount calls
     ("sys_enter_open", "filename"),
     ("sys_enter_openat", "filename"),
     ("sys_enter_openat2", "filename"),
@@ -131,6 +136,10 @@ _NAMING = (
     ("sys_enter_linkat", "oldname"),
 )
 
+# The kernel's filter reads the first 1024 bytes of a path: a name past them (a path padded with "./") passes unseen.
+# So every path of _LONG bytes or more counts too (a glob of as many "?"; a filter's pattern holds 255 at most): none
+# of the course's, nor torch's own, is that long (torch's longest file path is 173 bytes, its licences included).
+_LONG = 250
 _PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}.get(platform.machine())
 _TRACEPOINT = 2  # PERF_TYPE_TRACEPOINT
 _INHERIT = 1 << 1
@@ -206,6 +215,11 @@ def _in_file(address: int | None, segments: bytes, phentsize: int, phnum: int) -
     return None
 
 
+def _naming(field: str, paths: tuple) -> str:
+    """The filter that keeps a system call whose path (its field) holds one of paths, or is _LONG bytes or more."""
+    return " || ".join([*(f'{field}.ustring ~ "*{p}*"' for p in paths), f'{field}.ustring ~ "{"?" * _LONG}*"'])
+
+
 def _tracing() -> str | None:
     """The kernel's tracing folder, mounted if it is not and this process may (root); None where there is none.
     A probe made through it (uprobe_events) is a tracepoint, which a perf event inherits into the threads and
@@ -266,9 +280,7 @@ def _resolved() -> dict:
             if entry.paths:
                 found = [(_tracepoint(f"{folder}/events/syscalls/{event}/id"), field) for event, field in _NAMING]
                 if all(i is not None for i, _ in found):
-                    _probes[name] = tuple(
-                        (i, " || ".join(f'{field}.ustring ~ "*{p}*"' for p in entry.paths)) for i, field in found
-                    )
+                    _probes[name] = tuple((i, _naming(field, entry.paths)) for i, field in found)
                 continue
             path = os.path.realpath(os.path.join(lib, entry.library))
             if not os.path.exists(path):
