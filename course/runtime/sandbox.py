@@ -75,7 +75,7 @@ _MS_REC, _MS_PRIVATE = 16384, 1 << 18
 _LOCKED = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC, "noatime": 1024, "nodiratime": 2048}
 _LOCKED |= {"relatime": 1 << 21, "strictatime": 1 << 24}
 # Processes (threads count) one world's uid may have: a fork bomb stops there, not at the machine's limit.
-_MOST_PROCESSES = 1024
+MOST_PROCESSES = 1024
 _MIB = 1 << 20
 
 
@@ -662,7 +662,7 @@ def _take_uid(uid: int) -> None:
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)  # from root to another user: every capability goes
     prctl(_PR_SET_NO_NEW_PRIVS, 1)
-    resource.setrlimit(resource.RLIMIT_NPROC, (_MOST_PROCESSES, _MOST_PROCESSES))
+    resource.setrlimit(resource.RLIMIT_NPROC, (MOST_PROCESSES, MOST_PROCESSES))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 

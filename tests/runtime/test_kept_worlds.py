@@ -64,6 +64,14 @@ def starts_a_thread_threading_does_not_see():
     return os.getpid()
 
 
+def starts_threads_past_its_share():
+    """Threads that outlive the call, past the rank's half of the world's share of processes (as the gloo threads of
+    the groups that many calls make pile up): OpenMP's, which torch's thread count grows."""
+    torch.set_num_threads(300)
+    torch.ones(2000, 2000).sum(0)
+    return os.getpid()
+
+
 def keeps_its_callers_output():
     os.dup(1)  # to write into long after its call (a notebook kernel's output)
     return os.getpid()
@@ -241,6 +249,7 @@ LASTING_CHANGES = [
     starts_a_thread,
     replaces_all_reduce,
     starts_a_thread_threading_does_not_see,
+    starts_threads_past_its_share,
     keeps_its_callers_output,
     ignores_a_signal_from_c,
     sets_a_timer_from_c,
