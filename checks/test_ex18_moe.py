@@ -1,0 +1,597 @@
+"""Exercise 18: expert parallelism, against one process's mixture of the same experts and torch's all-to-all.
+
+Each rank is given its own tokens and, of the experts, its own only (the others' weights are other numbers
+drawn for that rank alone): a layer whose outputs are one process's got the other experts' work through its
+exchanges. The judge computes one process's mixture itself (mixture() below, from the weights it gave out), and
+the all-to-all's reference is torch's autograd all-to-all in a reference world. Which group a collective went to
+is taken from the process group it was called on (checks/comm_log.py), never from what the code under test says.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+
+from checks.comm_log import SUMMARY, CommLog
+from checks.helpers import Given, drawn, load, many, reference_world, tensor, world
+from course.grading.points import said
+
+# No world of these checks builds a torch optimizer: grading them alone need not import torch._dynamo.
+IMPORTS_DYNAMO = False
+
+WIDTH = 4  # of a token
+TOKENS = 6  # a rank's, in the layer's cases; rank r has TOKENS + r % 2 of them (an uneven load)
+BIAS = 30.0  # a router bias that decides the choice: an expert every token takes, or none does
+
+
+def close(got, expected):
+    return got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-6, atol=1e-9)
+
+
+# --- Routing, the balance loss and the capacity: one process ------------------------------------------
+
+
+def route_in_world(folder, k, logits):
+    weights, experts, probs = load(folder).moe.route(logits, k)
+    return [weights, experts, probs]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.points(1)
+def test_route(impl_dir, k):
+    """route: the softmax over all the experts, each token's k largest probabilities, largest first, as they are."""
+    given = Given(lambda: [torch.randn(7, 5, generator=drawn(k), dtype=torch.float64)], lambda value: [tuple(value)])
+    expect = (tensor(), tensor(), tensor())
+    weights, experts, probs = world(route_in_world, 1, impl_dir, k, expect=expect, per_rank=given)[0]
+    want_probs = given.value[0].softmax(dim=-1)
+    want_weights, want_experts = want_probs.topk(k, dim=-1)
+    what = f"route of 7 tokens over 5 experts, k = {k}"
+    assert close(probs, want_probs), said(
+        "probs not the softmax over the experts", f"{what}: probs is not the softmax of each token's scores"
+    )
+    assert experts.dtype == torch.int64 and torch.equal(experts, want_experts), said(
+        "not each token's k best experts",
+        f"{what}: experts is {experts.tolist()[:2]}... where each token's {k} experts of the largest probabilities,"
+        f" largest first, are {want_experts.tolist()[:2]}...",
+    )
+    renormalized = want_weights / want_weights.sum(dim=-1, keepdim=True)
+    assert not close(weights, renormalized) or close(renormalized, want_weights), said(
+        "top-k weights renormalized",
+        f"{what}: the weights sum to 1 over each token's {k} experts; they are the chosen probabilities as they"
+        " are, not renormalized (with k = 1 every weight would be 1, and the router would learn nothing)",
+    )
+    assert close(weights, want_weights), said(
+        "weights not the chosen probabilities", f"{what}: the weights are not the probabilities of the chosen experts"
+    )
+
+
+def balance_in_world(folder, probs, experts):
+    probs = probs.clone().requires_grad_()
+    loss = load(folder).moe.balance_loss(probs, experts)
+    loss.backward()
+    return [loss.detach(), probs.grad if probs.grad is not None else torch.zeros(0)]
+
+
+def balance(probs, experts):
+    """The judge's Switch balance loss, written out: n * sum_e f_e * P_e."""
+    n = probs.shape[-1]
+    f = torch.tensor([(experts == e).sum().item() / experts.numel() for e in range(n)], dtype=probs.dtype)
+    return n * sum(f[e] * probs[:, e].mean() for e in range(n))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.points(1)
+def test_balance_loss(impl_dir, k):
+    """balance_loss: n * sum over experts of f_e * P_e, f the fraction of the tokens x k choices, its gradient through P."""
+
+    def make():
+        g = drawn(10 + k)
+        probs = torch.randn(8, 4, generator=g, dtype=torch.float64).softmax(dim=-1)
+        return [probs, probs.topk(k, dim=-1).indices]
+
+    given = Given(make, lambda value: [tuple(value)])
+    loss, grad = world(balance_in_world, 1, impl_dir, expect=(tensor([]), tensor(None)), per_rank=given)[0]
+    probs, experts = given.value
+    leaf = probs.clone().requires_grad_()
+    want = balance(leaf, experts)
+    want.backward()
+    what = f"the balance loss of 8 tokens over 4 experts, k = {k}"
+    assert torch.allclose(loss, want.detach()), said(
+        "not the Switch balance loss",
+        f"{what} is {loss.item():.6f}, not n * sum_e f_e * P_e = {want.item():.6f} (f_e: the fraction of the"
+        " tokens x k choices that went to expert e; P_e: the mean over the tokens of probs[:, e])",
+    )
+    assert grad.shape == probs.shape and torch.allclose(grad, leaf.grad), said(
+        "the balance loss's gradient not through P alone",
+        f"{what}: its gradient with respect to probs is not n * f_e / tokens in column e: f is a count, with no"
+        " gradient; P carries it to the router",
+    )
+
+
+def capacity_in_world(folder, cases):
+    moe = load(folder).moe
+    return [moe.within_capacity(experts, n, limit) for experts, n, limit in cases]
+
+
+def kept(experts, n, limit):
+    """The judge's: each expert's first `limit` choices, in token order (a token's first before its second)."""
+    taken, mask = [0] * n, torch.zeros_like(experts, dtype=torch.bool)
+    for t in range(experts.shape[0]):
+        for j in range(experts.shape[1]):
+            e = int(experts[t, j])
+            if limit is None or taken[e] < limit:
+                taken[e] += 1
+                mask[t, j] = True
+    return mask
+
+
+@pytest.mark.points(3)
+def test_within_capacity(impl_dir):
+    """within_capacity: each expert keeps its first `limit` choices in token order, per expert; every one for None."""
+
+    def make():
+        g = drawn(20)
+        spread = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(9)])
+        return [
+            (spread, 4, 3),
+            (spread, 4, None),
+            (torch.zeros(7, 1, dtype=torch.int64), 3, 2),  # every token to one expert
+            (torch.randint(0, 5, (10, 1), generator=g), 5, 1),
+            (spread, 4, 0),
+        ]
+
+    given = Given(make, lambda value: [(value,)])
+    got = world(capacity_in_world, 1, impl_dir, expect=many(tensor(), 5), per_rank=given)[0]
+    for (experts, n, limit), mask in zip(given.value, got):
+        want = kept(experts, n, limit)
+        what = f"within_capacity of {experts.shape[0]} tokens x {experts.shape[1]} choices over {n} experts, limit {limit}"
+        assert mask.dtype == torch.bool and mask.shape == experts.shape, said(
+            "within_capacity not a mask of the choices",
+            f"{what}: returned a {mask.dtype} tensor of shape {list(mask.shape)}, not a bool tensor of the choices'"
+            f" shape {list(experts.shape)}",
+        )
+        per_expert = [int(mask[experts == e].sum()) for e in range(n)]
+        wanted = [int(want[experts == e].sum()) for e in range(n)]
+        assert per_expert == wanted, said(
+            "the capacity not per expert",
+            f"{what}: the experts keep {per_expert} choices, where each keeps up to {limit} of its own: {wanted}",
+        )
+        assert torch.equal(mask, want), said(
+            "not the first choices in token order kept",
+            f"{what}: kept {mask.int().tolist()}, not {want.int().tolist()}: each expert keeps the first of its"
+            " choices in token order (token 0's before token 1's, a token's first choice before its second)",
+        )
+
+
+# --- The counts, and the rows both ways ----------------------------------------------------------
+
+
+def counts_in_world(folder, counts):
+    with CommLog() as log:
+        received = load(folder).moe.exchange_counts(counts, dist.group.WORLD)
+    return [received, log.summary()]
+
+
+@pytest.mark.parametrize("world_size, per_rank", [pytest.param(2, 2, marks=pytest.mark.points(2)), (3, 1)])
+@pytest.mark.points(1)
+def test_exchange_counts(impl_dir, world_size, per_rank):
+    """exchange_counts: row s, what the group's rank s sends to each of this rank's experts; no rank guesses them."""
+    n = world_size * per_rank
+
+    def make():
+        g = drawn(30 + world_size)
+        counts = torch.randint(0, 9, (world_size, n), generator=g)
+        counts[:, per_rank : 2 * per_rank] = 0  # the second rank receives nothing
+        return counts
+
+    given = Given(make, lambda counts: [(row.clone(),) for row in counts])
+    results = world(counts_in_world, world_size, impl_dir, expect=(tensor(), SUMMARY), per_rank=given)
+    counts = given.value
+    for rank, (received, log) in enumerate(results):
+        want = counts[:, rank * per_rank : (rank + 1) * per_rank]
+        what = f"with {world_size} ranks of {per_rank} experts each, rank {rank}"
+        assert received.shape == want.shape and torch.equal(received.to(want.dtype), want), said(
+            "the counts not exchanged",
+            f"{what} expects {want.tolist()} (row s: what rank s sends to each of its experts), and exchange_counts"
+            f" returned {received.tolist()}: no rank knows these in advance; each learns them from the others",
+        )
+        assert log["collectives"], said(
+            "the counts not exchanged", f"{what}: exchange_counts started no collective: the counts must travel"
+        )
+
+
+def all_to_all_in_world(folder, x, send, recv, upstream):
+    x = x.clone().requires_grad_()
+    out = load(folder).moe.AllToAll.apply(x, send, recv, dist.group.WORLD)
+    (out * upstream).sum().backward()
+    return [out.detach(), x.grad if x.grad is not None else torch.zeros(0)]
+
+
+def torchs_all_to_all(x, send, recv, upstream):
+    """Torch's own autograd all-to-all, on the same rows: what AllToAll is compared with (a reference world)."""
+    x = x.clone().requires_grad_()
+    out = funcol.all_to_all_single_autograd(x, recv, send, dist.group.WORLD)
+    out = funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    (out * upstream).sum().backward()
+    return [out.detach(), x.grad]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.points(2)
+def test_all_to_all(impl_dir, world_size):
+    """AllToAll: forward, each block of rows to its rank; backward, the gradient back the way the rows came; as torch's."""
+
+    def make():
+        g = drawn(40 + world_size)
+        sends = torch.randint(0, 4, (world_size, world_size), generator=g)
+        sends[:, 1] = 0  # rank 1 receives no row
+        xs = [torch.randn(int(row.sum()), 3, generator=g, dtype=torch.float64) for row in sends]
+        upstream = [torch.randn(int(sends[:, r].sum()), 3, generator=g, dtype=torch.float64) for r in range(world_size)]
+        return sends, xs, upstream
+
+    def split(value):
+        sends, xs, upstream = value
+        return [(xs[r], sends[r].tolist(), sends[:, r].tolist(), upstream[r]) for r in range(world_size)]
+
+    given = Given(make, split)
+    expect = (tensor(), tensor())
+    got = world(all_to_all_in_world, world_size, impl_dir, expect=expect, per_rank=given)
+    want = reference_world(torchs_all_to_all, world_size, expect=expect, per_rank=Given(lambda: given.value, split))
+    sends = given.value[0]
+    for rank, ((out, grad), (want_out, want_grad)) in enumerate(zip(got, want)):
+        what = f"with {world_size} ranks sending {sends.tolist()} rows (row r: what rank r sends to each), rank {rank}"
+        assert close(out, want_out), said(
+            "not the rows each rank sent it",
+            f"{what} received rows of shape {list(out.shape)} that are not, in rank order, the blocks the ranks sent"
+            " it: torch's all-to-all gives them",
+        )
+        assert grad.shape == want_grad.shape, said(
+            "a backward without the reverse exchange",
+            f"{what}: its input's gradient has shape {list(grad.shape)}, not its input's {list(want_grad.shape)}:"
+            " the backward sends each row's gradient back to the rank it came from (the sizes swapped)",
+        )
+        assert close(grad, want_grad), said(
+            "a backward without the reverse exchange",
+            f"{what}: its input's gradient is not what torch's autograd all-to-all gives: the backward sends each"
+            " row's gradient back to the rank it came from",
+        )
+
+
+# --- The layer: one process's mixture, and what travels ---------------------------------------------------
+
+
+def expert_net():
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)).double()
+
+
+def loaded(net, tensors):
+    with torch.no_grad():
+        for p, t in zip(net.parameters(), tensors):
+            p.copy_(t)
+    return net
+
+
+def mixture(router, experts, k, limit, x):
+    """The judge's one-process layer, token by token: router (weight, bias), experts [(w1, b1, w2, b2)]. Returns
+    (output, balance loss)."""
+    probs = (x @ router[0].T + router[1]).softmax(dim=-1)
+    weights, chosen = probs.topk(k, dim=-1)
+    taken, rows = [0] * len(experts), []
+    for t in range(len(x)):
+        row = x[t]
+        for j in range(k):
+            e = int(chosen[t, j])
+            if limit is None or taken[e] < limit:
+                taken[e] += 1
+                w1, b1, w2, b2 = experts[e]
+                row = row + weights[t, j] * (torch.tanh(x[t] @ w1.T + b1) @ w2.T + b2)
+        rows.append(row)
+    return torch.stack(rows) if rows else x * 1, balance(probs, chosen)
+
+
+# (world size, experts per rank, k, capacity factor, router bias: None, "one" (every token to expert 0) or "none"
+# (no token to rank 1's experts))
+LAYERS = [
+    (1, 2, 2, None, None),
+    (2, 1, 1, None, None),
+    (2, 2, 2, None, None),
+    pytest.param((2, 2, 2, 0.5, None), marks=pytest.mark.points(2)),
+    pytest.param((4, 1, 2, 1.0, None), marks=pytest.mark.points(2)),
+    (4, 2, 1, None, "one"),
+    (2, 2, 1, None, "none"),
+]
+
+
+CASES = [getattr(c, "values", (c,))[0] for c in LAYERS]
+
+
+def limit_of(tokens, k, n, factor):
+    return None if factor is None else math.ceil(factor * tokens * k / n)
+
+
+def layer_case(case, seed, ep):
+    """Every input of a layer case: the router, every expert, each rank's tokens and upstream gradient, and for
+    each rank of an ep group its experts' tensors with every other expert's replaced by numbers drawn for that
+    rank alone."""
+    world_size, per_rank, k, factor, bias = case
+    n, g = ep * per_rank, drawn(seed)
+    router = [torch.randn(n, WIDTH, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)]
+    if bias == "one":
+        router[1][0] += BIAS
+    elif bias == "none":
+        router[1][per_rank : 2 * per_rank] -= BIAS
+    shapes = [(WIDTH, WIDTH), (WIDTH,), (WIDTH, WIDTH), (WIDTH,)]
+    experts = [[torch.randn(s, generator=g, dtype=torch.float64) * 0.5 for s in shapes] for _ in range(n)]
+    xs = [torch.randn(TOKENS + r % 2, WIDTH, generator=g, dtype=torch.float64) for r in range(world_size)]
+    upstream = [torch.randn(len(x), WIDTH, generator=g, dtype=torch.float64) for x in xs]
+    others = [
+        [
+            e if i // per_rank == q else [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+            for i, e in enumerate(experts)
+        ]
+        for q in range(ep)
+    ]
+    return {"router": router, "experts": experts, "xs": xs, "upstream": upstream, "given": others}
+
+
+def layer_in_world(folder, k, factor, ep, x, router, experts, upstream):
+    """Probe: the MoE layer over this rank's expert-parallel group (ranks in rows of ep), forward and backward of
+    (output * upstream).sum(); its output, gradients, balance loss and the log of the collectives, forward and
+    backward apart."""
+    moe = load(folder).moe
+    rows = [list(range(i, i + ep)) for i in range(0, dist.get_world_size(), ep)]
+    group, _ = dist.new_subgroups_by_enumeration(rows)
+    net = nn.Linear(WIDTH, len(experts)).double()
+    loaded(net, router)
+    nets = [loaded(expert_net(), e) for e in experts]
+    x = x.clone().requires_grad_()
+    layer = moe.MoE(net, nets, k, factor, group)
+    with CommLog() as forward:
+        y = layer(x)
+    with CommLog() as backward:
+        (y * upstream).sum().backward()
+    first = dist.get_rank(group) * (len(experts) // ep)
+    mine = nets[first : first + len(experts) // ep]
+
+    def grad(p):
+        return p.grad if p.grad is not None else torch.zeros(0)
+
+    return {
+        "y": y.detach(),
+        "aux": layer.aux.detach(),
+        "x": grad(x),
+        "router": [grad(p) for p in net.parameters()],
+        "experts": [[grad(p) for p in e.parameters()] for e in mine],
+        "forward": forward.summary(),
+        "backward": backward.summary(),
+    }
+
+
+LAYER = {
+    "y": tensor(),
+    "aux": tensor([]),
+    "x": tensor(),
+    "router": many(tensor(), 2),
+    "experts": many(many(tensor(), 4)),
+    "forward": SUMMARY,
+    "backward": SUMMARY,
+}
+
+
+def run_layer(folder, case, seed, ep=None):
+    world_size, per_rank, k, factor, _ = case
+    ep = ep or world_size
+    inputs = Given(
+        lambda: layer_case(case, seed, ep),
+        lambda v: [(v["xs"][r], v["router"], v["given"][r % ep], v["upstream"][r]) for r in range(world_size)],
+    )
+    got = world(layer_in_world, world_size, folder, k, factor, ep, expect=LAYER, per_rank=inputs)
+    return got, inputs.value
+
+
+def judged_layer(case, value, ep):
+    """One process's outputs and gradients of the case: each rank's tokens through the same layer, expert e's
+    gradient summed over the ranks of its ep group."""
+    world_size, per_rank, k, factor, _ = case
+    router = [t.clone().requires_grad_() for t in value["router"]]
+    expert_grads = [[torch.zeros_like(t) for t in e] for e in value["experts"]]
+    want = []
+    for r, (x, up) in enumerate(zip(value["xs"], value["upstream"])):
+        experts = [[t.clone().requires_grad_() for t in e] for e in value["experts"]]
+        x = x.clone().requires_grad_()
+        for t in router:
+            t.grad = None
+        y, aux = mixture(router, experts, k, limit_of(len(x), k, len(experts), factor), x)
+        (y * up).sum().backward()
+        want.append({"y": y.detach(), "aux": aux.detach(), "x": x.grad, "router": [t.grad.clone() for t in router]})
+        for e, ts in enumerate(experts):
+            for i, t in enumerate(ts):
+                if t.grad is not None:
+                    expert_grads[e][i] += t.grad
+        del y
+    return want, expert_grads
+
+
+@pytest.mark.parametrize("case", LAYERS, ids=lambda c: f"W{c[0]}-E{c[1]}-k{c[2]}-cf{c[3]}-{c[4]}")
+@pytest.mark.points(1)
+def test_layer(impl_dir, case):
+    """MoE: the output, the balance loss and every gradient (input, router, experts) are one process's mixture's."""
+    world_size, per_rank, k, factor, bias = case
+    got, value = run_layer(impl_dir, case, 50 + CASES.index(case))
+    want, expert_grads = judged_layer(case, value, world_size)
+    where = f"{world_size} ranks of {per_rank} experts, k = {k}, capacity factor {factor}"
+    for rank, (mine, theirs) in enumerate(zip(got, want)):
+        what = f"with {where}, rank {rank}"
+        assert close(mine["y"], theirs["y"]), said(
+            "not one process's mixture",
+            f"{what}: the layer's output is not one process's mixture of the same router and experts on the same"
+            " tokens (each token plus its kept choices' outputs, weighted, back in its own row)",
+        )
+        assert torch.allclose(mine["aux"], theirs["aux"]), said(
+            "the layer's balance loss not its batch's",
+            f"{what}: the layer's aux is {mine['aux'].item():.6f}, not the balance loss of its tokens' routing,"
+            f" {theirs['aux'].item():.6f}",
+        )
+        assert close(mine["x"], theirs["x"]), said(
+            "the input's gradient not one process's",
+            f"{what}: the tokens' gradient is not one process's: the outputs' gradients go back to the tokens' ranks",
+        )
+        no_router = all(g.numel() == 0 or not g.any() for g in mine["router"])
+        assert not no_router or not any(g.any() for g in theirs["router"]), said(
+            "the combine's weights detached",
+            f"{what}: the router has no gradient: the outputs are weighted by the router's weights, and the"
+            " gradient reaches the router through them",
+        )
+        assert all(close(a, b) for a, b in zip(mine["router"], theirs["router"])), said(
+            "the router's gradient not one process's", f"{what}: the router's gradient is not one process's"
+        )
+        first = rank * per_rank
+        for i, grads in enumerate(mine["experts"]):
+            assert all(close(a, b) for a, b in zip(grads, expert_grads[first + i])), said(
+                "an expert's gradient not one process's",
+                f"{what}: expert {first + i}'s gradient is not one process's, the sum of every rank's tokens' part",
+            )
+
+
+# The layer on a (dp, ep) mesh: exercise 16's idea, the all-to-alls in the ep group only.
+TRAFFIC = (4, 2, 2, None, None)
+ALL_TO_ALLS = ("alltoall", "alltoall_base", "all_to_all_single")  # course/runtime/compat.py's names  # 4 ranks in rows of 2: experts 0-1 on ranks 0 and 2, 2-3 on 1 and 3
+
+
+def row_counts(value, case, ep):
+    """Rows each rank sends to each rank of its ep group, and receives (the judge's own routing)."""
+    world_size, per_rank, k, factor, _ = case
+    n = ep * per_rank
+    sent = []
+    for r, x in enumerate(value["xs"]):
+        router = value["router"]
+        chosen = (x @ router[0].T + router[1]).softmax(dim=-1).topk(k, dim=-1).indices
+        mask = kept(chosen, n, limit_of(len(x), k, n, factor))
+        sent.append([int(((chosen // per_rank == q) & mask).sum()) for q in range(ep)])
+    received = [sum(sent[(r // ep) * ep + s][r % ep] for s in range(ep)) for r in range(world_size)]
+    return sent, received
+
+
+def token_exchanges(log, dtype="float64"):
+    return [i for i, (what, d) in enumerate(zip(log["collectives"], log["collective_dtypes"])) if d == dtype]
+
+
+@pytest.mark.points(3)
+def test_traffic(impl_dir):
+    """The counts travel before the tokens; two all-to-alls of rows forward and two backward, in the ep group only."""
+    ep = 2
+    case = TRAFFIC
+    got, value = run_layer(impl_dir, case, 60, ep=ep)
+    sent, received = row_counts(value, case, ep)
+    row_bytes = WIDTH * 8
+    for rank, found in enumerate(got):
+        group = [q for q in range(rank // ep * ep, rank // ep * ep + ep)]
+        what = f"with 4 ranks in expert-parallel groups of 2 ({group} is rank {rank}'s), rank {rank}"
+        for direction, log in (("forward", found["forward"]), ("backward", found["backward"])):
+            rows = token_exchanges(log)
+            kinds = [log["collectives"][i] for i in rows]
+            assert len(rows) == 2 and all(k in ALL_TO_ALLS for k in kinds), said(
+                "not two all-to-alls of the tokens each way",
+                f"{what}: the {direction} pass started {kinds or 'no collective'} on the tokens' rows, where a layer"
+                " sends them by one all-to-all and brings them back by another",
+            )
+            groups = [log["collective_groups"][i] for i in rows]
+            assert all(g == group for g in groups), said(
+                "the all-to-all in the world, not the expert-parallel group",
+                f"{what}: the {direction} pass's all-to-alls went to ranks {groups}: the tokens travel in the"
+                f" expert-parallel group {group} only",
+            )
+        forward = found["forward"]
+        first = token_exchanges(forward)[0]
+        counted = [d for d in forward["collective_dtypes"][:first] if d.startswith(("int", "uint"))]
+        assert counted, said(
+            "the counts not exchanged before the tokens",
+            f"{what}: no count travelled before the tokens: each rank learns how many rows it receives from each"
+            " (exchange_counts) before the rows are sent",
+        )
+        nbytes = forward["collective_bytes"]
+        expected = [received[rank] * row_bytes, sum(sent[rank]) * row_bytes]
+        assert [nbytes[i] for i in token_exchanges(forward)] == expected, said(
+            "not the rows the routing sends",
+            f"{what}: its all-to-alls received {[nbytes[i] for i in token_exchanges(forward)]} bytes, where the"
+            f" routing sends it {received[rank]} rows and brings back the {sum(sent[rank])} it sent"
+            f" ({row_bytes} bytes each): {expected}",
+        )
+
+
+# --- Expert and data parallel: training steps ---------------------------------------------------------
+
+STEPS, LR, AUX = 2, 0.3, 0.1
+
+
+def steps_in_world(folder, dp, ep, k, x, target, router, experts):
+    """Probe: STEPS steps of SGD on the layer's squared error plus AUX times its balance loss, the gradients made
+    the world's mean by sync_gradients; the router and this rank's experts after them."""
+    moe = load(folder).moe
+    rows = [list(range(i * ep, (i + 1) * ep)) for i in range(dp)]
+    ep_group, _ = dist.new_subgroups_by_enumeration(rows)
+    dp_group, _ = dist.new_subgroups_by_enumeration([list(c) for c in zip(*rows)])
+    mesh = moe.ExpertMesh(dp, ep, ep_group, dp_group)
+    net = loaded(nn.Linear(WIDTH, len(experts)).double(), router)
+    layer = moe.MoE(net, [loaded(expert_net(), e) for e in experts], k, None, ep_group)
+    for _ in range(STEPS):
+        layer.zero_grad()
+        loss = ((layer(x) - target) ** 2).mean() + AUX * layer.aux
+        loss.backward()
+        moe.sync_gradients(layer, layer.local, mesh)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p -= LR * p.grad
+    return {"router": [p.detach() for p in net.parameters()], "experts": [[p.detach() for p in e.parameters()] for e in layer.local]}
+
+
+@pytest.mark.parametrize("dp, ep", [(2, 2), (1, 2)])
+@pytest.mark.points(2)
+def test_steps(impl_dir, dp, ep):
+    """sync_gradients: training steps on a (dp, ep) mesh equal one process's steps on the mean of every rank's loss."""
+    world_size, per_rank, k = dp * ep, 1, 2
+    case = (world_size, per_rank, k, None, None)
+
+    def make():
+        value = layer_case((ep, per_rank, k, None, None), 70 + dp, ep)
+        g = drawn(80 + dp)
+        value["xs"] = [torch.randn(TOKENS, WIDTH, generator=g, dtype=torch.float64) for _ in range(world_size)]
+        value["targets"] = [torch.randn(TOKENS, WIDTH, generator=g, dtype=torch.float64) for _ in range(world_size)]
+        return value
+
+    given = Given(
+        make,
+        lambda v: [(v["xs"][r], v["targets"][r], v["router"], v["given"][r % ep]) for r in range(world_size)],
+    )
+    expect = {"router": many(tensor(), 2), "experts": many(many(tensor(), 4), per_rank)}
+    got = world(steps_in_world, world_size, impl_dir, dp, ep, k, expect=expect, per_rank=given)
+    value = given.value
+    router = [t.clone() for t in value["router"]]
+    experts = [[t.clone() for t in e] for e in value["experts"]]
+    for _ in range(STEPS):
+        leaves = [t.requires_grad_() for t in router], [[t.requires_grad_() for t in e] for e in experts]
+        losses = []
+        for x, target in zip(value["xs"], value["targets"]):
+            y, aux = mixture(leaves[0], leaves[1], k, None, x)
+            losses.append(((y - target) ** 2).mean() + AUX * aux)
+        torch.stack(losses).mean().backward()
+        with torch.no_grad():
+            router = [t - LR * t.grad for t in router]
+            experts = [[t - LR * t.grad for t in e] for e in experts]
+    where = f"{STEPS} steps on the mesh (dp {dp}, ep {ep})"
+    for rank, found in enumerate(got):
+        assert all(close(a, b) for a, b in zip(found["router"], router)), said(
+            "the router's gradient not the world's mean",
+            f"{where}: rank {rank}'s router is not one process's: a parameter on every rank averages its gradient"
+            " over the world",
+        )
+        mine = (rank % ep) * per_rank
+        for i, tensors in enumerate(found["experts"]):
+            assert all(close(a, b) for a, b in zip(tensors, experts[mine + i])), said(
+                "an expert's gradient not the world's mean",
+                f"{where}: rank {rank}'s expert {mine + i} is not one process's: its gradient is summed over the"
+                " ranks that hold it (the dp group) and divided by the world size",
+            )

@@ -1,0 +1,349 @@
+# Your copy of the exercise code: fill in every TODO, then `make grade` checks it.
+"""Exercise 18: expert parallelism, a mixture of experts whose tokens travel by all-to-all.
+
+    python moe.py --world-size 2                      # 2 ranks, 2 experts each, every token to its top 2
+    python moe.py --dp 2 --ep 2 --capacity-factor 1   # 4 ranks; experts over pairs; the fullest experts drop tokens
+
+A mixture-of-experts layer holds many experts (small MLPs) and a router. The router scores every
+expert for every token, and each token goes through its k best experts only: the model has many
+experts' parameters, a token pays for k. With expert parallelism the experts live on different
+ranks, so the tokens travel to their experts and back, by all-to-all, in numbers that no rank
+knows in advance: the router decides them as the batch runs.
+
+Every rank holds its own tokens (its rows of the batch: data parallel). The ep ranks of an
+expert-parallel group hold the experts between them, each `per_rank` of them, expert e on the
+group's rank e // per_rank; the router and the other layers are on every rank. With dp > 1 there
+are dp such groups, each with all the experts, and the ranks that hold the same experts form a
+data-parallel group. One layer's forward is: route, count, exchange the counts, send the tokens,
+run the local experts, send the outputs back, combine. Its backward is the same exchanges in
+reverse: autograd runs them from the AllToAll function you write.
+
+Rank 0 also trains the same model alone, every expert in one process, on every rank's rows, and
+prints both losses. Handout: exercises/18_moe.md.
+"""
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from course.device import current_device, synchronize
+from course.flags import whole
+from course.launch import launch, launch_options
+from mlp import ModelConfig, batches, config_from, gen_dataset, make_parser, split_dataset
+
+# --- Routing: which experts each token goes to, and how much each counts ---------------------------
+
+
+def route(logits: torch.Tensor, k: int) -> tuple:
+    """The router's choice for each token, from its scores `logits` [tokens, experts].
+
+    probs: the softmax of each token's scores over all the experts. Each token's k experts are
+    those of its k largest probabilities, largest first, and their weights are those
+    probabilities as they are (not renormalized over the k: with k = 1 a token's weight still
+    tells the router how sure it was, as the Switch Transformer has it). Returns (weights
+    [tokens, k], experts [tokens, k] of int64, probs [tokens, experts]).
+    """
+    # TODO(exercise 18): the softmax over the experts, then each token's k largest.
+    raise NotImplementedError("Exercise 18: route is not written yet, see exercises/18_moe.md")
+
+
+def balance_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The Switch Transformer's load-balancing loss of one batch: n * sum over experts e of
+    f_e * P_e, where n is the number of experts (probs' columns), f_e the fraction of the batch's
+    choices (tokens x k) that went to expert e, and P_e the mean over the tokens of probs[:, e].
+    It is 1 when the load is even and the router as sure of every expert; its gradient reaches the
+    router through P only (f is a count).
+    """
+    # TODO(exercise 18): f from the choices (a count, no gradient), P from probs.
+    raise NotImplementedError("Exercise 18: balance_loss is not written yet, see exercises/18_moe.md")
+
+
+def capacity(tokens: int, k: int, n_experts: int, factor: float | None) -> int | None:
+    """How many of a rank's choices each expert takes: factor times an even share of them (rounded up);
+    None for no limit."""
+    return None if factor is None else math.ceil(factor * tokens * k / n_experts)
+
+
+def within_capacity(experts: torch.Tensor, n_experts: int, limit: int | None) -> torch.Tensor:
+    """Which of this rank's choices `experts` [tokens, k] are kept: a bool tensor of its shape.
+
+    Each expert takes at most `limit` of them (every one where limit is None), the first ones in
+    token order (token 0's choices before token 1's, a token's first choice before its second);
+    the others are dropped. The limit is per expert, never per rank.
+    """
+    if limit is None:
+        return torch.ones_like(experts, dtype=torch.bool)
+    # TODO(exercise 18): each choice's place among the choices of its expert before it, kept below the limit.
+    raise NotImplementedError("Exercise 18: within_capacity is not written yet, see exercises/18_moe.md")
+
+
+# --- Communication: the counts first, then the tokens, both ways -------------------------------------
+
+
+def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """counts[e]: how many tokens this rank sends to expert e, for every expert of the group (expert
+    e on the group's rank e // per_rank). Returns [group size, per_rank]: row s, how many tokens the
+    group's rank s sends to each expert of this rank. One all-to-all in `group`; nothing guessed.
+    """
+    # TODO(exercise 18): every rank learns what it will receive, before any token travels.
+    raise NotImplementedError("Exercise 18: exchange_counts is not written yet, see exercises/18_moe.md")
+
+
+class AllToAll(torch.autograd.Function):
+    """forward: x's rows, in blocks of send_sizes[r] rows, block r to the group's rank r; returns
+    the rows received, recv_sizes[s] from the group's rank s, in its ranks' order. backward: the
+    gradient goes back the way the rows came, the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send_sizes: list, recv_sizes: list, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.sizes, ctx.group = (send_sizes, recv_sizes), group
+        # TODO(exercise 18): one all_to_all_single with uneven splits, into a tensor of the rows received.
+        raise NotImplementedError("Exercise 18: AllToAll.forward is not written yet, see exercises/18_moe.md")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        send_sizes, recv_sizes = ctx.sizes
+        # TODO(exercise 18): the gradient of x: each row's gradient back to the rank it came from.
+        raise NotImplementedError("Exercise 18: AllToAll.backward is not written yet, see exercises/18_moe.md")
+
+
+# --- The layer: dispatch, the local experts, combine ----------------------------------------------
+
+
+@dataclass
+class Dispatched:
+    """What a dispatch sent, for its combine: `tokens`, the token of each row sent, in the order sent;
+    `weights`, each such row's router weight; `sent`, how many rows went to each rank of the group;
+    `received`, exchange_counts' answer (rows from each rank, for each expert of this rank)."""
+
+    tokens: torch.Tensor
+    weights: torch.Tensor
+    sent: list
+    received: torch.Tensor
+
+
+def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor, n_experts: int, group):
+    """Send each kept choice's token (its row of x) to its expert's rank: returns (the rows this rank
+    received, in the order AllToAll gives them; the Dispatched that combine needs).
+
+    The rows leave sorted by expert, ties in token order, so that the block for each rank holds its
+    experts' rows one expert after the other. The counts are exchanged first (exchange_counts),
+    then the rows (AllToAll), both in `group`.
+    """
+    # TODO(exercise 18): the kept choices' tokens and weights sorted by expert, the counts, then the rows.
+    raise NotImplementedError("Exercise 18: dispatch is not written yet, see exercises/18_moe.md")
+
+
+def run_experts(local: nn.ModuleList, arrived: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+    """Each received row through its expert. `received` [group size, per_rank] says how the rows came:
+    first rank 0's block, received[0, 0] rows for this rank's first expert, then received[0, 1] for
+    its second, ...; then rank 1's block, and so on. Returns the outputs in the rows' order."""
+    # TODO(exercise 18): the rows in their (rank, expert) blocks, each block through its expert.
+    raise NotImplementedError("Exercise 18: run_experts is not written yet, see exercises/18_moe.md")
+
+
+def combine(x: torch.Tensor, out: torch.Tensor, sent: Dispatched, group) -> torch.Tensor:
+    """The experts' outputs back to the ranks their tokens came from (the reverse AllToAll), each
+    weighted by its router weight and added to its token's row of x: returns x plus, for each token,
+    the weighted sum of its kept choices' outputs. A token whose choices were all dropped passes
+    through unchanged."""
+    # TODO(exercise 18): the reverse exchange, then each output row weighted and added to its token.
+    raise NotImplementedError("Exercise 18: combine is not written yet, see exercises/18_moe.md")
+
+
+def expert(width: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts layer over `group`, from its router and all its experts, which every rank
+    built the same: this rank keeps the router and its own experts, numbers group rank * per_rank
+    and on. forward(x) routes x's rows (route, within_capacity), sends them (dispatch), runs them
+    (run_experts) and combines them (combine); it keeps the batch's balance loss in self.aux and
+    what it did in self.stats."""
+
+    def __init__(self, router: nn.Linear, experts: list, k: int, capacity_factor: float | None, group) -> None:
+        super().__init__()
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if len(experts) % size:
+            raise ValueError(f"{len(experts)} experts do not divide over the {size} ranks of an expert-parallel group")
+        per_rank = len(experts) // size
+        self.router, self.local = router, nn.ModuleList(experts[rank * per_rank : (rank + 1) * per_rank])
+        self.n_experts, self.k, self.capacity_factor, self.group = len(experts), k, capacity_factor, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts, probs = route(self.router(x), self.k)
+        self.aux = balance_loss(probs, experts)
+        keep = within_capacity(experts, self.n_experts, capacity(len(x), self.k, self.n_experts, self.capacity_factor))
+        arrived, sent = dispatch(x, weights, experts, keep, self.n_experts, self.group)
+        y = combine(x, run_experts(self.local, arrived, sent.received), sent, self.group)
+        self.stats = {"received": sent.received.sum(dim=0), "dropped": int((~keep).sum()), "sent": sent.sent}
+        return y
+
+
+def mixture_alone(router: nn.Linear, experts: list, k: int, capacity_factor: float | None, x: torch.Tensor) -> tuple:
+    """The same layer in one process, every expert here and nothing sent: (its output, the balance loss)."""
+    weights, chosen, probs = route(router(x), k)
+    keep = within_capacity(chosen, len(experts), capacity(len(x), k, len(experts), capacity_factor))
+    y = x
+    for e, net in enumerate(experts):
+        tokens, which = ((chosen == e) & keep).nonzero(as_tuple=True)
+        y = y.index_add(0, tokens, net(x[tokens]) * weights[tokens, which].unsqueeze(-1))
+    return y, balance_loss(probs, chosen)
+
+
+# --- Expert and data parallel together ----------------------------------------------------------
+
+
+@dataclass
+class ExpertMesh:
+    """The world's dp * ep ranks in dp rows of ep: a row is an expert-parallel group (ep_group), which
+    holds every expert between its ranks; a column is a data-parallel group (dp_group), the ranks
+    that hold the same experts."""
+
+    dp: int
+    ep: int
+    ep_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+
+
+def expert_mesh(dp: int, ep: int) -> ExpertMesh:
+    if dp * ep != dist.get_world_size():
+        raise ValueError(f"a mesh of dp {dp} x ep {ep} needs {dp * ep} ranks, the world has {dist.get_world_size()}")
+    rows = [list(range(i * ep, (i + 1) * ep)) for i in range(dp)]
+    ep_group, _ = dist.new_subgroups_by_enumeration(rows)
+    dp_group, _ = dist.new_subgroups_by_enumeration([list(column) for column in zip(*rows)])
+    return ExpertMesh(dp, ep, ep_group, dp_group)
+
+
+class MoEModel(nn.Module):
+    """Exercise 1's classifier with a mixture of experts in the middle: a dense layer, tanh, the MoE
+    layer, tanh, a dense layer to the classes."""
+
+    def __init__(self, config: ModelConfig, n_experts: int) -> None:
+        super().__init__()
+        width = config.d_hidden
+        self.embed, self.head = nn.Linear(config.d_in, width), nn.Linear(width, config.n_classes)
+        self.router, self.experts = nn.Linear(width, n_experts), nn.ModuleList(expert(width) for _ in range(n_experts))
+
+    def forward(self, x: torch.Tensor, mixture) -> torch.Tensor:
+        return self.head(torch.tanh(mixture(torch.tanh(self.embed(x)))))
+
+
+def sync_gradients(model: nn.Module, local_experts: nn.Module, mesh: ExpertMesh) -> None:
+    """After each rank's backward of its own loss: leave every gradient that of the mean over the
+    world's ranks of their losses. The parameters on every rank (all but the experts) average their
+    gradients over the world. An expert's gradient already sums what every rank of its ep group sent
+    it (AllToAll's backward brought their gradients back to it): it is summed over the ranks that
+    hold the same expert (dp_group), then divided by the world size, not by dp."""
+    world_size = dist.get_world_size()
+    mine = {id(p) for p in local_experts.parameters()}
+    # TODO(exercise 18): each gradient summed in its group (which one for an expert's?), then divided.
+    raise NotImplementedError("Exercise 18: sync_gradients is not written yet, see exercises/18_moe.md")
+
+
+def train(config: ModelConfig, dp: int, ep: int, per_rank: int, k: int, capacity_factor, aux_weight: float) -> dict:
+    """Train the MoE classifier on a dp x ep mesh, each rank its block of every batch's rows; rank 0 also
+    trains the same model alone on the whole batches. Every rank's traffic comes back."""
+    rank, world_size, device = dist.get_rank(), dist.get_world_size(), current_device()
+    mesh = expert_mesh(dp, ep)
+    torch.manual_seed(config.seed)  # the same whole model on every rank: each keeps its experts of it
+    full = MoEModel(config, ep * per_rank).to(device)
+    alone = MoEModel(config, ep * per_rank).to(device) if rank == 0 else None
+    if alone is not None:
+        alone.load_state_dict(full.state_dict())
+    moe = MoE(full.router, list(full.experts), k, capacity_factor, mesh.ep_group)
+    mine = [p for name, p in full.named_parameters() if not name.startswith("experts.")] + list(moe.local.parameters())
+    optimizer = torch.optim.SGD(mine, lr=config.lr)
+    alone_optimizer = torch.optim.SGD(alone.parameters(), lr=config.lr) if alone is not None else None
+    train_set, _ = split_dataset(*(t.to(device) for t in gen_dataset(config, rand_state=config.seed)))
+    rows = config.batch_size // world_size
+    received, dropped, sent_rows, step_times = torch.zeros(per_rank, dtype=torch.int64), 0, 0, []
+    for step, x, y in batches(*train_set, config.batch_size, config.seed):
+        if step == config.niters:
+            break
+        synchronize(device)
+        t0 = time.perf_counter()
+        optimizer.zero_grad()
+        mx, my = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+        loss = F.cross_entropy(full(mx, moe), my) + aux_weight * moe.aux
+        loss.backward()
+        sync_gradients(full, moe.local, mesh)
+        optimizer.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        synchronize(device)
+        step_times.append((time.perf_counter() - t0) * 1000)
+        received += moe.stats["received"].cpu()
+        dropped += moe.stats["dropped"]
+        sent_rows += sum(n for r, n in enumerate(moe.stats["sent"]) if r != dist.get_rank(mesh.ep_group))
+        if alone is not None:
+            alone_optimizer.zero_grad()
+            losses = []
+            for r in range(world_size):
+                out = {}
+
+                def mixture(h, out=out):
+                    h, out["aux"] = mixture_alone(alone.router, list(alone.experts), k, capacity_factor, h)
+                    return h
+
+                blocks = slice(r * rows, (r + 1) * rows)
+                losses.append(F.cross_entropy(alone(x[blocks], mixture), y[blocks]) + aux_weight * out["aux"])
+            alone_loss = torch.stack(losses).mean()
+            alone_loss.backward()
+            alone_optimizer.step()
+            if step % 50 == 0:
+                print(f"step {step} | train_loss {mean.item() / world_size:.4f} | one process {alone_loss.item():.4f}")
+    width = config.d_hidden * torch.finfo(torch.float32).bits // 8
+    mine = {"received": received.tolist(), "dropped": dropped, "bytes_sent": 2 * sent_rows * width}
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    return {
+        "train_loss": mean.item() / world_size,
+        "one_process_loss": alone_loss.item() if alone is not None else None,
+        "ranks": everyone,
+        "step_ms": statistics.median(step_times),
+    }
+
+
+if __name__ == "__main__":
+    parser = make_parser(__doc__)
+    parser.add_argument("--dp", type=whole(1), default=1, help="expert-parallel groups (the mesh's rows)")
+    parser.add_argument("--ep", type=whole(1), default=2, help="ranks that hold the experts between them")
+    parser.add_argument("--experts-per-rank", type=whole(1), default=2)
+    parser.add_argument("--top-k", type=whole(1), default=2, help="experts per token")
+    parser.add_argument(
+        "--capacity-factor", type=float, default=None, help="each expert takes this times an even share of a rank's choices"
+    )
+    parser.add_argument("--aux-weight", type=float, default=0.01, help="the balance loss's weight in the loss")
+    parser.set_defaults(niters=200, dim_in=64, dim_hidden=32, n_classes=8, batch_size=64)
+    args = parser.parse_args()
+    world_size = args.dp * args.ep
+    if args.world_size not in (1, world_size):  # 1: not given
+        parser.error(f"--world-size {args.world_size} is not --dp {args.dp} x --ep {args.ep}: give --dp and --ep only")
+    if args.top_k > args.ep * args.experts_per_rank:
+        parser.error(f"--top-k {args.top_k}: there are {args.ep * args.experts_per_rank} experts")
+    if args.batch_size % world_size:
+        parser.error(f"--batch-size {args.batch_size} does not divide over {world_size} ranks")
+    config = config_from(args)
+    result = launch(
+        train, world_size, config, args.dp, args.ep, args.experts_per_rank, args.top_k, args.capacity_factor,
+        args.aux_weight, **launch_options(args),
+    )[0]  # fmt: skip
+    print(
+        f"final | train_loss {result['train_loss']:.4f} | one process {result['one_process_loss']:.4f}"
+        f" | median step time {result['step_ms']:.2f}ms"
+    )
+    for r, did in enumerate(result["ranks"]):
+        print(
+            f"rank {r}: tokens received per expert {did['received']}, dropped {did['dropped']},"
+            f" {did['bytes_sent']} B sent to other ranks"
+        )
+
+# ruff: noqa: F401, F821, F841, B007 - what a stub leaves unused or undefined until it is written
