@@ -435,15 +435,15 @@ def test_layer(impl_dir, case):
             f"{what}: the layer's aux is {mine['aux'].item():.6f}, not the balance loss of its tokens' routing,"
             f" {theirs['aux'].item():.6f}",
         )
-        assert close(mine["x"], theirs["x"]), said(
-            "the input's gradient not one process's",
-            f"{what}: the tokens' gradient is not one process's: the outputs' gradients go back to the tokens' ranks",
-        )
         no_router = all(g.numel() == 0 or not g.any() for g in mine["router"])
         assert not no_router or not any(g.any() for g in theirs["router"]), said(
             "the combine's weights detached",
             f"{what}: the router has no gradient: the outputs are weighted by the router's weights, and the"
             " gradient reaches the router through them",
+        )
+        assert close(mine["x"], theirs["x"]), said(
+            "the input's gradient not one process's",
+            f"{what}: the tokens' gradient is not one process's: the outputs' gradients go back to the tokens' ranks",
         )
         assert all(close(a, b) for a, b in zip(mine["router"], theirs["router"])), said(
             "the router's gradient not one process's", f"{what}: the router's gradient is not one process's"
@@ -529,7 +529,7 @@ STEPS, LR, AUX = 2, 0.3, 0.1
 
 def steps_in_world(folder, dp, ep, k, x, target, router, experts):
     """Probe: STEPS steps of SGD on the layer's squared error plus AUX times its balance loss, the gradients made
-    the world's mean by sync_gradients; the router and this rank's experts after them."""
+    the world's mean by sync_gradients; the router and this rank's experts after each."""
     moe = load(folder).moe
     rows = [list(range(i * ep, (i + 1) * ep)) for i in range(dp)]
     ep_group, _ = dist.new_subgroups_by_enumeration(rows)
@@ -537,6 +537,7 @@ def steps_in_world(folder, dp, ep, k, x, target, router, experts):
     mesh = moe.ExpertMesh(dp, ep, ep_group, dp_group)
     net = loaded(nn.Linear(WIDTH, len(experts)).double(), router)
     layer = moe.MoE(net, [loaded(expert_net(), e) for e in experts], k, None, ep_group)
+    after = []
     for _ in range(STEPS):
         layer.zero_grad()
         loss = ((layer(x) - target) ** 2).mean() + AUX * layer.aux
@@ -545,7 +546,13 @@ def steps_in_world(folder, dp, ep, k, x, target, router, experts):
         with torch.no_grad():
             for p in layer.parameters():
                 p -= LR * p.grad
-    return {"router": [p.detach() for p in net.parameters()], "experts": [[p.detach() for p in e.parameters()] for e in layer.local]}
+        after.append(
+            {
+                "router": [p.detach().clone() for p in net.parameters()],
+                "experts": [[p.detach().clone() for p in e.parameters()] for e in layer.local],
+            }
+        )
+    return after
 
 
 @pytest.mark.parametrize("dp, ep", [(2, 2), (1, 2)])
@@ -566,11 +573,12 @@ def test_steps(impl_dir, dp, ep):
         make,
         lambda v: [(v["xs"][r], v["targets"][r], v["router"], v["given"][r % ep]) for r in range(world_size)],
     )
-    expect = {"router": many(tensor(), 2), "experts": many(many(tensor(), 4), per_rank)}
+    expect = many({"router": many(tensor(), 2), "experts": many(many(tensor(), 4), per_rank)}, STEPS)
     got = world(steps_in_world, world_size, impl_dir, dp, ep, k, expect=expect, per_rank=given)
     value = given.value
     router = [t.clone() for t in value["router"]]
     experts = [[t.clone() for t in e] for e in value["experts"]]
+    want = []
     for _ in range(STEPS):
         leaves = [t.requires_grad_() for t in router], [[t.requires_grad_() for t in e] for e in experts]
         losses = []
@@ -581,17 +589,24 @@ def test_steps(impl_dir, dp, ep):
         with torch.no_grad():
             router = [t - LR * t.grad for t in router]
             experts = [[t - LR * t.grad for t in e] for e in experts]
-    where = f"{STEPS} steps on the mesh (dp {dp}, ep {ep})"
-    for rank, found in enumerate(got):
-        assert all(close(a, b) for a, b in zip(found["router"], router)), said(
-            "the router's gradient not the world's mean",
-            f"{where}: rank {rank}'s router is not one process's: a parameter on every rank averages its gradient"
-            " over the world",
+        want.append((router, experts))
+    # Step by step, the router first: a mistake in the experts' gradients changes the router only a step later.
+    for step, (router, experts) in enumerate(want):
+        for rank, per_step in enumerate(got):
+            judge_step(per_step[step], router, experts, rank, f"step {step + 1} on the mesh (dp {dp}, ep {ep})", ep)
+
+
+def judge_step(found, router, experts, rank, where, ep):
+    """One rank's router and experts after a step, against one process's."""
+    assert all(close(a, b) for a, b in zip(found["router"], router)), said(
+        "the router's gradient not the world's mean",
+        f"{where}: rank {rank}'s router is not one process's: a parameter on every rank averages its gradient"
+        " over the world",
+    )
+    first = (rank % ep) * len(found["experts"])
+    for i, tensors in enumerate(found["experts"]):
+        assert all(close(a, b) for a, b in zip(tensors, experts[first + i])), said(
+            "an expert's gradient not the world's mean",
+            f"{where}: rank {rank}'s expert {first + i} is not one process's: its gradient is summed over the"
+            " ranks that hold it (the dp group) and divided by the world size",
         )
-        mine = (rank % ep) * per_rank
-        for i, tensors in enumerate(found["experts"]):
-            assert all(close(a, b) for a, b in zip(tensors, experts[mine + i])), said(
-                "an expert's gradient not the world's mean",
-                f"{where}: rank {rank}'s expert {mine + i} is not one process's: its gradient is summed over the"
-                " ranks that hold it (the dp group) and divided by the world size",
-            )
