@@ -89,7 +89,8 @@ def within_capacity(experts: torch.Tensor, n_experts: int, limit: int | None) ->
 def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """counts[e]: how many tokens this rank sends to expert e, for every expert of the group (expert
     e on the group's rank e // per_rank). Returns [group size, per_rank]: row s, how many tokens the
-    group's rank s sends to each expert of this rank. One all-to-all in `group`; nothing guessed.
+    group's rank s sends to each expert of this rank, learnt from the group's ranks (an all-to-all
+    does it in one call); no rank guesses them.
     """
     # TODO(exercise 18): every rank learns what it will receive, before any token travels.
     raise NotImplementedError("Exercise 18: exchange_counts is not written yet, see exercises/18_moe.md")
@@ -244,6 +245,7 @@ def sync_gradients(model: nn.Module, local_experts: nn.Module, mesh: ExpertMesh)
     hold the same expert (dp_group), then divided by the world size, not by dp."""
     world_size = dist.get_world_size()
     mine = {id(p) for p in local_experts.parameters()}
+    trained = [p for p in model.parameters() if p.grad is not None]  # the other ranks' experts have none
     # TODO(exercise 18): each gradient summed in its group (which one for an expert's?), then divided.
     raise NotImplementedError("Exercise 18: sync_gradients is not written yet, see exercises/18_moe.md")
 

@@ -305,8 +305,6 @@ LAYERS = [
 ]
 
 
-CASES = [getattr(c, "values", (c,))[0] for c in LAYERS]
-
 
 def limit_of(tokens, k, n, factor):
     return None if factor is None else math.ceil(factor * tokens * k / n)
@@ -415,7 +413,10 @@ def judged_layer(case, value, ep):
     return want, expert_grads
 
 
-@pytest.mark.parametrize("case", LAYERS, ids=lambda c: f"W{c[0]}-E{c[1]}-k{c[2]}-cf{c[3]}-{c[4]}")
+CASES = [getattr(c, "values", (c,))[0] for c in LAYERS]
+
+
+@pytest.mark.parametrize("case", LAYERS, ids=[f"W{c[0]}-E{c[1]}-k{c[2]}-cf{c[3]}-{c[4]}" for c in CASES])
 @pytest.mark.points(1)
 def test_layer(impl_dir, case):
     """MoE: the output, the balance loss and every gradient (input, router, experts) are one process's mixture's."""
@@ -506,11 +507,17 @@ def test_traffic(impl_dir):
             )
         forward = found["forward"]
         first = token_exchanges(forward)[0]
-        counted = [d for d in forward["collective_dtypes"][:first] if d.startswith(("int", "uint"))]
+        counted = list(range(first))  # the counts' collectives: whatever started before the tokens' rows
         assert counted, said(
             "the counts not exchanged before the tokens",
             f"{what}: no count travelled before the tokens: each rank learns how many rows it receives from each"
             " (exchange_counts) before the rows are sent",
+        )
+        groups = [forward["collective_groups"][i] for i in counted]
+        assert all(g == group for g in groups), said(
+            "the counts exchanged in the world, not the expert-parallel group",
+            f"{what}: the counts went to ranks {groups}: they travel in the expert-parallel group {group}, as the"
+            " tokens do",
         )
         nbytes = forward["collective_bytes"]
         expected = [received[rank] * row_bytes, sum(sent[rank]) * row_bytes]

@@ -114,6 +114,19 @@ PROMISES = {
     "nd.train_step | The rows are split over the dp group: the rank at row i of the mesh runs block i of them, the same rows as the other ranks of its tp group; where dp does not divide the rows, a ValueError naming both.": "test_ex16_nd.test_odd_batch",
     "nd.train_step | The backward must leave every rank's shard the gradient of one process's loss on the whole batch.": "test_ex16_nd.test_steps",
     "nd.train_step | this rank's rows, the loss to backpropagate, and one process's loss, summed in which group?": "test_ex16_nd.test_collectives",
+    # exercise 18: moe.py
+    "moe.balance_loss | It is 1 when the load is even and the router as sure of every expert; its gradient reaches the router through P only (f is a count).": "test_ex18_moe.test_balance_loss",
+    "moe.within_capacity | Which of this rank's choices `experts` [tokens, k] are kept: a bool tensor of its shape.": "test_ex18_moe.test_within_capacity",
+    "moe.within_capacity | Each expert takes at most `limit` of them (every one where limit is None), the first ones in token order (token 0's choices before token 1's, a token's first choice before its second); the others are dropped.": "test_ex18_moe.test_within_capacity",
+    "moe.exchange_counts | counts[e]: how many tokens this rank sends to expert e, for every expert of the group (expert e on the group's rank e // per_rank).": "test_ex18_moe.test_exchange_counts",
+    "moe.exchange_counts | Returns [group size, per_rank]: row s, how many tokens the group's rank s sends to each expert of this rank, learnt from the group's ranks (an all-to-all does it in one call); no rank guesses them.": "test_ex18_moe.test_exchange_counts",
+    "moe.exchange_counts | every rank learns what it will receive, before any token travels.": "test_ex18_moe.test_traffic",
+    "moe.dispatch | The counts are exchanged first (exchange_counts), then the rows (AllToAll), both in `group`.": "test_ex18_moe.test_traffic",
+    "moe.run_experts | `received` [group size, per_rank] says how the rows came: first rank 0's block, received[0, 0] rows for this rank's first expert, then received[0, 1] for its second, ...; then rank 1's block, and so on.": "test_ex18_moe.test_layer",
+    "moe.sync_gradients | After each rank's backward of its own loss: leave every gradient that of the mean over the world's ranks of their losses.": "test_ex18_moe.test_steps",
+    "moe.sync_gradients | The parameters on every rank (all but the experts) average their gradients over the world.": "test_ex18_moe.test_steps",
+    "moe.sync_gradients | An expert's gradient already sums what every rank of its ep group sent it (AllToAll's backward brought their gradients back to it): it is summed over the ranks that hold the same expert (dp_group), then divided by the world size, not by dp.": "test_ex18_moe.test_steps",
+    "moe.sync_gradients | each gradient summed in its group (which one for an expert's?), then divided.": "test_ex18_moe.test_steps",
 }
 
 # Sentences that bind the caller, not the function: what its callers must do. Each says how the checks

@@ -72,6 +72,18 @@ MUTANTS = {
         lambda folder: test_exchange_counts(folder, 2, 2),
         "no rank knows these in advance",
     ),
+    "counts gathered from the whole world": (
+        "moe.py",
+        "    received = torch.empty_like(counts)\n    dist.all_to_all_single(received, counts, group=group)\n"
+        "    return received.view(dist.get_world_size(group), -1)\n",
+        "    everyone = [torch.empty_like(counts) for _ in range(dist.get_world_size())]\n"
+        "    dist.all_gather(everyone, counts)\n"
+        "    ranks, me = dist.get_process_group_ranks(group), dist.get_rank(group)\n"
+        "    per_rank = len(counts) // len(ranks)\n"
+        "    return torch.stack([everyone[r][me * per_rank : (me + 1) * per_rank] for r in ranks])\n",
+        test_traffic,
+        "the counts went to ranks [[0, 1, 2, 3]]",
+    ),
     "rows not sorted by expert before they leave": (
         "moe.py",
         "    order = torch.argsort(chosen, stable=True)\n",
@@ -123,8 +135,8 @@ MUTANTS = {
     ),
     "experts' gradients divided by dp, not the world size": (
         "moe.py",
-        "            p.grad /= world_size",
-        "            p.grad /= mesh.dp if id(p) in mine else world_size",
+        "        p.grad /= world_size",
+        "        p.grad /= mesh.dp if id(p) in mine else world_size",
         lambda folder: test_steps(folder, 2, 2),
         "divided by the world size",
     ),
