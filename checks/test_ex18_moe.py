@@ -147,7 +147,9 @@ def test_within_capacity(impl_dir):
     got = world(capacity_in_world, 1, impl_dir, expect=many(tensor(), 5), per_rank=given)[0]
     for (experts, n, limit), mask in zip(given.value, got):
         want = kept(experts, n, limit)
-        what = f"within_capacity of {experts.shape[0]} tokens x {experts.shape[1]} choices over {n} experts, limit {limit}"
+        what = (
+            f"within_capacity of {experts.shape[0]} tokens x {experts.shape[1]} choices over {n} experts, limit {limit}"
+        )
         assert mask.dtype == torch.bool and mask.shape == experts.shape, said(
             "within_capacity not a mask of the choices",
             f"{what}: returned a {mask.dtype} tensor of shape {list(mask.shape)}, not a bool tensor of the choices'"
@@ -293,17 +295,12 @@ def mixture(router, experts, k, limit, x):
 
 
 # (world size, experts per rank, k, capacity factor, router bias: None, "one" (every token to expert 0) or "none"
-# (no token to rank 1's experts))
-LAYERS = [
-    (1, 2, 2, None, None),
-    (2, 1, 1, None, None),
-    (2, 2, 2, None, None),
-    pytest.param((2, 2, 2, 0.5, None), marks=pytest.mark.points(2)),
-    pytest.param((4, 1, 2, 1.0, None), marks=pytest.mark.points(2)),
-    (4, 2, 1, None, "one"),
-    (2, 2, 1, None, "none"),
-]
-
+# (no token to rank 1's experts)), by world size: a world's cases run in one call.
+LAYERS = {
+    1: [(1, 2, 2, None, None)],
+    2: [(2, 1, 1, None, None), (2, 2, 2, None, None), (2, 2, 2, 0.5, None), (2, 2, 1, None, "none")],
+    4: [(4, 1, 2, 1.0, None), (4, 2, 1, None, "one")],
+}
 
 
 def limit_of(tokens, k, n, factor):
@@ -335,37 +332,48 @@ def layer_case(case, seed, ep):
     return {"router": router, "experts": experts, "xs": xs, "upstream": upstream, "given": others}
 
 
-def layer_in_world(folder, k, factor, ep, x, router, experts, upstream):
-    """Probe: the MoE layer over this rank's expert-parallel group (ranks in rows of ep), forward and backward of
-    (output * upstream).sum(); its output, gradients, balance loss and the log of the collectives, forward and
-    backward apart."""
-    moe = load(folder).moe
-    rows = [list(range(i, i + ep)) for i in range(0, dist.get_world_size(), ep)]
-    group, _ = dist.new_subgroups_by_enumeration(rows)
-    net = nn.Linear(WIDTH, len(experts)).double()
-    loaded(net, router)
-    nets = [loaded(expert_net(), e) for e in experts]
-    x = x.clone().requires_grad_()
-    layer = moe.MoE(net, nets, k, factor, group)
-    with CommLog() as forward:
-        y = layer(x)
-    with CommLog() as backward:
-        (y * upstream).sum().backward()
-    first = dist.get_rank(group) * (len(experts) // ep)
-    mine = nets[first : first + len(experts) // ep]
+def groups_of(ep):
+    """This rank's expert-parallel group, the world's ranks in rows of ep: the world itself where ep is its size
+    (a group made afresh costs every rank its connections and threads)."""
+    if ep == dist.get_world_size():
+        return dist.group.WORLD
+    group, _ = dist.new_subgroups_by_enumeration([list(range(i, i + ep)) for i in range(0, dist.get_world_size(), ep)])
+    return group
 
-    def grad(p):
-        return p.grad if p.grad is not None else torch.zeros(0)
 
-    return {
-        "y": y.detach(),
-        "aux": layer.aux.detach(),
-        "x": grad(x),
-        "router": [grad(p) for p in net.parameters()],
-        "experts": [[grad(p) for p in e.parameters()] for e in mine],
-        "forward": forward.summary(),
-        "backward": backward.summary(),
-    }
+def layer_in_world(folder, ep, cases):
+    """Probe: for each case (k, capacity factor, this rank's tokens, the router, the experts as this rank is given
+    them, the upstream gradient), the MoE layer over this rank's expert-parallel group (ranks in rows of ep),
+    forward and backward of (output * upstream).sum(); its output, gradients, balance loss and the log of the
+    collectives, forward and backward apart."""
+    moe, group = load(folder).moe, groups_of(ep)
+    found = []
+    for k, factor, x, router, experts, upstream in cases:
+        net = loaded(nn.Linear(WIDTH, len(experts)).double(), router)
+        nets = [loaded(expert_net(), e) for e in experts]
+        x = x.clone().requires_grad_()
+        layer = moe.MoE(net, nets, k, factor, group)
+        with CommLog() as forward:
+            y = layer(x)
+        with CommLog() as backward:
+            (y * upstream).sum().backward()
+        first = dist.get_rank(group) * (len(experts) // ep)
+        found.append(
+            {
+                "y": y.detach(),
+                "aux": layer.aux.detach(),
+                "x": grad_of(x),
+                "router": [grad_of(p) for p in net.parameters()],
+                "experts": [[grad_of(p) for p in e.parameters()] for e in nets[first : first + len(experts) // ep]],
+                "forward": forward.summary(),
+                "backward": backward.summary(),
+            }
+        )
+    return found
+
+
+def grad_of(p):
+    return p.grad if p.grad is not None else torch.zeros(0)
 
 
 LAYER = {
@@ -379,25 +387,37 @@ LAYER = {
 }
 
 
-def run_layer(folder, case, seed, ep=None):
-    world_size, per_rank, k, factor, _ = case
+def run_layer(folder, cases, seed, ep=None):
+    """The layer's cases, all of one world size, in one call of the world: by rank, each case's results; and
+    each case's inputs."""
+    world_size = cases[0][0]
     ep = ep or world_size
-    inputs = Given(
-        lambda: layer_case(case, seed, ep),
-        lambda v: [(v["xs"][r], v["router"], v["given"][r % ep], v["upstream"][r]) for r in range(world_size)],
-    )
-    got = world(layer_in_world, world_size, folder, k, factor, ep, expect=LAYER, per_rank=inputs)
+
+    def split(values):
+        return [
+            (
+                ep,
+                [
+                    (c[2], c[3], v["xs"][r], v["router"], v["given"][r % ep], v["upstream"][r])
+                    for c, v in zip(cases, values)
+                ],
+            )
+            for r in range(world_size)
+        ]
+
+    inputs = Given(lambda: [layer_case(case, seed + i, ep) for i, case in enumerate(cases)], split)
+    got = world(layer_in_world, world_size, folder, expect=many(LAYER, len(cases)), per_rank=inputs)
     return got, inputs.value
 
 
-def judged_layer(case, value, ep):
+def judged_layer(case, value):
     """One process's outputs and gradients of the case: each rank's tokens through the same layer, expert e's
-    gradient summed over the ranks of its ep group."""
+    gradient summed over every rank's tokens."""
     world_size, per_rank, k, factor, _ = case
     router = [t.clone().requires_grad_() for t in value["router"]]
     expert_grads = [[torch.zeros_like(t) for t in e] for e in value["experts"]]
     want = []
-    for r, (x, up) in enumerate(zip(value["xs"], value["upstream"])):
+    for x, up in zip(value["xs"], value["upstream"]):
         experts = [[t.clone().requires_grad_() for t in e] for e in value["experts"]]
         x = x.clone().requires_grad_()
         for t in router:
@@ -409,21 +429,27 @@ def judged_layer(case, value, ep):
             for i, t in enumerate(ts):
                 if t.grad is not None:
                     expert_grads[e][i] += t.grad
-        del y
     return want, expert_grads
 
 
-CASES = [getattr(c, "values", (c,))[0] for c in LAYERS]
-
-
-@pytest.mark.parametrize("case", LAYERS, ids=[f"W{c[0]}-E{c[1]}-k{c[2]}-cf{c[3]}-{c[4]}" for c in CASES])
-@pytest.mark.points(1)
-def test_layer(impl_dir, case):
+@pytest.mark.parametrize(
+    "world_size", [pytest.param(1, marks=pytest.mark.points(2)), pytest.param(2, marks=pytest.mark.points(4)), 4]
+)
+@pytest.mark.points(3)
+def test_layer(impl_dir, world_size):
     """MoE: the output, the balance loss and every gradient (input, router, experts) are one process's mixture's."""
+    cases = LAYERS[world_size]
+    got, values = run_layer(impl_dir, cases, 50 + 10 * world_size)
+    for c, (case, value) in enumerate(zip(cases, values)):
+        judge_layer(case, value, [found[c] for found in got])
+
+
+def judge_layer(case, value, got):
+    """One case of the layer, every rank's results (got) against one process's."""
     world_size, per_rank, k, factor, bias = case
-    got, value = run_layer(impl_dir, case, 50 + CASES.index(case))
-    want, expert_grads = judged_layer(case, value, world_size)
-    where = f"{world_size} ranks of {per_rank} experts, k = {k}, capacity factor {factor}"
+    want, expert_grads = judged_layer(case, value)
+    routed = {"one": ", every token's first choice expert 0", "none": ", no token to rank 1's experts"}.get(bias, "")
+    where = f"{world_size} ranks of {per_rank} experts, k = {k}, capacity factor {factor}{routed}"
     for rank, (mine, theirs) in enumerate(zip(got, want)):
         what = f"with {where}, rank {rank}"
         assert close(mine["y"], theirs["y"]), said(
@@ -459,7 +485,11 @@ def test_layer(impl_dir, case):
 
 # The layer on a (dp, ep) mesh: exercise 16's idea, the all-to-alls in the ep group only.
 TRAFFIC = (4, 2, 2, None, None)
-ALL_TO_ALLS = ("alltoall", "alltoall_base", "all_to_all_single")  # course/runtime/compat.py's names  # 4 ranks in rows of 2: experts 0-1 on ranks 0 and 2, 2-3 on 1 and 3
+ALL_TO_ALLS = (
+    "alltoall",
+    "alltoall_base",
+    "all_to_all_single",
+)  # course/runtime/compat.py's names  # 4 ranks in rows of 2: experts 0-1 on ranks 0 and 2, 2-3 on 1 and 3
 
 
 def row_counts(value, case, ep):
@@ -467,8 +497,8 @@ def row_counts(value, case, ep):
     world_size, per_rank, k, factor, _ = case
     n = ep * per_rank
     sent = []
-    for r, x in enumerate(value["xs"]):
-        router = value["router"]
+    router = value["router"]
+    for x in value["xs"]:
         chosen = (x @ router[0].T + router[1]).softmax(dim=-1).topk(k, dim=-1).indices
         mask = kept(chosen, n, limit_of(len(x), k, n, factor))
         sent.append([int(((chosen // per_rank == q) & mask).sum()) for q in range(ep)])
@@ -485,8 +515,9 @@ def test_traffic(impl_dir):
     """The counts travel before the tokens; two all-to-alls of rows forward and two backward, in the ep group only."""
     ep = 2
     case = TRAFFIC
-    got, value = run_layer(impl_dir, case, 60, ep=ep)
-    sent, received = row_counts(value, case, ep)
+    got, values = run_layer(impl_dir, [case], 60, ep=ep)
+    sent, received = row_counts(values[0], case, ep)
+    got = [found[0] for found in got]
     row_bytes = WIDTH * 8
     for rank, found in enumerate(got):
         group = [q for q in range(rank // ep * ep, rank // ep * ep + ep)]
@@ -567,7 +598,6 @@ def steps_in_world(folder, dp, ep, k, x, target, router, experts):
 def test_steps(impl_dir, dp, ep):
     """sync_gradients: training steps on a (dp, ep) mesh equal one process's steps on the mean of every rank's loss."""
     world_size, per_rank, k = dp * ep, 1, 2
-    case = (world_size, per_rank, k, None, None)
 
     def make():
         value = layer_case((ep, per_rank, k, None, None), 70 + dp, ep)

@@ -364,7 +364,10 @@ if __name__ == "__main__":
     parser.add_argument("--experts-per-rank", type=whole(1), default=2)
     parser.add_argument("--top-k", type=whole(1), default=2, help="experts per token")
     parser.add_argument(
-        "--capacity-factor", type=float, default=None, help="each expert takes this times an even share of a rank's choices"
+        "--capacity-factor",
+        type=float,
+        default=None,
+        help="each expert takes this times an even share of a rank's choices",
     )
     parser.add_argument("--aux-weight", type=float, default=0.01, help="the balance loss's weight in the loss")
     parser.set_defaults(niters=200, dim_in=64, dim_hidden=32, n_classes=8, batch_size=64)
