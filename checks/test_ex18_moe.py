@@ -206,14 +206,18 @@ def torchs_all_to_all(x, send, recv, upstream):
     return [out.detach(), x.grad]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.points(2)
-def test_all_to_all(impl_dir, world_size):
-    """AllToAll: forward, each block of rows to its rank; backward, the gradient back the way the rows came; as torch's."""
+@pytest.mark.points(4)
+def test_all_to_all(impl_dir):
+    """AllToAll: forward, each block of rows to its rank; backward, the gradient back the way the rows came; as torch's.
+
+    On 2 ranks: torch's all-to-all runs in a reference world, and other exercises' checks keep one of 2 (a world of 4
+    was one more to start, 5 s of a grade's 9 under load); the layer's checks run AllToAll on 4 ranks too."""
+    world_size = 2
 
     def make():
         g = drawn(40 + world_size)
         sends = torch.randint(0, 4, (world_size, world_size), generator=g)
+        sends[:, 0] += 1  # every rank sends rank 0 a row: a backward that returns its gradient as it came is caught
         sends[:, 1] = 0  # rank 1 receives no row
         xs = [torch.randn(int(row.sum()), 3, generator=g, dtype=torch.float64) for row in sends]
         upstream = [torch.randn(int(sends[:, r].sum()), 3, generator=g, dtype=torch.float64) for r in range(world_size)]
