@@ -440,13 +440,16 @@ def judge_layer(case, value, got):
     world_size, per_rank, k, factor, bias = case
     want, expert_grads = judged_layer(case, value)
     routed = {"one": ", every token's first choice expert 0", "none": ", no token to rank 1's experts"}.get(bias, "")
-    where = f"{world_size} ranks of {per_rank} experts, k = {k}, capacity factor {factor}{routed}"
+    ranks, experts = f"{world_size} rank{'s' * (world_size > 1)}", f"{per_rank} expert{'s' * (per_rank > 1)}"
+    where = f"{ranks} of {experts}, k = {k}, capacity factor {factor}{routed}"
     for rank, (mine, theirs) in enumerate(zip(got, want)):
         what = f"with {where}, rank {rank}"
         assert close(mine["y"], theirs["y"]), said(
             "not one process's mixture",
             f"{what}: the layer's output is not one process's mixture of the same router and experts on the same"
-            " tokens (each token plus its kept choices' outputs, weighted, back in its own row)",
+            " tokens. Each row travels to its expert's rank in expert order (dispatch), each (rank, expert) block"
+            " goes through its own expert (run_experts), and each output comes back to its own token's row, weighted"
+            " (combine)",
         )
         assert torch.allclose(mine["aux"], theirs["aux"]), said(
             "the layer's balance loss not its batch's",
@@ -627,7 +630,8 @@ def judge_step(found, router, experts, rank, where, ep):
     assert all(close(a, b) for a, b in zip(found["router"], router)), said(
         "the router's gradient not the world's mean",
         f"{where}: rank {rank}'s router is not one process's: a parameter on every rank averages its gradient"
-        " over the world",
+        " over the world (where test_layer fails too, the layer's own gradients are wrong before sync_gradients"
+        " sees them)",
     )
     first = (rank % ep) * len(found["experts"])
     for i, tensors in enumerate(found["experts"]):

@@ -1,7 +1,7 @@
 """Exercise 18: expert parallelism, a mixture of experts whose tokens travel by all-to-all.
 
-    python moe.py --world-size 2                      # 2 ranks, 2 experts each, every token to its top 2
-    python moe.py --dp 2 --ep 2 --capacity-factor 1   # 4 ranks; experts over pairs; the fullest experts drop tokens
+    python moe.py --ep 2 --capacity-factor 1   # 2 ranks, 2 experts each, every token to its top 2; full experts drop
+    python moe.py --dp 2 --ep 2                # 4 ranks: two copies of the experts, each split over 2 ranks
 
 A mixture-of-experts layer holds many experts (small MLPs) and a router. The router scores every
 expert for every token, and each token goes through its k best experts only: the model has many

@@ -203,6 +203,10 @@ _CALLS = {
     "alltoall_base": ("ALLTOALL_BASE", 0),
     "barrier": ("BARRIER", None),
 }
+# Those whose tensors may differ in shape from rank to rank: an all-to-all's blocks are of any size (torch 2.11's
+# dist.all_to_all_single with split sizes reaches alltoall_base; 2.13's, a method of its own): only their dtype is
+# compared.
+_ANY_SHAPE = ("alltoall", "alltoall_base")
 # torch's functional collectives (torch.distributed._functional_collectives), each with the process group method
 # that its op calls: from C++, never through the methods above. Each starts its collective and returns at once; the
 # rank blocks in wait_tensor, at the result's first use. Named as the boards name the method's own collective: a
@@ -257,10 +261,11 @@ def _record(method: str, args: tuple) -> list:
     op = getattr(options, "reduceOp", None)
     op = next((i for i, name in enumerate(_REDUCE_OPS) if op == getattr(dist.ReduceOp, name)), -1)
     tensor = _first_tensor(args[tensors]) if tensors is not None and len(args) > tensors else None
-    shape = list(tensor.shape) if tensor is not None else []
+    shaped = tensor is not None and method not in _ANY_SHAPE
+    shape = list(tensor.shape) if shaped else []
     dims = shape[:_DIMENSIONS] + [-1] * (_DIMENSIONS - len(shape[:_DIMENSIONS]))
     dtype = _DTYPES.index(tensor.dtype) if tensor is not None else -1
-    return [list(_CALLS).index(method), root, op, dtype, len(shape) if tensor is not None else -1, *dims]
+    return [list(_CALLS).index(method), root, op, dtype, len(shape) if shaped else -1, *dims]
 
 
 class Agreement:
