@@ -156,34 +156,48 @@ def test_within_capacity(impl_dir):
 # --- The counts, and the rows both ways ----------------------------------------------------------
 
 
-def counts_in_world(folder, counts):
+def counts_in_world(folder, ep, counts):
+    """Probe: exchange_counts in this rank's expert-parallel group (the world's ranks in rows of ep)."""
+    group = groups_of(ep)
     with CommLog() as log:
-        received = load(folder).moe.exchange_counts(counts, dist.group.WORLD)
+        received = load(folder).moe.exchange_counts(counts, group)
     return [received, log.summary()]
 
 
-@pytest.mark.parametrize("world_size, per_rank", [pytest.param(2, 2, marks=pytest.mark.points(2)), (4, 1)])
+@pytest.mark.parametrize(
+    "world_size, ep, per_rank", [pytest.param(2, 2, 2, marks=pytest.mark.points(2)), (4, 2, 1)], ids=["2-2", "4-1"]
+)
 @pytest.mark.points(1)
-def test_exchange_counts(impl_dir, world_size, per_rank):
-    """exchange_counts: row s, what the group's rank s sends to each of this rank's experts; no rank guesses them."""
-    n = world_size * per_rank
+def test_exchange_counts(impl_dir, world_size, ep, per_rank):
+    """exchange_counts: row s, what the group's rank s sends to each of this rank's experts; no rank guesses them.
+
+    On 4 ranks the groups are pairs of ranks, so that counts exchanged in the world are told from the group's."""
+    n = ep * per_rank
 
     def make():
         g = drawn(30 + world_size)
         counts = torch.randint(0, 9, (world_size, n), generator=g)
-        counts[:, per_rank : 2 * per_rank] = 0  # the second rank receives nothing
+        counts[:, per_rank : 2 * per_rank] = 0  # each group's second rank receives nothing
         return counts
 
     given = Given(make, lambda counts: [(row.clone(),) for row in counts])
-    results = world(counts_in_world, world_size, impl_dir, expect=(tensor(), SUMMARY), per_rank=given)
+    results = world(counts_in_world, world_size, impl_dir, ep, expect=(tensor(), SUMMARY), per_rank=given)
     counts = given.value
     for rank, (received, log) in enumerate(results):
-        want = counts[:, rank * per_rank : (rank + 1) * per_rank]
-        what = f"with {world_size} ranks of {per_rank} experts each, rank {rank}"
+        group, mine = list(range(rank // ep * ep, rank // ep * ep + ep)), rank % ep
+        want = torch.stack([counts[s, mine * per_rank : (mine + 1) * per_rank] for s in group])
+        what = f"with {world_size} ranks in groups {group if ep < world_size else 'of the world'}, {per_rank} expert"
+        what += f"{'s' * (per_rank > 1)} each, rank {rank}"
+        # The group first: counts exchanged in the world come back wrong because of it.
+        assert all(g == group for g in log["collective_groups"]), said(
+            "the counts exchanged in the world, not the expert-parallel group",
+            f"{what}: the counts went to ranks {log['collective_groups']}: they travel in the group {group}",
+        )
         assert received.shape == want.shape and torch.equal(received.to(want.dtype), want), said(
             "the counts not exchanged",
-            f"{what} expects {want.tolist()} (row s: what rank s sends to each of its experts), and exchange_counts"
-            f" returned {received.tolist()}: no rank knows these in advance; each learns them from the others",
+            f"{what} expects {want.tolist()} (row s: what the group's rank s sends to each of its experts), and"
+            f" exchange_counts returned {received.tolist()}: no rank knows these in advance; each learns them from"
+            " the others of its group",
         )
         assert log["collectives"], said(
             "the counts not exchanged", f"{what}: exchange_counts started no collective: the counts must travel"

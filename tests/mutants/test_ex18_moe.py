@@ -56,7 +56,7 @@ MUTANTS = {
         "moe.py",
         "    received = torch.empty_like(counts)\n    dist.all_to_all_single(received, counts, group=group)\n",
         "    received = counts.clone()\n",
-        lambda folder: checks.test_exchange_counts(folder, 2, 2),
+        lambda folder: checks.test_exchange_counts(folder, 2, 2, 2),
         "no rank knows these in advance",
     ),
     "counts gathered from the whole world": (
@@ -70,6 +70,13 @@ MUTANTS = {
         "    return torch.stack([everyone[r][me * per_rank : (me + 1) * per_rank] for r in ranks])\n",
         checks.test_traffic,
         "the counts went to ranks [[0, 1, 2, 3]]",
+    ),
+    "the counts exchanged without their group": (
+        "moe.py",
+        "    dist.all_to_all_single(received, counts, group=group)\n",
+        "    dist.all_to_all_single(received, counts)\n",
+        lambda folder: checks.test_exchange_counts(folder, 4, 2, 1),
+        "they travel in the group [0, 1]",
     ),
     "rows not sorted by expert before they leave": (
         "moe.py",
