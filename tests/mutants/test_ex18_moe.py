@@ -118,7 +118,7 @@ MUTANTS = {
         "        return sent_back, None, None, None",
         "        return grad, None, None, None",
         checks.test_all_to_all,
-        "invalid gradient",
+        "the backward sends each row's gradient back to the rank it came from (the sizes swapped)",
     ),
     "the all-to-all in the world, not the expert-parallel group": (
         "moe.py",
