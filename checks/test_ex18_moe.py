@@ -528,7 +528,7 @@ def test_traffic(impl_dir):
     got = [found[0] for found in got]
     row_bytes = WIDTH * 8
     for rank, found in enumerate(got):
-        group = [q for q in range(rank // ep * ep, rank // ep * ep + ep)]
+        group = list(range(rank // ep * ep, rank // ep * ep + ep))
         what = f"with 4 ranks in expert-parallel groups of 2 ({group} is rank {rank}'s), rank {rank}"
         for direction, log in (("forward", found["forward"]), ("backward", found["backward"])):
             rows = token_exchanges(log)

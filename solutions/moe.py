@@ -304,8 +304,8 @@ def train(config: ModelConfig, dp: int, ep: int, per_rank: int, k: int, capacity
     if alone is not None:
         alone.load_state_dict(full.state_dict())
     moe = MoE(full.router, list(full.experts), k, capacity_factor, mesh.ep_group)
-    mine = [p for name, p in full.named_parameters() if not name.startswith("experts.")] + list(moe.local.parameters())
-    optimizer = torch.optim.SGD(mine, lr=config.lr)
+    held = [p for name, p in full.named_parameters() if not name.startswith("experts.")] + list(moe.local.parameters())
+    optimizer = torch.optim.SGD(held, lr=config.lr)
     alone_optimizer = torch.optim.SGD(alone.parameters(), lr=config.lr) if alone is not None else None
     train_set, _ = split_dataset(*(t.to(device) for t in gen_dataset(config, rand_state=config.seed)))
     rows = config.batch_size // world_size
@@ -346,9 +346,9 @@ def train(config: ModelConfig, dp: int, ep: int, per_rank: int, k: int, capacity
             if step % 50 == 0:
                 print(f"step {step} | train_loss {mean.item() / world_size:.4f} | one process {alone_loss.item():.4f}")
     width = config.d_hidden * torch.finfo(torch.float32).bits // 8
-    mine = {"received": received.tolist(), "dropped": dropped, "bytes_sent": 2 * sent_rows * width}
+    did = {"received": received.tolist(), "dropped": dropped, "bytes_sent": 2 * sent_rows * width}
     everyone = [None] * world_size
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, did)
     return {
         "train_loss": mean.item() / world_size,
         "one_process_loss": alone_loss.item() if alone is not None else None,
