@@ -108,7 +108,8 @@ EXERCISES = (
              ("python nd.py --dp 2 --tp 2",), 20, 2, demo=("nd.py --dp 2 --tp 2 --niters 100",),
              gpu=("16 data x tensor parallel mesh (final loss)",), forbids=("DTensor",)),
     Exercise(18, "moe", "moe.py", "expert parallelism: a mixture of experts whose tokens travel by all-to-all",
-             ("python moe.py --ep 2 --capacity-factor 1",), 30, 2, demo=("moe.py --dp 2 --ep 2 --niters 100",)),
+             ("python moe.py --ep 2 --capacity-factor 1",), 30, 2, demo=("moe.py --dp 2 --ep 2 --niters 100",),
+             gpu=("18 expert parallel, dp x ep mesh (final loss)",)),
 )
 # fmt: on
 

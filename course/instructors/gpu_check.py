@@ -3,7 +3,7 @@
     python -m course.instructors.gpu_check                      # the defaults of mlp.py, 300 steps
     python -m course.instructors.gpu_check --dim-hidden 2048    # any flag of mlp.py
 
-Exercises 1 to 6 (7 adds no device-specific code to 6), 13, 14, 15 and 16: each case runs on the CPU
+Exercises 1 to 6 (7 adds no device-specific code to 6), 13 to 16 and 18: each case runs on the CPU
 with gloo and on the GPUs with nccl, from the same seeds, in a world of one rank per GPU (one GPU
 is enough; exercise 15's pipeline has at most one stage per layer). With one GPU, the multi-rank
 cases run once more with two ranks sharing it over gloo (NCCL refuses two ranks on one GPU), so
@@ -127,6 +127,17 @@ def mesh_on_rank(folder: str, fields: dict):
     tp = 2 if dist.get_world_size() % 2 == 0 else 1
     with contextlib.redirect_stdout(io.StringIO()), ieee_float32():
         result = ex.nd.train(ex.mlp.ModelConfig(**fields), dist.get_world_size() // tp, tp)
+    return result if dist.get_rank() == 0 else None
+
+
+def moe_on_rank(folder: str, fields: dict):
+    """Worker: exercise 18's training on the mesh (W / 2, 2) (W odd: (1, W)), 2 experts per rank, top 2, a capacity
+    factor of 1 (some tokens dropped), silenced; rank 0 returns its figures: its loss, one process's beside it, and
+    its step time."""
+    ex = impl.load(folder)
+    ep = 2 if dist.get_world_size() % 2 == 0 else dist.get_world_size()
+    with contextlib.redirect_stdout(io.StringIO()), ieee_float32():
+        result = ex.moe.train(ex.mlp.ModelConfig(**fields), dist.get_world_size() // ep, ep, 2, 2, 1.0, 0.01)
     return result if dist.get_rank() == 0 else None
 
 
@@ -257,6 +268,11 @@ def compare(
             *(run(mesh_on_rank, world_size, code, even, **where)[0] for code, where in (on_cpu, on_device))
         )
 
+    def experts():
+        return _loss_difference(
+            *(run(moe_on_rank, world_size, code, fields, **where)[0] for code, where in (on_cpu, on_device))
+        )
+
     measures = {  # by row, as course/exercises.py names them: (world size, tolerance, measure)
         "1 MLP, one process": (1, TOLERANCE[config.amp], alone),
         "2 matmul, by row and by reduction": (world_size, ex.dist.MATMUL_TOLERANCE, matmul),
@@ -272,6 +288,7 @@ def compare(
         "14 sequence parallel (final loss)": (world_size, TOLERANCE[False], tensor_parallel(True)),
         "15 pipeline, 1F1B": (stages, TOLERANCE[False], pipeline),
         "16 data x tensor parallel mesh (final loss)": (world_size, TOLERANCE[False], mesh),
+        "18 expert parallel, dp x ep mesh (final loss)": (world_size, TOLERANCE[False], experts),
     }
     missing = [row for exercise in EXERCISES for row in exercise.gpu if row not in measures]
     if missing:

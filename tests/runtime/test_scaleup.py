@@ -496,9 +496,10 @@ def test_gpu_check_compares_every_case():
         "14 sequence parallel (final loss)",
         "15 pipeline, 1F1B",
         "16 data x tensor parallel mesh (final loss)",
+        "18 expert parallel, dp x ep mesh (final loss)",
     ]
     assert all(row.ok for row in rows), gpu_check.report(rows, "CPU")
-    assert "14 of 14 cases agree with the CPU." in gpu_check.report(rows, "CPU")
+    assert "15 of 15 cases agree with the CPU." in gpu_check.report(rows, "CPU")
     assert "COURSE_DEVICE" not in os.environ, "the check should leave this process's device as it found it"
     assert torch.backends.cuda.matmul.fp32_precision == "none", "and its float32 precision"
 
@@ -561,6 +562,7 @@ OWN_MISTAKES = [
         "        total = grad.clone(memory_format=torch.contiguous_format)\n        dist.all_reduce(total, group=ctx.group)\n",
         "        total = grad.clone(memory_format=torch.contiguous_format)\n",
     ),
+    ("moe.py", "        p.grad /= world_size\n", ""),  # gradients summed, not averaged
 ]
 
 
@@ -569,6 +571,14 @@ def test_gpu_check_rows_are_stable_under_a_nudge(tmp_path):
     chaotic (exercise 13's Adam at 0.1 was) would turn a rounding difference into a failure."""
     nudge = "        with torch.no_grad():\n            for layer in self.layers:\n                layer.weight.add_(1e-7)\n"
     folder = make_mutant(tmp_path, "mlp.py", LAYERS, LAYERS + nudge)
+    # Exercise 18's model is its own: nudged too, where a top-k choice or a dropped token could turn on a rounding.
+    built = "    full = MoEModel(config, ep * per_rank).to(device)\n"
+    plant(
+        folder,
+        "moe.py",
+        built,
+        built + "    with torch.no_grad():\n        for p in full.parameters():\n            p.add_(1e-7)\n",
+    )
     rows = gpu_check.compare("cpu", 2, small_config(impl.load(SOLUTIONS).mlp), folder, reference=SOLUTIONS)
     assert all(row.ok for row in rows), gpu_check.report(rows, "nudged CPU")
 
@@ -583,7 +593,7 @@ def test_every_gpu_check_row_fails_on_a_planted_mistake(tmp_path):
     assert len(rows) == 3 and not any(row.ok for row in rows), gpu_check.report(rows, "CPU, learning rate halved")
     own = planted(tmp_path / "own", OWN_MISTAKES)
     rows = gpu_check.compare("cpu", 2, config, own, reference=SOLUTIONS, exercises=gpu_check.MULTI_RANK - {3})
-    assert len(rows) == 11 and not any(row.ok for row in rows), gpu_check.report(rows, "CPU, mistakes planted")
+    assert len(rows) == 12 and not any(row.ok for row in rows), gpu_check.report(rows, "CPU, mistakes planted")
 
 
 def test_data_parallel_sentences_hold_for_any_world_size():
