@@ -22,6 +22,7 @@ prints both losses. Handout: exercises/18_moe.md.
 """
 
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -310,6 +311,7 @@ def train(config: ModelConfig, dp: int, ep: int, per_rank: int, k: int, capacity
     train_set, _ = split_dataset(*(t.to(device) for t in gen_dataset(config, rand_state=config.seed)))
     rows = config.batch_size // world_size
     received, dropped, sent_rows, step_times = torch.zeros(per_rank, dtype=torch.int64), 0, 0, []
+    history = {"received": [], "dropped": [], "loss": []}  # by step: what --plot draws
     for step, x, y in batches(*train_set, config.batch_size, config.seed):
         if step == config.niters:
             break
@@ -327,6 +329,9 @@ def train(config: ModelConfig, dp: int, ep: int, per_rank: int, k: int, capacity
         step_times.append((time.perf_counter() - t0) * 1000)
         received += moe.stats["received"].cpu()
         dropped += moe.stats["dropped"]
+        history["received"].append(moe.stats["received"].tolist())
+        history["dropped"].append(moe.stats["dropped"])
+        history["loss"].append(mean.item() / world_size)
         sent_rows += sum(n for r, n in enumerate(moe.stats["sent"]) if r != dist.get_rank(mesh.ep_group))
         if alone is not None:
             alone_optimizer.zero_grad()
@@ -346,7 +351,7 @@ def train(config: ModelConfig, dp: int, ep: int, per_rank: int, k: int, capacity
             if step % 50 == 0:
                 print(f"step {step} | train_loss {mean.item() / world_size:.4f} | one process {alone_loss.item():.4f}")
     width = config.d_hidden * torch.finfo(torch.float32).bits // 8
-    did = {"received": received.tolist(), "dropped": dropped, "bytes_sent": 2 * sent_rows * width}
+    did = {"received": received.tolist(), "dropped": dropped, "bytes_sent": 2 * sent_rows * width, "history": history}
     everyone = [None] * world_size
     dist.all_gather_object(everyone, did)
     return {
@@ -355,6 +360,32 @@ def train(config: ModelConfig, dp: int, ep: int, per_rank: int, k: int, capacity
         "ranks": everyone,
         "step_ms": statistics.median(step_times),
     }
+
+
+def plot(ranks: list, ep: int, path: str) -> None:
+    """Tokens each expert received, tokens dropped and the loss, step by step, from train()'s "ranks" on a mesh
+    of ep ranks a row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (load, drops, loss) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    for r, did in enumerate(ranks):
+        steps = range(len(did["history"]["received"]))
+        per_rank = len(did["received"])
+        for i, counts in enumerate(zip(*did["history"]["received"])):
+            load.plot(steps, counts, linewidth=0.8, label=f"expert {r % ep * per_rank + i} on rank {r}")
+        drops.plot(steps, did["history"]["dropped"], linewidth=0.8, label=f"rank {r}")
+    loss.plot(range(len(ranks[0]["history"]["loss"])), ranks[0]["history"]["loss"])
+    load.set_ylabel("tokens received")
+    drops.set_ylabel("tokens dropped")
+    loss.set_ylabel("train loss")
+    loss.set_xlabel("step")
+    load.legend(fontsize=7, ncol=2)
+    drops.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
@@ -370,6 +401,9 @@ if __name__ == "__main__":
         help="each expert takes this times an even share of a rank's choices",
     )
     parser.add_argument("--aux-weight", type=float, default=0.01, help="the balance loss's weight in the loss")
+    parser.add_argument(
+        "--plot", metavar="PNG", help="draw each expert's tokens, the tokens dropped and the loss by step"
+    )
     parser.set_defaults(niters=200, dim_in=64, dim_hidden=32, n_classes=8, batch_size=64)
     args = parser.parse_args()
     world_size = args.dp * args.ep
@@ -379,6 +413,8 @@ if __name__ == "__main__":
         parser.error(f"--top-k {args.top_k}: there are {args.ep * args.experts_per_rank} experts")
     if args.batch_size % world_size:
         parser.error(f"--batch-size {args.batch_size} does not divide over {world_size} ranks")
+    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        parser.error(f"--plot {args.plot}: no folder {os.path.dirname(args.plot)}")
     config = config_from(args)
     result = launch(
         train, world_size, config, args.dp, args.ep, args.experts_per_rank, args.top_k, args.capacity_factor,
@@ -393,3 +429,16 @@ if __name__ == "__main__":
             f"rank {r}: tokens received per expert {did['received']}, dropped {did['dropped']},"
             f" {did['bytes_sent']} B sent to other ranks"
         )
+    experts = [n for did in result["ranks"] for n in did["received"]]
+    ranks = [sum(did["received"]) for did in result["ranks"]]
+    print(
+        f"load: the busiest expert took {max(experts) / statistics.mean(experts):.2f}x an even share, the busiest"
+        f" rank {max(ranks) / statistics.mean(ranks):.2f}x; {sum(did['dropped'] for did in result['ranks'])} choices"
+        " dropped in all"
+    )
+    if args.plot:
+        try:
+            plot(result["ranks"], args.ep, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError:
+            print(f"no {args.plot}: matplotlib is not installed (python3 -m course setup --notebooks)")
