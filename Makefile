@@ -7,7 +7,7 @@ SETUP := $(PYTHON) -m course setup
 # Workers share the cores: see course/runtime/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help setup notebooks test grade non-iid bench bench-launch bench-cost bench-zero bench-fsdp bench-tp bench-pp bench-nd
+.PHONY: help setup notebooks test grade non-iid bench bench-launch bench-cost bench-zero bench-fsdp bench-tp bench-pp bench-nd bench-ep
 
 # The students' part of `make help`; the instructors' repository (with solutions/) adds its own below.
 help::
@@ -23,6 +23,7 @@ help::
 	@echo "make bench-tp      tensor against data parallelism by batch size, measured and predicted (exercise 14)"
 	@echo "make bench-pp      a pipeline's idle fraction against (p - 1)/(m + p - 1), step time of GPipe and 1F1B (exercise 15)"
 	@echo "make bench-nd      step time and bytes per rank of the meshes (4, 1), (2, 2), (1, 4), measured and predicted (exercise 16)"
+	@echo "make bench-ep      an all-to-all, even and uneven, against an all-reduce of the same bytes, measured and predicted (exercise 18)"
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(SETUP)
@@ -67,6 +68,9 @@ bench-pp: $(VENV)/.installed
 
 bench-nd: $(VENV)/.installed
 	$(PY) bench/nd.py
+
+bench-ep: $(VENV)/.installed
+	$(PY) bench/ep.py
 
 # Targets that need solutions/. The students' copy (make release) has none: there `make test` is
 # `make grade`, and the others are not defined.

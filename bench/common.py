@@ -94,3 +94,18 @@ def pyplot():
     except ImportError:
         return None
     return plt
+
+
+def side_by_side(results, path, draw) -> bool:
+    """One panel per world size of results ({world size: figures}), draw(ax, world size, figures) filling each,
+    written to path with the first panel's legend; False where there is no matplotlib (pyplot)."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+    for ax, (w, got) in zip(axes[0], results.items()):
+        draw(ax, w, got)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True

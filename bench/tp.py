@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from common import Record, interleaved, products_alone, pyplot
+from common import Record, interleaved, products_alone, side_by_side
 
 from course import impl
 from course.launch import bench, run
@@ -165,34 +165,26 @@ def summary(results):
     return "\n".join(lines)
 
 
-def plot(results, path) -> bool:
-    plt = pyplot()
-    if plt is None:
-        return False
-    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
-    for ax, (w, got) in zip(axes[0], results.items()):
-        for variant, colour in zip(VARIANTS, ("tab:blue", "tab:orange")):
-            measured = [got["batches"][rows][variant]["fastest"] * 1e3 for rows in BATCHES]
-            predicted = [got["predicted"][rows][variant] * 1e3 for rows in BATCHES]
-            ax.plot(BATCHES, measured, "o-", color=colour, label=f"{variant}, measured")
-            ax.plot(BATCHES, predicted, "--", color=colour, label=f"{variant}, predicted")
-        for at, style in ((got["crossover"]["measured"], "-"), (got["crossover"]["predicted"], "--")):
-            if at:
-                ax.axvline(at, color="grey", linestyle=style, linewidth=0.8)
-        ax.axvline(got["crossover_bytes"], color="grey", linestyle=":", linewidth=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("rows per step, all ranks together")
-        ax.set_ylabel("fastest step (ms)")
-        ax.set_title(
-            f"default MLP on {w} ranks (gloo, this machine). Grey: DP the faster from here,\n"
-            "measured (solid), predicted (dashed), the bytes alone (dotted)"
-        )
-        ax.title.set_fontsize(9)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return True
+def draw(ax, w, got):
+    """One world's panel: each variant's steps by batch, measured and predicted, and where DP becomes the faster."""
+    for variant, colour in zip(VARIANTS, ("tab:blue", "tab:orange")):
+        measured = [got["batches"][rows][variant]["fastest"] * 1e3 for rows in BATCHES]
+        predicted = [got["predicted"][rows][variant] * 1e3 for rows in BATCHES]
+        ax.plot(BATCHES, measured, "o-", color=colour, label=f"{variant}, measured")
+        ax.plot(BATCHES, predicted, "--", color=colour, label=f"{variant}, predicted")
+    for at, style in ((got["crossover"]["measured"], "-"), (got["crossover"]["predicted"], "--")):
+        if at:
+            ax.axvline(at, color="grey", linestyle=style, linewidth=0.8)
+    ax.axvline(got["crossover_bytes"], color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("rows per step, all ranks together")
+    ax.set_ylabel("fastest step (ms)")
+    ax.set_title(
+        f"default MLP on {w} ranks (gloo, this machine). Grey: DP the faster from here,\n"
+        "measured (solid), predicted (dashed), the bytes alone (dotted)"
+    )
+    ax.title.set_fontsize(9)
 
 
 def main(rounds=8, per_round=2):
@@ -209,7 +201,9 @@ def main(rounds=8, per_round=2):
         }
         results[w] = figures
     record.write(
-        summary(results), {"implementation": os.path.relpath(folder), "results": results}, partial(plot, results)
+        summary(results),
+        {"implementation": os.path.relpath(folder), "results": results},
+        partial(side_by_side, results, draw=draw),
     )
 
 
