@@ -21,6 +21,7 @@ Rank 0 also trains the same model alone, every expert in one process, on every r
 prints both losses. Handout: exercises/18_moe.md.
 """
 
+import importlib.util
 import math
 import os
 import statistics
@@ -311,7 +312,7 @@ def train(config: ModelConfig, dp: int, ep: int, per_rank: int, k: int, capacity
     train_set, _ = split_dataset(*(t.to(device) for t in gen_dataset(config, rand_state=config.seed)))
     rows = config.batch_size // world_size
     received, dropped, sent_rows, step_times = torch.zeros(per_rank, dtype=torch.int64), 0, 0, []
-    history = {"received": [], "dropped": [], "loss": []}  # by step: what --plot draws
+    history = {"received": [], "dropped": [], "task": [], "balance": []}  # by step: what --plot draws
     for step, x, y in batches(*train_set, config.batch_size, config.seed):
         if step == config.niters:
             break
@@ -319,19 +320,23 @@ def train(config: ModelConfig, dp: int, ep: int, per_rank: int, k: int, capacity
         t0 = time.perf_counter()
         optimizer.zero_grad()
         mx, my = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
-        loss = F.cross_entropy(full(mx, moe), my) + aux_weight * moe.aux
+        task = F.cross_entropy(full(mx, moe), my)
+        loss = task + aux_weight * moe.aux
         loss.backward()
         sync_gradients(full, moe.local, mesh)
         optimizer.step()
-        mean = loss.detach().clone()
+        # Over the world: the loss, and its two terms apart (the balance loss is 1 at its least, an even load).
+        mean = torch.stack([loss.detach(), task.detach(), moe.aux.detach()])
         dist.all_reduce(mean)
+        mean /= world_size
         synchronize(device)
         step_times.append((time.perf_counter() - t0) * 1000)
         received += moe.stats["received"].cpu()
         dropped += moe.stats["dropped"]
         history["received"].append(moe.stats["received"].tolist())
         history["dropped"].append(moe.stats["dropped"])
-        history["loss"].append(mean.item() / world_size)
+        history["task"].append(mean[1].item())
+        history["balance"].append(mean[2].item())
         sent_rows += sum(n for r, n in enumerate(moe.stats["sent"]) if r != dist.get_rank(mesh.ep_group))
         if alone is not None:
             alone_optimizer.zero_grad()
@@ -349,13 +354,15 @@ def train(config: ModelConfig, dp: int, ep: int, per_rank: int, k: int, capacity
             alone_loss.backward()
             alone_optimizer.step()
             if step % 50 == 0:
-                print(f"step {step} | train_loss {mean.item() / world_size:.4f} | one process {alone_loss.item():.4f}")
+                print(f"step {step} | train_loss {mean[0].item():.4f} | one process {alone_loss.item():.4f}")
     width = config.d_hidden * torch.finfo(torch.float32).bits // 8
     did = {"received": received.tolist(), "dropped": dropped, "bytes_sent": 2 * sent_rows * width, "history": history}
     everyone = [None] * world_size
     dist.all_gather_object(everyone, did)
     return {
-        "train_loss": mean.item() / world_size,
+        "train_loss": mean[0].item(),
+        "task_loss": mean[1].item(),
+        "balance_loss": mean[2].item(),
         "one_process_loss": alone_loss.item() if alone is not None else None,
         "ranks": everyone,
         "step_ms": statistics.median(step_times),
@@ -363,8 +370,8 @@ def train(config: ModelConfig, dp: int, ep: int, per_rank: int, k: int, capacity
 
 
 def plot(ranks: list, ep: int, path: str) -> None:
-    """Tokens each expert received, tokens dropped and the loss, step by step, from train()'s "ranks" on a mesh
-    of ep ranks a row."""
+    """Tokens each expert received, choices dropped and the loss's two terms, step by step, from train()'s "ranks"
+    on a mesh of ep ranks a row."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -377,10 +384,12 @@ def plot(ranks: list, ep: int, path: str) -> None:
         for i, counts in enumerate(zip(*did["history"]["received"])):
             load.plot(steps, counts, linewidth=0.8, label=f"expert {r % ep * per_rank + i} on rank {r}")
         drops.plot(steps, did["history"]["dropped"], linewidth=0.8, label=f"rank {r}")
-    loss.plot(range(len(ranks[0]["history"]["loss"])), ranks[0]["history"]["loss"])
+    for term in ("task", "balance"):
+        loss.plot(range(len(ranks[0]["history"][term])), ranks[0]["history"][term], label=f"{term} loss")
     load.set_ylabel("tokens received")
-    drops.set_ylabel("tokens dropped")
-    loss.set_ylabel("train loss")
+    drops.set_ylabel("choices dropped")
+    loss.set_ylabel("loss, mean over the ranks")
+    loss.legend(fontsize=7)
     loss.set_xlabel("step")
     load.legend(fontsize=7, ncol=2)
     drops.legend(fontsize=7)
@@ -402,7 +411,7 @@ if __name__ == "__main__":
     )
     parser.add_argument("--aux-weight", type=float, default=0.01, help="the balance loss's weight in the loss")
     parser.add_argument(
-        "--plot", metavar="PNG", help="draw each expert's tokens, the tokens dropped and the loss by step"
+        "--plot", metavar="PNG", help="draw each expert's tokens, the choices dropped and the loss by step"
     )
     parser.set_defaults(niters=200, dim_in=64, dim_hidden=32, n_classes=8, batch_size=64)
     args = parser.parse_args()
@@ -415,6 +424,11 @@ if __name__ == "__main__":
         parser.error(f"--batch-size {args.batch_size} does not divide over {world_size} ranks")
     if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
         parser.error(f"--plot {args.plot}: no folder {os.path.dirname(args.plot)}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print(
+            f"no {args.plot} at the end: matplotlib is not installed (make notebooks, or python3 -m course setup --notebooks)"
+        )
+        args.plot = None
     config = config_from(args)
     result = launch(
         train, world_size, config, args.dp, args.ep, args.experts_per_rank, args.top_k, args.capacity_factor,
@@ -422,6 +436,7 @@ if __name__ == "__main__":
     )[0]  # fmt: skip
     print(
         f"final | train_loss {result['train_loss']:.4f} | one process {result['one_process_loss']:.4f}"
+        f" | task loss {result['task_loss']:.4f} | balance loss {result['balance_loss']:.4f}"
         f" | median step time {result['step_ms']:.2f}ms"
     )
     for r, did in enumerate(result["ranks"]):
@@ -432,13 +447,10 @@ if __name__ == "__main__":
     experts = [n for did in result["ranks"] for n in did["received"]]
     ranks = [sum(did["received"]) for did in result["ranks"]]
     print(
-        f"load: the busiest expert took {max(experts) / statistics.mean(experts):.2f}x an even share, the busiest"
-        f" rank {max(ranks) / statistics.mean(ranks):.2f}x; {sum(did['dropped'] for did in result['ranks'])} choices"
-        " dropped in all"
+        f"load: the busiest expert took {max(experts) / statistics.mean(experts):.2f}x the mean expert's tokens, the"
+        f" busiest rank {max(ranks) / statistics.mean(ranks):.2f}x the mean rank's;"
+        f" {sum(did['dropped'] for did in result['ranks'])} choices dropped in all"
     )
     if args.plot:
-        try:
-            plot(result["ranks"], args.ep, args.plot)
-            print(f"wrote {args.plot}")
-        except ImportError:
-            print(f"no {args.plot}: matplotlib is not installed (python3 -m course setup --notebooks)")
+        plot(result["ranks"], args.ep, args.plot)
+        print(f"wrote {args.plot}")
