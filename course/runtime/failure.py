@@ -133,6 +133,9 @@ class RankFact:
             return f"{self.file}:{self.line} in {self.func}"
         if self.state == "running" and not stack_frames(self.traceback):
             return "a place not known (its stack did not come back in time)"
+        if self.state in ("crashed", "no_result") and not stack_frames(self.traceback):
+            # A fatal signal's handler writes a stack; SIGKILL and os._exit give the process no moment to.
+            return "a place not known (it left no stack)"
         return "the end of the run (its function had returned)"
 
     def doing(self) -> str:
@@ -285,6 +288,8 @@ class Failure:
             return f"Rank {first.rank} of {w} ended without sending its result: {how} (at {first.where()})."
         if self.kind == "crash":
             sig = f" (signal {-first.exit_code})" if first.exit_code is not None and first.exit_code < 0 else ""
+            if first.exit_code == -9:
+                sig = " (signal 9, SIGKILL: sent by another process, or by the kernel when memory ran out)"
             return f"Rank {first.rank} of {w} crashed with exit code {first.exit_code}{sig} at {first.where()}."
         if first.pieces is not None:
             return (
@@ -338,6 +343,8 @@ class Failure:
             )
         if self.kind == "crash":
             frames = stack_frames(self.fact(self.first).traceback)[::-1]
+            if not frames:
+                return head
             return "\n".join(
                 [head, "Its stack, innermost first:"] + [f"  {os.path.basename(p)}:{n} in {fn}" for p, n, fn in frames]
             )

@@ -1058,6 +1058,31 @@ def test_a_rank_that_exits_without_a_result_fails(how):
     f = failed.failure
     assert f.kind == "no_result" and f.first == 1 and f.fact(1).state == "no_result"
     assert "Rank 1 of 2 ended without sending its result" in f.sentence()
+    if how == "os._exit":  # no moment to leave a stack, and its function never returned
+        assert f.sentence().endswith("(at a place not known (it left no stack)).")
+
+
+def killed_in_a_collective():
+    """Rank 1 is killed (SIGKILL, as the kernel's OOM killer or another process would) before its third all-reduce."""
+    t = torch.ones(2)
+    for step in range(5):
+        if dist.get_rank() == 1 and step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(t)
+    return step
+
+
+def test_a_rank_killed_by_sigkill_is_named_without_a_place_it_never_reached():
+    """SIGKILL leaves no stack: the rank is named, with the signal and its likely senders, at a place not known,
+    never "at the end of the run (its function had returned)", which it did not reach."""
+    failed, seconds = timed_failure(killed_in_a_collective, collective_timeout=SLOW)
+    assert seconds < SLOW
+    f = failed.failure
+    assert f.kind == "crash" and f.first == 1, f.report()
+    assert f.report() == (
+        "Rank 1 of 2 crashed with exit code -9 (signal 9, SIGKILL: sent by another process, or by the kernel when"
+        " memory ran out) at a place not known (it left no stack)."
+    )
 
 
 def starts_daemon(pid_file):
