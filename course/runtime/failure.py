@@ -182,8 +182,11 @@ class Failure:
         """Whether a world stopped at its limit was still moving: a rank computing, every rank in one collective
         (slow), a rank in a collective that a rank of its group has already passed (its number on the group
         below that rank's: its peers started it, so it can end, as a busy machine may leave one rank a step behind),
-        or a rank whose board changed while the parent read its stack (its stack and its board then tell two moments)."""
-        if self.slow or any(f.state == "running" or f.moved for f in self.ranks):
+        or a rank whose board changed while the parent read its stack (its stack and its board then tell two moments),
+        or a rank still joining the world (in init_process_group: a busy machine had not yet started every rank)."""
+        if self.slow or any(
+            f.state == "running" or f.moved or f.collective == "init_process_group" for f in self.ranks
+        ):
             return True
         passed: dict = {}
         for f in self.ranks:

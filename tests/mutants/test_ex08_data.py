@@ -329,5 +329,8 @@ def test_a_rank_a_collective_behind_is_looked_at_again():
     # Run 49: rank 1's stack showed its all-reduce, and its board, read after, another moment.
     moving = RankFact(1, "waited", file="data.py", collective="all_reduce", moved=True)
     assert timed_out([waiting(0, 7), moving], 2, 1).on_its_way(), "rank 1 moved while it was looked at"
+    # Run 69: at the 1 s limit a loaded machine had not yet started rank 1, which waited to join the world.
+    joining = RankFact(1, "waited", collective="init_process_group", judged=True)
+    assert timed_out([waiting(0, 7), joining], 2, 1).on_its_way(), "rank 1 still joining the world"
     hang = timed_out([waiting(0, 7), waiting(1, 7, "barrier", "worker.py")], 2, 1)
     assert not hang.on_its_way(), "rank 1 done, in the launcher's barrier: the hang"
