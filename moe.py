@@ -283,17 +283,17 @@ def train(config: ModelConfig, dp: int, ep: int, per_rank: int, k: int, capacity
         sync_gradients(full, moe.local, mesh)
         optimizer.step()
         # Over the world: the loss, and its two terms apart (the balance loss is 1 at its least, an even load).
-        mean = torch.stack([loss.detach(), task.detach(), moe.aux.detach()])
-        dist.all_reduce(mean)
-        mean /= world_size
+        means = torch.stack([loss.detach(), task.detach(), moe.aux.detach()])
+        dist.all_reduce(means)
+        means /= world_size
         synchronize(device)
         step_times.append((time.perf_counter() - t0) * 1000)
         received += moe.stats["received"].cpu()
         dropped += moe.stats["dropped"]
         history["received"].append(moe.stats["received"].tolist())
         history["dropped"].append(moe.stats["dropped"])
-        history["task"].append(mean[1].item())
-        history["balance"].append(mean[2].item())
+        history["task"].append(means[1].item())
+        history["balance"].append(means[2].item())
         sent_rows += sum(n for r, n in enumerate(moe.stats["sent"]) if r != dist.get_rank(mesh.ep_group))
         if alone is not None:
             alone_optimizer.zero_grad()
@@ -311,15 +311,15 @@ def train(config: ModelConfig, dp: int, ep: int, per_rank: int, k: int, capacity
             alone_loss.backward()
             alone_optimizer.step()
             if step % 50 == 0:
-                print(f"step {step} | train_loss {mean[0].item():.4f} | one process {alone_loss.item():.4f}")
+                print(f"step {step} | train_loss {means[0].item():.4f} | one process {alone_loss.item():.4f}")
     width = config.d_hidden * torch.finfo(torch.float32).bits // 8
     did = {"received": received.tolist(), "dropped": dropped, "bytes_sent": 2 * sent_rows * width, "history": history}
     everyone = [None] * world_size
     dist.all_gather_object(everyone, did)
     return {
-        "train_loss": mean[0].item(),
-        "task_loss": mean[1].item(),
-        "balance_loss": mean[2].item(),
+        "train_loss": means[0].item(),
+        "task_loss": means[1].item(),
+        "balance_loss": means[2].item(),
         "one_process_loss": alone_loss.item() if alone is not None else None,
         "ranks": everyone,
         "step_ms": statistics.median(step_times),
@@ -368,7 +368,9 @@ if __name__ == "__main__":
     )
     parser.add_argument("--aux-weight", type=float, default=0.01, help="the balance loss's weight in the loss")
     parser.add_argument(
-        "--plot", metavar="PNG", help="draw each expert's tokens, the choices dropped and the loss by step"
+        "--plot",
+        metavar="FILE",
+        help="draw each expert's tokens, the choices dropped and the loss by step (.png, .svg)",
     )
     parser.set_defaults(niters=200, dim_in=64, dim_hidden=32, n_classes=8, batch_size=64)
     args = parser.parse_args()
