@@ -23,7 +23,7 @@ from course.instructors.student import ROOT, SOLUTIONS
 from course.launch import WorldFailed, run
 from course.layout import graded_elsewhere, graded_exercises
 from course.runtime import sandbox
-from course.runtime.processes import descendants
+from course.runtime.processes import OwnTime, descendants
 from tests import warm
 from tests.grading.test_grades_unchanged import compare
 from tests.mutants import does_nothing, make_mutant
@@ -455,7 +455,11 @@ CTRL_C_MOMENTS = ["configuring", "collecting", "world-starts", "check-runs", "co
 def ctrl_c_at(moment, folder):
     """Grade exercise 2 of the reference beside a busy process (`python -c 'while True: pass'`), and send
     SIGINT to the grader's process group, as a terminal's Ctrl-C does, once the grade is at moment.
-    Returns (seconds from the signal to the grader's exit, its exit status, its output, the processes it left)."""
+    Returns ((the grader's own seconds from the signal to its exit, and the wall's), its exit status, its output,
+    the processes it left). Its own time (course/runtime/processes.py's OwnTime: the wall time less what its
+    processes waited for a CPU) is what a loaded machine cannot stretch: run 71 of the series, beside the suite's
+    other worker, took 5 to 15.6 s of wall time at every moment, where a grader that waits for a timer or a
+    process that never ends still spends its own."""
     sandbox.adopt_orphans()  # what the grader leaves comes to this process, to be found
     notes, out = folder / "notes", folder / "out"
     notes.touch()
@@ -488,13 +492,16 @@ def ctrl_c_at(moment, folder):
             time.sleep(0.05)
         assert there(), f"the grade did not reach {moment}: {out.read_text()}"
         os.killpg(grader.pid, signal.SIGINT)
-        sent = time.monotonic()
+        sent, clock = time.monotonic(), OwnTime([grader.pid])
         with open(notes, "a") as f:
             f.write("sent\n")
         try:
-            grader.wait(timeout=60)
+            own = 0.0
+            while grader.poll() is None and time.monotonic() - sent < 60:
+                own = clock.elapsed()  # its last reading before the exit: the kernel forgets an ended process
+                time.sleep(0.05)
         finally:
-            took = time.monotonic() - sent
+            took = (own, time.monotonic() - sent)
             if grader.poll() is None:
                 os.killpg(grader.pid, signal.SIGKILL)
                 grader.wait()
@@ -518,10 +525,10 @@ def ctrl_c_at(moment, folder):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the grader forks its copy on Linux")
 @pytest.mark.parametrize("moment", CTRL_C_MOMENTS)
 def test_ctrl_c_stops_a_grade_at_any_moment(tmp_path, moment):
-    """Issue 49: Ctrl-C at each moment of a grade, under load: within 5 s the grader ends, says it was
+    """Issue 49: Ctrl-C at each moment of a grade, under load: within 5 s of its own time the grader ends, says it was
     interrupted, gives no table and no score, and leaves no process behind."""
-    took, code, out, left = ctrl_c_at(moment, tmp_path)
-    assert took < 5, f"{took:.1f} s from Ctrl-C to the grader's end: {out}"
+    (own, wall), code, out, left = ctrl_c_at(moment, tmp_path)
+    assert own < 5, f"{own:.1f} s of the grader's own time ({wall:.1f} s of wall time) from Ctrl-C to its end: {out}"
     assert code != 0 and "Interrupted: no grade (results.json says so)." in out and "total" not in out, out
     with open(tmp_path / "results.json") as f:
         found = json.load(f)
