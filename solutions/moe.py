@@ -312,7 +312,8 @@ def train(config: ModelConfig, dp: int, ep: int, per_rank: int, k: int, capacity
     train_set, _ = split_dataset(*(t.to(device) for t in gen_dataset(config, rand_state=config.seed)))
     rows = config.batch_size // world_size
     received, dropped, sent_rows, step_times = torch.zeros(per_rank, dtype=torch.int64), 0, 0, []
-    history = {"received": [], "dropped": [], "task": [], "balance": []}  # by step: what --plot draws
+    history = {"received": [], "dropped": []}  # this rank's, by step: what --plot draws
+    terms = []  # the world's mean task and balance losses, by step: the same on every rank, kept once
     for step, x, y in batches(*train_set, config.batch_size, config.seed):
         if step == config.niters:
             break
@@ -335,8 +336,7 @@ def train(config: ModelConfig, dp: int, ep: int, per_rank: int, k: int, capacity
         dropped += moe.stats["dropped"]
         history["received"].append(moe.stats["received"].tolist())
         history["dropped"].append(moe.stats["dropped"])
-        history["task"].append(means[1].item())
-        history["balance"].append(means[2].item())
+        terms.append(means[1:])
         sent_rows += sum(n for r, n in enumerate(moe.stats["sent"]) if r != dist.get_rank(mesh.ep_group))
         if alone is not None:
             alone_optimizer.zero_grad()
@@ -363,15 +363,16 @@ def train(config: ModelConfig, dp: int, ep: int, per_rank: int, k: int, capacity
         "train_loss": means[0].item(),
         "task_loss": means[1].item(),
         "balance_loss": means[2].item(),
+        "loss_terms": torch.stack(terms).tolist(),
         "one_process_loss": alone_loss.item() if alone is not None else None,
         "ranks": everyone,
         "step_ms": statistics.median(step_times),
     }
 
 
-def plot(ranks: list, ep: int, path: str) -> None:
+def plot(ranks: list, terms: list, ep: int, path: str) -> None:
     """Tokens each expert received, choices dropped and the loss's two terms, step by step, from train()'s "ranks"
-    on a mesh of ep ranks a row."""
+    and "loss_terms" on a mesh of ep ranks a row."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -384,8 +385,8 @@ def plot(ranks: list, ep: int, path: str) -> None:
         for i, counts in enumerate(zip(*did["history"]["received"])):
             load.plot(steps, counts, linewidth=0.8, label=f"expert {r % ep * per_rank + i} on rank {r}")
         drops.plot(steps, did["history"]["dropped"], linewidth=0.8, label=f"rank {r}")
-    for term in ("task", "balance"):
-        loss.plot(range(len(ranks[0]["history"][term])), ranks[0]["history"][term], label=f"{term} loss")
+    for term, values in zip(("task", "balance"), zip(*terms)):
+        loss.plot(range(len(values)), values, label=f"{term} loss")
     load.set_ylabel("tokens received")
     drops.set_ylabel("choices dropped")
     loss.set_ylabel("loss, mean over the ranks")
@@ -454,5 +455,5 @@ if __name__ == "__main__":
         f" {sum(did['dropped'] for did in result['ranks'])} choices dropped in all"
     )
     if args.plot:
-        plot(result["ranks"], args.ep, args.plot)
+        plot(result["ranks"], result["loss_terms"], args.ep, args.plot)
         print(f"wrote {args.plot}")
