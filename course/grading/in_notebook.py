@@ -61,14 +61,17 @@ def _call(where: str, module: str, function: str, config: dict | None, args: tup
     return getattr(getattr(ex, module), function)(*args)
 
 
-def on_ranks(world_size: int, module: str, function: str, *args, config: dict | None = None) -> list:
+def on_ranks(
+    world_size: int, module: str, function: str, *args, config: dict | None = None, deaths: tuple = ()
+) -> list:
     """Run module.function(*args) of your files on every rank of a new world; results by rank.
 
     With config (ModelConfig's fields), the function's first argument is that ModelConfig, built
-    on each rank: an object of a class from your file cannot be sent to a worker.
+    on each rank: an object of a class from your file cannot be sent to a worker. deaths: the ranks
+    that a course.faults.Kill among the arguments kills (their results are None).
     """
     impl.forget(folder())
-    return run(_call, world_size, folder(), module, function, config, args)
+    return run(_call, world_size, folder(), module, function, config, args, deaths=deaths)
 
 
 @contextmanager

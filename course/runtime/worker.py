@@ -442,7 +442,7 @@ class _Calls:
     def _run(self, call: bytes) -> tuple:
         """Run the call in this process's group: what came of it, as data, and what it raised (None)."""
         try:
-            fn, args = pickle.loads(call)
+            fn, args, closing_barrier = pickle.loads(call)
             self.messages.clear()
             self.waits.clear()
             result = fn(*args)
@@ -451,8 +451,10 @@ class _Calls:
                 unwaited = failure.unwaited_report(self.rank, time.time(), never_waited)
                 return as_data(("error", unwaited)), RuntimeError("messages never waited for")
             # A rank that skipped a collective arrives here while its peers wait inside that
-            # collective: the barrier turns the silent hang into a reported mismatch.
-            dist.barrier()
+            # collective: the barrier turns the silent hang into a reported mismatch. Not where a death is
+            # planned (workers.run's deaths): the dead rank would never come.
+            if closing_barrier:
+                dist.barrier()
             imported = [m for m in env.CALL_MODULES if m in sys.modules]
             return as_data(("ok", {"result": result, "imported": imported})), None
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent

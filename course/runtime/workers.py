@@ -200,6 +200,7 @@ def run(
     observe: bool = False,
     count_calls: bool | tuple = False,
     per_rank: list | Callable | None = None,
+    deaths: tuple = (),
 ) -> list | Observed:
     """Run ``fn(*args)`` on every rank of a new world; return the results by rank.
 
@@ -218,6 +219,11 @@ def run(
     *per_rank[r])``): what one rank is given, no other rank's process ever holds. Where it is a
     callable, it is called for that list once the world's processes run (a world forked while this
     process held every rank's arguments would hold them all, in memory a submission can search).
+    ``deaths``: the ranks whose death by SIGKILL is planned (exercise 17 kills a rank to see training survive
+    it): such a death is no failure, and that rank's result is None; no closing barrier waits for it. Whatever
+    else fails, a survivor's exception among it, fails the world as any failure does. A rank can kill itself only
+    where it is not the first process of a pid namespace (the kernel ignores its own signals): in a sandboxed
+    world, with ``fresh``.
     With ``sandbox`` (the checks), the workers are confined before they run anything (course/runtime/sandbox.py);
     after sandbox_every_world() (the grader, the notebooks' checks process) every world is.
     With ``reference`` (what a judge compares with: torch's own DDP, ZeroRedundancyOptimizer, ...), the
@@ -237,7 +243,7 @@ def run(
     # Pickled here, whatever the start method: every method then accepts the same functions, ones
     # defined at the top level of an importable module (not in a notebook cell).
     try:
-        call = pickle.dumps((fn, args))
+        call = pickle.dumps((fn, args, not deaths))  # no closing barrier where a rank may die: it would wait for it
     except Exception as exc:
         raise TypeError(
             f"{fn!r} and its arguments must be picklable by reference: define it at the top level of a .py file ({exc})"
@@ -251,7 +257,7 @@ def run(
             return [call] * world_size
         if len(own) != world_size:
             raise ValueError(f"per_rank holds {len(own)} ranks' arguments for a world of {world_size}")
-        return [pickle.dumps((fn, (*args, *mine))) for mine in own]
+        return [pickle.dumps((fn, (*args, *mine), not deaths)) for mine in own]
 
     child_env = env.loopback_settings(sys.platform)
     level = sandbox_level() if (sandbox or _every_world_sandboxed) and not reference else None
@@ -281,7 +287,7 @@ def run(
             settings = dataclasses.replace(settings, view=view, reference=reference, compare=compare, fresh=fresh)
             world = _World.start(method, settings)
             world.call(calls(), observe, _names(count_calls) if observe else ())
-        world.timeout = timeout
+        world.timeout, world.deaths = timeout, frozenset(deaths)
         try:
             results = world.collect()
             if observe and fresh and world.reusable:
@@ -360,7 +366,7 @@ class _World:
     def __init__(self, world_size: int, workdir: str, children_before: set, guard: sandbox.Guard | None):
         self.world_size, self.stack_dir, self.children_before = world_size, workdir, children_before
         self.guard = guard  # what confines its workers (course/runtime/sandbox.py), stopped after them
-        self.timeout = 0.0
+        self.timeout, self.deaths = 0.0, frozenset()
         self.procs: list = []
         self.conns: list = []
         self.results: dict = {}
@@ -527,15 +533,13 @@ class _World:
             data = conn.recv_bytes()
         except (EOFError, OSError):
             self.procs[rank].join(timeout=1)
-            self.ended.append(
-                failure.ended_without_report(rank, self.procs[rank].exitcode, self._call_stack(rank), when=time.time())
-            )
+            self._ended(rank, self.procs[rank].exitcode)
             return False
         # The worker's own word (course/runtime/worker.py): the call answered, and the worker serves
         # another call or ends; or the call's child ended without answering.
         kind, data = data[:1], data[1:]
-        if kind == ENDED:
-            self.ended.append(failure.ended_without_report(rank, int(data), self._call_stack(rank), when=time.time()))
+        if kind == ENDED:  # its worker lives, and serves the next call in a process forked afresh (fresh)
+            self._ended(rank, int(data))
             return True
         kept = kind == ANSWERED
         try:
@@ -556,6 +560,13 @@ class _World:
             _needed.update(imported & set(env.ON_DEMAND_MODULES))
             self.needed.update(imported & set(env.CALL_MODULES))
         return kept
+
+    def _ended(self, rank: int, exit_code: int | None) -> None:
+        """A rank that ended without answering: its planned death (run's deaths), whose result is None, or its failure."""
+        if rank in self.deaths and exit_code == -signal.SIGKILL:
+            self.results[rank] = None
+        else:
+            self.ended.append(failure.ended_without_report(rank, exit_code, self._call_stack(rank), when=time.time()))
 
     def _stack_size(self, rank: int) -> int:
         path = os.path.join(self.stack_dir, f"rank{rank}.stack")

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from course.faults import Kill, until_a_peer_dies
 from course.flags import SCRIPT_TIME_LIMIT
 from course.instructors.student import ROOT
 from course.launch import WorldFailed, add_launch_arguments, launch, launch_options, run
@@ -1083,6 +1084,42 @@ def test_a_rank_killed_by_sigkill_is_named_without_a_place_it_never_reached():
         "Rank 1 of 2 crashed with exit code -9 (signal 9, SIGKILL: sent by another process, or by the kernel when"
         " memory ran out) at a place not known (it left no stack)."
     )
+
+
+def survives_a_death(victim, crash):
+    """Rank `victim` dies by SIGKILL at step 2 (course/faults.py's Kill); the others go on after the collective
+    that lost it, and return what they saw; with `crash`, rank 0 then fails of its own."""
+    t = torch.ones(2)
+    with until_a_peer_dies() as lost:
+        for step in range(5):
+            Kill(victim, 2).now(step)
+            dist.all_reduce(t)
+    if crash and dist.get_rank() == 0:
+        raise ValueError("a survivor's own mistake")
+    return [step, lost.error is not None]
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_planned_death_is_no_failure(fresh):
+    """run's deaths: the dead rank's result is None, the survivors' results come back, with the death seen in the
+    collective that lost it; a kept world's next call (fresh) runs on every rank."""
+    options = dict(keep=True, fresh=True, sandbox=True) if fresh else {}
+    assert run(survives_a_death, 3, 1, False, deaths=(1,), **options) == [[2, True], None, [2, True]]
+    if fresh:
+        assert run(survives_a_death, 3, 9, False, **options) == [[4, False]] * 3
+
+
+@pytest.mark.parametrize("planned", [(2,), ()])
+def test_a_survivors_own_failure_or_an_unplanned_death_still_fails(planned):
+    """A planned death hides no other failure: a survivor's own exception is named, and so is a SIGKILL of a rank
+    the call did not plan to lose."""
+    with pytest.raises(WorldFailed) as failed:
+        run(survives_a_death, 3, 1, bool(planned), deaths=planned)
+    sentence = failed.value.failure.sentence()
+    if planned:
+        assert "ValueError: a survivor's own mistake" in sentence and "Rank 0 of 3" in sentence, sentence
+    else:
+        assert sentence.startswith("Rank 1 of 3 crashed with exit code -9"), sentence
 
 
 def starts_daemon(pid_file):
