@@ -114,6 +114,13 @@ PROMISES = {
     "nd.train_step | The rows are split over the dp group: the rank at row i of the mesh runs block i of them, the same rows as the other ranks of its tp group; where dp does not divide the rows, a ValueError naming both.": "test_ex16_nd.test_odd_batch",
     "nd.train_step | The backward must leave every rank's shard the gradient of one process's loss on the whole batch.": "test_ex16_nd.test_steps",
     "nd.train_step | this rank's rows, the loss to backpropagate, and one process's loss, summed in which group?": "test_ex16_nd.test_collectives",
+    # exercise 17: ft.py
+    "ft.backward | The backward of this rank's rows (x, y) of a batch of batch_size rows, after which every rank's gradients are those of the mean cross-entropy over the whole batch, whatever the world size.": "test_ex17_ft.test_backward",
+    "ft.backward | Returns this rank's part of the batch's mean loss (the parts of every rank sum to it).": "test_ex17_ft.test_backward",
+    "ft.save | Save the checkpoint of `step` (the steps done so far) in folder, called on every rank.": "test_ex17_ft.test_round_trip",
+    "ft.save | It becomes visible in folder only once every rank's shard is written, in one step; a rank that dies at any moment of a save leaves no checkpoint that newest() finds.": "test_ex17_ft.test_killed_in_a_save",
+    "ft.load | Load the checkpoint at path, saved on any number of ranks, called on every rank: the model's whole parameters, and this rank's shard [optimizer.lo, optimizer.hi) of them and of Adam's state (its step, exp_avg, exp_avg_sq), taken from the saved shards that overlap it.": "test_ex17_ft.test_reshard",
+    "ft.load | every saved shard read; the whole parameters; this rank's piece of each overlapping shard.": "test_ex17_ft.test_reshard",
     # exercise 18: moe.py
     "moe.balance_loss | It is 1 when the load is even and the router as sure of every expert; its gradient reaches the router through P only (f is a count).": "test_ex18_moe.test_balance_loss",
     "moe.within_capacity | Which of this rank's choices `experts` [tokens, k] are kept: a bool tensor of its shape.": "test_ex18_moe.test_within_capacity",
