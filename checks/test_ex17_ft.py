@@ -210,9 +210,9 @@ def newest_in_world(folder, seed, steps, where):
 
 @pytest.mark.points(3)
 def test_newest(impl_dir):
-    """newest: None in an empty folder; else the checkpoint of the largest step, as a number (12 after 9)."""
+    """newest: None in an empty folder; else the checkpoint of the largest step, as a number (12 after 9), on 2 ranks."""
     seed = seed_from(drawn(18))
-    got = world(newest_in_world, 1, impl_dir, seed, (3, 9, 12), token(), expect={"nothing": bool, "step": int})[0]
+    got = world(newest_in_world, 2, impl_dir, seed, (3, 9, 12), token(), expect={"nothing": bool, "step": int})[0]
     assert got["nothing"], said(
         "newest finds a checkpoint where there is none", "newest of an empty folder is not None"
     )
