@@ -41,6 +41,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from course.faults import kill_flag, until_a_peer_dies
 from course.flags import whole
 from course.launch import launch, launch_options
+from course.runtime.env import external_world
 from mlp import MLP, batches, config_from, gen_dataset, make_parser, split_dataset
 
 
@@ -186,6 +187,14 @@ if __name__ == "__main__":
     )
     parser.set_defaults(niters=40, n_layers=3, dim_in=9, dim_hidden=11, n_classes=3, batch_size=24, learning_rate=0.01)
     args = parser.parse_args()
+    if external_world() is not None:
+        parser.error(
+            "ft.py starts its worlds again itself, as torchrun's elastic agent would: run it as python ft.py, not under"
+            " a launcher (under torchrun --max-restarts, train() resumes from the newest checkpoint at each start)"
+        )
+    if args.device not in (None, "cpu") or args.backend == "nccl":
+        parser.error("ft.py runs on the CPU with gloo: its model is small, and what it shows is in its files")
+    args.device = "cpu"
     kill = args.kill
     if kill is not None:
         kill = type(kill)(kill.rank, kill.step, args.in_save)
