@@ -7,7 +7,7 @@ SETUP := $(PYTHON) -m course setup
 # Workers share the cores: see course/runtime/env.py. Tests run two pytest processes.
 PYTEST := $(PY) -m pytest -n 2
 
-.PHONY: help setup notebooks test grade non-iid bench bench-launch bench-cost bench-zero bench-fsdp bench-tp bench-pp bench-nd bench-ep
+.PHONY: help setup notebooks test grade non-iid bench bench-launch bench-cost bench-zero bench-fsdp bench-tp bench-pp bench-nd bench-ep bench-ft
 
 # The students' part of `make help`; the instructors' repository (with solutions/) adds its own below.
 help::
@@ -24,6 +24,7 @@ help::
 	@echo "make bench-pp      a pipeline's idle fraction against (p - 1)/(m + p - 1), step time of GPipe and 1F1B (exercise 15)"
 	@echo "make bench-nd      step time and bytes per rank of the meshes (4, 1), (2, 2), (1, 4), measured and predicted (exercise 16)"
 	@echo "make bench-ep      an all-to-all, even and uneven, against an all-reduce of the same bytes, measured and predicted (exercise 18)"
+	@echo "make bench-ft      what a restart after a rank's death costs: the new world, the load, the first step, a save (exercise 17)"
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(SETUP)
@@ -71,6 +72,9 @@ bench-nd: $(VENV)/.installed
 
 bench-ep: $(VENV)/.installed
 	$(PY) bench/ep.py
+
+bench-ft: $(VENV)/.installed
+	$(PY) bench/ft.py
 
 # Targets that need solutions/. The students' copy (make release) has none: there `make test` is
 # `make grade`, and the others are not defined.
