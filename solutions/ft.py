@@ -145,10 +145,10 @@ def load(path: str, model: nn.Module, optimizer: ShardedAdam) -> int:
     ### END SOLUTION
 
 
-def torch_checkpoint(folder: str, step: int, optimizer: ShardedAdam, load: bool = False) -> float | None:
+def torch_checkpoint(folder: str, step: int, optimizer: ShardedAdam, restore: bool = False) -> float | None:
     """torch's version (--compare): torch.distributed.checkpoint saves this rank's shard of the parameters and
     of Adam's state as DTensors split as shard_range splits them (Shard(0)), beside the checkpoint of `step`; or,
-    with load, loads them on this world, resharded by torch, and returns how far they are from what load() gave."""
+    with restore, loads them on this world, resharded by torch, and returns how far they are from what load() gave."""
     # Imported here: torch.distributed.checkpoint takes about 1 s to import, which a run without --compare skips.
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -162,7 +162,7 @@ def torch_checkpoint(folder: str, step: int, optimizer: ShardedAdam, load: bool 
         return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(optimizer.n,), stride=(1,))
 
     where = os.path.join(folder, f"dcp{step}")
-    if not load:
+    if not restore:
         dcp.save({key: spread(value) for key, value in ours.items()}, checkpoint_id=where)
         return None
     theirs = {key: spread(torch.empty_like(value)) for key, value in ours.items()}
@@ -181,7 +181,7 @@ def train(config, folder: str, every: int, kill=None, compare: bool = False) -> 
     optimizer = ShardedAdam(model, config.lr)
     path = newest(folder)
     start = load(path, model, optimizer) if path is not None else 0
-    torch_apart = torch_checkpoint(folder, start, optimizer, load=True) if compare and path is not None else None
+    torch_apart = torch_checkpoint(folder, start, optimizer, restore=True) if compare and path is not None else None
     train_set, _ = split_dataset(*gen_dataset(config, rand_state=config.seed))
     rows = config.batch_size // world_size
     losses, first_step_at = {}, None
