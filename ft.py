@@ -22,7 +22,7 @@ no rank writes the whole. Three things make it safe to restart from:
 
 The script runs the world with its planned death, restarts it from the newest checkpoint, and
 prints its loss beside an uninterrupted run's. The model is in float64, so that a run on 2 ranks
-and one on 3 agree to about 1e-15: a difference is a mistake, not rounding. Handout:
+and one on 3 agree to about 1e-16: a difference is a mistake, not rounding. Handout:
 exercises/17_ft.md.
 """
 
@@ -200,7 +200,9 @@ if __name__ == "__main__":
         kill = type(kill)(kill.rank, kill.step, args.in_save)
         if kill.rank >= args.world_size:
             parser.error(f"--kill {kill.rank}@{kill.step}: there are ranks 0 to {args.world_size - 1}")
-        if args.in_save and kill.step % args.every:
+        if kill.step >= args.niters:
+            parser.error(f"--kill {kill.rank}@{kill.step}: the run has steps 0 to {args.niters - 1} (--niters)")
+        if args.in_save and (kill.step % args.every or kill.step == 0):
             parser.error(
                 f"--kill {kill.rank}@{kill.step} --in-save: step {kill.step} saves no checkpoint (--every {args.every})"
             )
@@ -211,6 +213,8 @@ if __name__ == "__main__":
     config = config_from(args)
     folder = args.checkpoints or tempfile.mkdtemp(prefix="ft-")
     os.makedirs(folder, exist_ok=True)
+    if newest(folder) is not None:
+        print(f"{folder} holds checkpoints already: the first world goes on from {newest(folder)}")
     options = launch_options(args)
     deaths = (kill.rank,) if kill else ()
     first = launch(train, args.world_size, config, folder, args.every, kill, args.compare, deaths=deaths, **options)

@@ -22,22 +22,27 @@ from checks.helpers import drawn, forward_from, keyed, load, maybe, tensor, worl
 from course.faults import Kill, until_a_peer_dies
 from course.grading.points import said
 
-WIDTHS = [9, 11, 11, 3]  # 253 parameters: uneven shards on 2, 3 and 4 ranks alike
+WIDTHS = (9, 11, 11, 3)  # 253 parameters: uneven shards on 2, 3 and 4 ranks alike
+TINY = (2, 1, 2)  # 4 parameters: on 3 ranks, shards of 2, 2 and none
 N = sum(a * b for a, b in zip(WIDTHS, WIDTHS[1:]))
 BATCH = 12  # rows: they divide over 1 to 4 ranks
 LR = 0.05
-STATE = {"params": tensor([N]), "lo": int, "hi": int, "shard": tensor(), "exp_avg": tensor(), "exp_avg_sq": tensor()}
-STATE |= {"step": float}
-MISFIT = "the parameters' shard or Adam's state after load is not of the size of the rank's shard"
+STATE = {"params": tensor(), "lo": int, "hi": int, "shard": tensor(), "exp_avg": tensor(), "exp_avg_sq": tensor()}
+STATE |= {"step": float, "state": bool}
+MISFIT = (
+    "the parameters' shard or Adam's state after load is not of the size of the rank's shard, or Adam's state lacks"
+)
+MISFIT += ' one of "step", "exp_avg" and "exp_avg_sq"'
 
 
 class Net(nn.Module):
     """The checks' own model: exercise 1's tanh MLP, in float64."""
 
-    def __init__(self, seed):
+    def __init__(self, seed, widths=WIDTHS):
         super().__init__()
         torch.manual_seed(seed)
-        self.layers = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in zip(WIDTHS, WIDTHS[1:]))
+        self.widths = widths
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in zip(widths, widths[1:]))
         self.double()
 
     def forward(self, x, targets=None):
@@ -45,10 +50,10 @@ class Net(nn.Module):
         return logits, (F.cross_entropy(logits, targets) if targets is not None else None)
 
 
-def batch(seed, step):
+def batch(seed, step, widths=WIDTHS):
     g = torch.Generator().manual_seed(seed * 1000 + step)
-    return torch.randn(BATCH, WIDTHS[0], generator=g, dtype=torch.float64), torch.randint(
-        0, WIDTHS[-1], (BATCH,), generator=g
+    return torch.randn(BATCH, widths[0], generator=g, dtype=torch.float64), torch.randint(
+        0, widths[-1], (BATCH,), generator=g
     )
 
 
@@ -60,7 +65,7 @@ def rows(x):
 
 def train_step(model, optimizer, seed, step):
     """The checks' own data-parallel step: the whole batch's mean gradient on every rank, then the optimizer's."""
-    x, y = batch(seed, step)
+    x, y = batch(seed, step, model.widths)
     model.zero_grad(set_to_none=True)
     (F.cross_entropy(model(rows(x))[0], rows(y), reduction="sum") / BATCH).backward()
     for p in model.parameters():
@@ -77,7 +82,7 @@ def state_of(model, optimizer):
     empty = torch.zeros(0, dtype=torch.float64)
     return {"params": flat(model), "lo": optimizer.lo, "hi": optimizer.hi, "shard": optimizer.shard.detach().clone(),
             "exp_avg": adam.get("exp_avg", empty).clone(), "exp_avg_sq": adam.get("exp_avg_sq", empty).clone(),
-            "step": float(adam.get("step", -1.0))}  # fmt: skip
+            "step": float(adam.get("step", -1.0)), "state": bool(adam)}  # fmt: skip
 
 
 def fits(optimizer, ok=True):
@@ -88,6 +93,7 @@ def fits(optimizer, ok=True):
     adam = optimizer.adam.state.get(optimizer.shard, {})
     ok = (
         ok
+        and (not adam or {"step", "exp_avg", "exp_avg_sq"} <= set(adam))
         and optimizer.shard.numel() == size
         and all(adam[key].numel() == size for key in ("exp_avg", "exp_avg_sq") if key in adam)
     )
@@ -99,7 +105,9 @@ def fits(optimizer, ok=True):
 def files_of(folder):
     """Every file under folder, by its path there, as bytes in a tensor (what a world returns is data)."""
     found = {}
-    for where, _, names in os.walk(folder):
+    for where, folders, names in os.walk(folder):
+        for name in folders:  # an empty one too (a save that a death cut short may leave one): its path and a "/"
+            found[os.path.relpath(os.path.join(where, name), folder) + "/"] = torch.zeros(0, dtype=torch.uint8)
         for name in names:
             with open(os.path.join(where, name), "rb") as f:
                 found[os.path.relpath(os.path.join(where, name), folder)] = torch.frombuffer(
@@ -109,8 +117,10 @@ def files_of(folder):
 
 
 def unpack(files, folder):
-    for path, data in files.items():
+    for path, data in sorted(files.items()):
         os.makedirs(os.path.dirname(os.path.join(folder, path)), exist_ok=True)
+        if path.endswith("/"):
+            continue
         with open(os.path.join(folder, path), "wb") as f:
             f.write(data.numpy().tobytes())
 
@@ -208,7 +218,7 @@ def newest_in_world(folder, seed, steps, where):
     return {"nothing": nothing is None, "step": ft.load(ft.newest(checkpoints), other, ft.ShardedAdam(other, LR))}
 
 
-@pytest.mark.points(3)
+@pytest.mark.points(2)
 def test_newest(impl_dir):
     """newest: None in an empty folder; else the checkpoint of the largest step, as a number (12 after 9), on 2 ranks."""
     seed = seed_from(drawn(18))
@@ -253,7 +263,7 @@ def judge_loaded(loaded, saved, what):
         assert torch.equal(loaded[key], saved[key]), said(
             "the parameters not restored", f"{what}: {name} after load are not those saved"
         )
-    assert loaded["exp_avg"].numel() and loaded["exp_avg_sq"].numel(), said(
+    assert loaded["state"], said(
         "the optimizer state lost", f"{what}: after load, Adam holds no state for the shard (exp_avg, exp_avg_sq)"
     )
     for key in ("exp_avg", "exp_avg_sq"):
@@ -261,6 +271,10 @@ def judge_loaded(loaded, saved, what):
             "the optimizer state lost",
             f"{what}: Adam's {key} after load is not the one saved for this rank's shard [{saved['lo']}, {saved['hi']})",
         )
+    assert loaded["step"] >= 0, said(
+        "Adam's step lost",
+        f'{what}: after load, Adam\'s state for the shard has no "step" (the count its bias correction needs)',
+    )
     assert loaded["step"] == saved["step"], said(
         "Adam's step lost",
         f"{what}: Adam's step after load is {loaded['step']:g}, not {saved['step']:g}: its bias correction"
@@ -268,7 +282,7 @@ def judge_loaded(loaded, saved, what):
     )
 
 
-@pytest.mark.points(5)
+@pytest.mark.points(4)
 def test_round_trip(impl_dir):
     """save then load on the same 2 ranks: every rank's state as saved, load's step, and the next steps as if no stop."""
     seed = seed_from(drawn(19))
@@ -293,10 +307,10 @@ def test_round_trip(impl_dir):
 # --- resharding: saved on W ranks, loaded on W' ------------------------------------------------------------
 
 
-def save_in_world(folder, seed, steps, more, where):
+def save_in_world(folder, seed, steps, more, where, widths):
     ft = load(folder).ft
     checkpoints = shared_folder(where)
-    model = Net(seed)
+    model = Net(seed, widths)
     optimizer = ft.ShardedAdam(model, LR)
     for step in range(steps):
         train_step(model, optimizer, seed, step)
@@ -308,13 +322,13 @@ def save_in_world(folder, seed, steps, more, where):
     return {"saved": saved, "files": files_of(checkpoints) if dist.get_rank() == 0 else {}, "went_on": flat(model)}
 
 
-def load_in_world(folder, seed, steps, more, where, files):
+def load_in_world(folder, seed, steps, more, where, files, widths):
     ft = load(folder).ft
     checkpoints = shared_folder(where)
     if dist.get_rank() == 0:
         unpack(files, checkpoints)
     dist.barrier()
-    model = Net(seed + 1)
+    model = Net(seed + 1, widths)
     optimizer = ft.ShardedAdam(model, LR)
     step = ft.load(ft.newest(checkpoints), model, optimizer)
     loaded = state_of(model, optimizer)
@@ -329,22 +343,30 @@ def whole(saved, key):
     return torch.cat([part[key] for part in sorted(saved, key=lambda part: part["lo"])])
 
 
-@pytest.mark.parametrize("saved_on, loaded_on", [(4, 2), (2, 3), (4, 3)])
+@pytest.mark.parametrize(
+    "saved_on, loaded_on, widths",
+    [(4, 2, WIDTHS), (2, 3, WIDTHS), (4, 3, WIDTHS), (2, 3, TINY)],
+    ids=["4-2", "2-3", "4-3", "2-3-tiny"],
+)
 @pytest.mark.points(2)
-def test_reshard(impl_dir, saved_on, loaded_on):
-    """load on another world size: each rank's new shard of the parameters and of Adam's state, taken from the old shards."""
-    seed = seed_from(drawn(20 + saved_on * 10 + loaded_on))
+def test_reshard(impl_dir, saved_on, loaded_on, widths):
+    """load on another world size: each rank's new shard of the parameters and of Adam's state, taken from the old
+    shards; one shard of the TINY model's 4 parameters on 3 ranks is empty."""
+    seed = seed_from(drawn(20 + saved_on * 10 + loaded_on + len(widths)))
+    n = sum(a * b for a, b in zip(widths, widths[1:]))
     where = token()
-    expect = {"saved": STATE, "files": keyed(tensor(dtype=torch.uint8)), "went_on": tensor([N])}
-    before = world(save_in_world, saved_on, impl_dir, seed, 3, 2, where, expect=expect)
-    got = world(load_in_world, loaded_on, impl_dir, seed, 3, 2, token(), before[0]["files"],
-                expect={"loaded": STATE, "step": int, "went_on": tensor([N])})  # fmt: skip
+    expect = {"saved": STATE, "files": keyed(tensor(dtype=torch.uint8)), "went_on": tensor([n])}
+    before = world(save_in_world, saved_on, impl_dir, seed, 3, 2, where, widths, expect=expect)
+    got = world(load_in_world, loaded_on, impl_dir, seed, 3, 2, token(), before[0]["files"], widths,
+                expect={"loaded": STATE, "step": int, "went_on": tensor([n])})  # fmt: skip
     saved = [result["saved"] for result in before]
     everything = {key: whole(saved, key) for key in ("shard", "exp_avg", "exp_avg_sq")}
     for rank, result in enumerate(got):
         loaded = result["loaded"]
         lo, hi = loaded["lo"], loaded["hi"]
-        what = f"saved on {saved_on} ranks, loaded on {loaded_on}: rank {rank}, whose shard is [{lo}, {hi})"
+        what = (
+            f"{n} parameters saved on {saved_on} ranks, loaded on {loaded_on}: rank {rank}, whose shard is [{lo}, {hi})"
+        )
         assert result["step"] == 3, said(
             "batches skipped or replayed", f"{what}: load returned step {result['step']} for a checkpoint of step 3"
         )
@@ -386,18 +408,19 @@ def restarted_in_world(folder, seed, steps, every, files, where):
     model = Net(seed + 1)
     optimizer = ft.ShardedAdam(model, LR)
     path = ft.newest(checkpoints)
+    found = os.path.relpath(path, checkpoints) if isinstance(path, str) else repr(path)
     start, error = -1, ""
     try:
         start = ft.load(path, model, optimizer) if path is not None else 0
     except Exception as raised:  # noqa: BLE001 - what the judge names: a torn checkpoint loaded
         error = f"{type(raised).__name__}: {raised}"
     if not fits(optimizer, not error):
-        return {"start": start, "error": error or MISFIT, "params": flat(model)}
+        return {"start": start, "error": error or MISFIT, "found": found, "params": flat(model)}
     for step in range(start, steps):
         train_step(model, optimizer, seed, step)
         if (step + 1) % every == 0:
             ft.save(checkpoints, step + 1, model, optimizer)
-    return {"start": start, "error": "", "params": flat(model)}
+    return {"start": start, "error": "", "found": found, "params": flat(model)}
 
 
 def killed_then_restarted(impl_dir, seed, kill, steps, every):
@@ -409,25 +432,38 @@ def killed_then_restarted(impl_dir, seed, kill, steps, every):
         "the planned death did not happen", f"{kill} was planned, and the rank did not die (its result came back)"
     )
     files = next(result["files"] for result in died if result is not None)
-    expect = {"start": int, "error": str, "params": tensor([N])}
+    expect = {"start": int, "error": str, "found": str, "params": tensor([N])}
     return world(restarted_in_world, 2, impl_dir, seed, steps, every, files, token(), expect=expect)
 
 
 def judge_restart(got, seed, kill, steps, start):
-    what = f"{kill} of 3, a checkpoint every 3 steps, restarted on 2 ranks"
+    what = f"{kill}, in a world of 3 ranks with a checkpoint every 3 steps, then a restart on 2 ranks"
     for rank, result in enumerate(got):
+        found = f"rank {rank}'s newest() found {result['found']!r}"
         assert result["error"] != MISFIT, said(
             "the loaded state not of the shard's size", f"{what}: rank {rank}: {MISFIT}"
         )
+        if kill.in_save:
+            assert not result["error"], said(
+                "a load that fails after a death in a save",
+                f"{what}: {found}, and load raised on it: {result['error']}. Either that checkpoint was torn by the death"
+                " (a save must make it visible only once every rank's shard is written), or load fails on whole"
+                " checkpoints too (test_round_trip and test_reshard load whole ones)",
+            )
         assert not result["error"], said(
+            "load fails on a whole checkpoint",
+            f"{what}: {found}, which every rank had finished saving, and load raised on it: {result['error']}",
+        )
+        assert result["start"] <= start, said(
             "a torn checkpoint loaded",
-            f"{what}: rank {rank}'s load failed on the newest checkpoint that newest() found: {result['error']}. A"
-            " checkpoint must become visible only once every rank's shard is written",
+            f"{what}: {found} and went on from step {result['start']}, where the newest whole checkpoint is step"
+            f" {start}'s: a save that the death cut short became visible, or newest() took a folder that is not a"
+            " whole checkpoint",
         )
         assert result["start"] == start, said(
-            "a torn checkpoint loaded" if result["start"] > start else "batches skipped or replayed",
-            f"{what}: training went on from step {result['start']}, where the newest whole checkpoint is step"
-            f" {start}'s" + (": a save that a death tore became visible" if result["start"] > start else ""),
+            "not the newest whole checkpoint",
+            f"{what}: {found} and went on from step {result['start']}, where the newest whole checkpoint is step"
+            f" {start}'s: the steps between were done again",
         )
         apart = (result["params"] - uninterrupted(seed, steps)).abs().max().item()
         assert apart < 1e-9, said(

@@ -29,7 +29,7 @@ MUTANTS = {
         'aside = os.path.join(folder, f".step{step}.partial")',
         'aside = os.path.join(folder, f"step{step}")',
         checks.test_killed_in_a_save,
-        "A checkpoint must become visible only once every rank's shard is written",
+        "a save must make it visible only once every rank's shard is written",
     ),
     "newest by the name's order, not the step's": (
         "ft.py",
@@ -64,7 +64,7 @@ MUTANTS = {
         "ft.py",
         '    optimizer.adam.state[optimizer.shard] |= {key: mine(key) for key in ("exp_avg", "exp_avg_sq")}',
         '    optimizer.adam.state[optimizer.shard] |= {key: shards[dist.get_rank()][key] for key in ("exp_avg", "exp_avg_sq")}',
-        lambda folder: checks.test_reshard(folder, 4, 2),
+        lambda folder: checks.test_reshard(folder, 4, 2, checks.WIDTHS),
         "is not the one saved for this rank's shard",
     ),
     "load returns the step before the checkpoint's: a batch replayed": (
@@ -80,6 +80,28 @@ MUTANTS = {
         "    os.makedirs(aside)",
         checks.test_killed_in_a_save,
         "FileExistsError",
+    ),
+    "the aside folder made by rank 0 alone, failing where a torn save left it": (
+        "ft.py",
+        "    os.makedirs(aside, exist_ok=True)  # a save torn by a death may have left it\n",
+        "    if rank == 0:\n        os.makedirs(aside)\n    dist.barrier()\n",
+        checks.test_killed_in_a_save,
+        "FileExistsError",
+    ),
+    "Adam's state loaded without its step": (
+        "ft.py",
+        '    optimizer.adam.state[optimizer.shard] = {"step": shards[0]["step"].clone()}\n',
+        "    optimizer.adam.state[optimizer.shard] = {}\n",
+        checks.test_round_trip,
+        'has no "step"',
+    ),
+    "an empty new shard made of no pieces": (
+        "ft.py",
+        '        return torch.cat([s[key][max(lo, s["lo"]) - s["lo"] : max(0, min(hi, s["hi"]) - s["lo"])] for s in shards])',
+        '        return torch.cat([s[key][max(lo, s["lo"]) - s["lo"] : min(hi, s["hi"]) - s["lo"]] for s in shards'
+        ' if min(hi, s["hi"]) > max(lo, s["lo"])])',
+        lambda folder: checks.test_reshard(folder, 2, 3, checks.TINY),
+        "non-empty",
     ),
 }
 
