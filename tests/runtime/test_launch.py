@@ -1109,10 +1109,10 @@ def test_a_planned_death_is_no_failure(fresh):
         assert run(survives_a_death, 3, 9, False, **options) == [[4, False]] * 3
 
 
-@pytest.mark.parametrize("planned", [(2,), ()])
+@pytest.mark.parametrize("planned", [(1,), ()])
 def test_a_survivors_own_failure_or_an_unplanned_death_still_fails(planned):
-    """A planned death hides no other failure: a survivor's own exception is named, and so is a SIGKILL of a rank
-    the call did not plan to lose."""
+    """A planned death hides no other failure: a survivor's own exception is named (rank 1's death planned, rank 0
+    fails after it), and so is a SIGKILL of a rank the call did not plan to lose (rank 1's, with none planned)."""
     with pytest.raises(WorldFailed) as failed:
         run(survives_a_death, 3, 1, bool(planned), deaths=planned)
     sentence = failed.value.failure.sentence()
