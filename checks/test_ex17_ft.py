@@ -132,6 +132,19 @@ def shared_folder(token):
     return folder
 
 
+def begin(folder, where, seed, widths=WIDTHS, files=None):
+    """A probe's start: the student file's ft; the world's checkpoint folder of `where`, with files carried from
+    another world unpacked by rank 0 before any rank reads it; the checks' model of seed and its ShardedAdam."""
+    ft = load(folder).ft
+    checkpoints = shared_folder(where)
+    if files is not None:
+        if dist.get_rank() == 0:
+            unpack(files, checkpoints)
+        dist.barrier()
+    model = Net(seed, widths)
+    return ft, checkpoints, model, ft.ShardedAdam(model, LR)
+
+
 def seed_from(g, low=0, high=10**6):
     return int(torch.randint(low, high, (1,), generator=g))
 
@@ -205,11 +218,8 @@ def test_backward(impl_dir, world_size):
 
 
 def newest_in_world(folder, seed, steps, where):
-    ft = load(folder).ft
-    checkpoints = shared_folder(where)
+    ft, checkpoints, model, optimizer = begin(folder, where, seed)
     nothing = ft.newest(checkpoints)
-    model = Net(seed)
-    optimizer = ft.ShardedAdam(model, LR)
     for step in range(max(steps)):
         train_step(model, optimizer, seed, step)
         if step + 1 in steps:
@@ -237,10 +247,7 @@ def test_newest(impl_dir):
 
 
 def round_trip_in_world(folder, seed, steps, more, where):
-    ft = load(folder).ft
-    checkpoints = shared_folder(where)
-    model = Net(seed)
-    optimizer = ft.ShardedAdam(model, LR)
+    ft, checkpoints, model, optimizer = begin(folder, where, seed)
     for step in range(steps):
         train_step(model, optimizer, seed, step)
     ft.save(checkpoints, steps, model, optimizer)
@@ -308,10 +315,7 @@ def test_round_trip(impl_dir):
 
 
 def save_in_world(folder, seed, steps, more, where, widths):
-    ft = load(folder).ft
-    checkpoints = shared_folder(where)
-    model = Net(seed, widths)
-    optimizer = ft.ShardedAdam(model, LR)
+    ft, checkpoints, model, optimizer = begin(folder, where, seed, widths)
     for step in range(steps):
         train_step(model, optimizer, seed, step)
     ft.save(checkpoints, steps, model, optimizer)
@@ -323,13 +327,7 @@ def save_in_world(folder, seed, steps, more, where, widths):
 
 
 def load_in_world(folder, seed, steps, more, where, files, widths):
-    ft = load(folder).ft
-    checkpoints = shared_folder(where)
-    if dist.get_rank() == 0:
-        unpack(files, checkpoints)
-    dist.barrier()
-    model = Net(seed + 1, widths)
-    optimizer = ft.ShardedAdam(model, LR)
+    ft, checkpoints, model, optimizer = begin(folder, where, seed + 1, widths, files)
     step = ft.load(ft.newest(checkpoints), model, optimizer)
     loaded = state_of(model, optimizer)
     if fits(optimizer):
@@ -385,10 +383,7 @@ def test_reshard(impl_dir, saved_on, loaded_on, widths):
 
 
 def killed_in_world(folder, seed, steps, every, kill, where):
-    ft = load(folder).ft
-    checkpoints = shared_folder(where)
-    model = Net(seed)
-    optimizer = ft.ShardedAdam(model, LR)
+    ft, checkpoints, model, optimizer = begin(folder, where, seed)
     with until_a_peer_dies() as lost:
         for step in range(steps):
             kill.now(step)
@@ -400,13 +395,7 @@ def killed_in_world(folder, seed, steps, every, kill, where):
 
 
 def restarted_in_world(folder, seed, steps, every, files, where):
-    ft = load(folder).ft
-    checkpoints = shared_folder(where)
-    if dist.get_rank() == 0:
-        unpack(files, checkpoints)
-    dist.barrier()
-    model = Net(seed + 1)
-    optimizer = ft.ShardedAdam(model, LR)
+    ft, checkpoints, model, optimizer = begin(folder, where, seed + 1, files=files)
     path = ft.newest(checkpoints)
     found = os.path.relpath(path, checkpoints) if isinstance(path, str) else repr(path)
     start, error = -1, ""

@@ -251,8 +251,9 @@ if __name__ == "__main__":
     config = config_from(args)
     folder = args.checkpoints or tempfile.mkdtemp(prefix="ft-")
     os.makedirs(folder, exist_ok=True)
-    if newest(folder) is not None:
-        print(f"{folder} holds checkpoints already: the first world goes on from {newest(folder)}")
+    earlier = newest(folder)
+    if earlier is not None:
+        print(f"{folder} holds checkpoints already: the first world goes on from {earlier}")
     options = launch_options(args)
     deaths = (kill.rank,) if kill else ()
     first = launch(train, args.world_size, config, folder, args.every, kill, args.compare, deaths=deaths, **options)
